@@ -1,0 +1,48 @@
+"""Wire protocol between the supervisor and its runtime workers.
+
+Transport: one ZeroMQ ROUTER socket in the supervisor (bound to an ipc path in
+a private 0700 directory), one DEALER socket per worker whose routing identity
+is the replica id. Every message is ONE frame holding one msgpack map:
+
+    DEALER (worker) --[ msgpack map ]--> ROUTER (supervisor)
+                                          sees [ identity | msgpack map ]
+
+    map = { "v": PROTOCOL_VERSION, "t": <type>, ...fields of that type }
+
+    worker -> supervisor                    supervisor -> worker
+    ------------------------------------    -----------------------------------
+    hello   pid, backend                    submit    job, request{messages,...}
+    ready   capacity, info{}                cancel    job
+    delta   job, text                       heartbeat
+    done    job, finish_reason, usage{}     shutdown
+    error   job|None, code, message
+    heartbeat inflight
+
+  hello is sent on connect (before the runtime loads); ready follows once the
+  runtime can take jobs, carrying its honest capacity; a load failure is an
+  `error` with job None. Every submitted job ends with exactly one `done` or
+  `error`, also when it was cancelled (finish_reason "cancelled").
+
+Frames above MAX_FRAME_BYTES are refused. `decode` never raises: any malformed
+frame comes back as a `ProtocolError` value naming what was wrong.
+"""
+
+from protocol.codec import MAX_FRAME_BYTES, PROTOCOL_VERSION, ProtocolError, decode, encode
+from protocol.messages import (
+    Cancel,
+    Delta,
+    Done,
+    Error,
+    Heartbeat,
+    Hello,
+    Message,
+    Ready,
+    Shutdown,
+    Submit,
+)
+
+__all__ = [
+    "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "ProtocolError", "decode", "encode",
+    "Cancel", "Delta", "Done", "Error", "Heartbeat", "Hello", "Message", "Ready",
+    "Shutdown", "Submit",
+]

@@ -1,0 +1,65 @@
+"""msgpack codec with a frame cap and a decoder that never raises."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import msgpack
+
+from protocol.messages import FIELD_TYPES, MESSAGE_TYPES, Message
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ProtocolError:
+    """A frame that could not be decoded. `job` is set when the frame named one,
+    so the supervisor can fail that job instead of leaving it waiting."""
+
+    reason: str
+    job: str | None = None
+
+
+def encode(msg: Message) -> bytes:
+    payload = {"v": PROTOCOL_VERSION, "t": msg.TYPE}
+    for f in dataclasses.fields(msg):
+        payload[f.name] = getattr(msg, f.name)
+    return msgpack.packb(payload, use_bin_type=True)
+
+
+def decode(frame: bytes) -> Message | ProtocolError:
+    if len(frame) > MAX_FRAME_BYTES:
+        return ProtocolError(f"frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES} byte cap")
+    try:
+        data = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        return ProtocolError(f"undecodable msgpack: {type(exc).__name__}: {exc}")
+    if not isinstance(data, dict):
+        return ProtocolError(f"frame is a {type(data).__name__}, not a map")
+    job = data.get("job") if isinstance(data.get("job"), str) else None
+    if data.get("v") != PROTOCOL_VERSION:
+        return ProtocolError(f"protocol version {data.get('v')!r}, expected {PROTOCOL_VERSION}", job)
+    cls = MESSAGE_TYPES.get(data.get("t")) if isinstance(data.get("t"), str) else None
+    if cls is None:
+        return ProtocolError(f"unknown message type {data.get('t')!r}", job)
+    kwargs = {}
+    for name, expected in FIELD_TYPES[cls].items():
+        if name not in data:
+            if _has_default(cls, name):
+                continue
+            return ProtocolError(f"{cls.TYPE}: missing field {name!r}", job)
+        value = data[name]
+        # bool is an int subclass; a bool where a count is expected is still wrong
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            return ProtocolError(f"{cls.TYPE}: field {name!r} has type {type(value).__name__}", job)
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _has_default(cls: type, name: str) -> bool:
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+    return False

@@ -1,0 +1,80 @@
+"""The one error tree of the project and its HTTP status table.
+
+Workers send `ErrorCode` values in `error` messages; the supervisor raises
+`PoolError`s; the API layer turns them into the OpenAI error envelope with
+`HTTP_STATUS[code]`.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum, StrEnum
+
+
+class ErrorCode(StrEnum):
+    INVALID_REQUEST = "invalid_request"
+    UNAUTHORIZED = "unauthorized"
+    MODEL_NOT_FOUND = "model_not_found"
+    MODEL_NOT_LOADED = "model_not_loaded"
+    QUEUE_FULL = "queue_full"
+    MODEL_UNLOADING = "model_unloading"
+    RUNTIME_CRASHED = "runtime_crashed"
+    RUNTIME_TIMEOUT = "runtime_timeout"
+    RUNTIME_ERROR = "runtime_error"  # the runtime answered with an error of its own
+    UPSTREAM_RATE_LIMITED = "upstream_rate_limited"
+    LOAD_FAILED = "load_failed"
+    PROTOCOL_ERROR = "protocol_error"
+
+
+HTTP_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.MODEL_NOT_FOUND: 404,
+    ErrorCode.MODEL_NOT_LOADED: 409,
+    ErrorCode.QUEUE_FULL: 429,
+    ErrorCode.UPSTREAM_RATE_LIMITED: 429,
+    ErrorCode.MODEL_UNLOADING: 503,
+    ErrorCode.LOAD_FAILED: 503,
+    ErrorCode.RUNTIME_CRASHED: 502,
+    ErrorCode.RUNTIME_ERROR: 502,
+    ErrorCode.PROTOCOL_ERROR: 502,
+    ErrorCode.RUNTIME_TIMEOUT: 504,
+}
+
+# OpenAI "type" field of the envelope, by status class.
+ERROR_TYPE: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    409: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+class PoolError(Exception):
+    def __init__(self, code: ErrorCode, message: str, *, param: str | None = None,
+                 retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.code = ErrorCode(code)
+        self.message = message
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+    @property
+    def status(self) -> int:
+        return HTTP_STATUS[self.code]
+
+    def envelope(self) -> dict:
+        return {"error": {
+            "message": self.message,
+            "type": ERROR_TYPE.get(self.status, "server_error"),
+            "param": self.param,
+            "code": self.code.value,
+        }}
+
+
+class WorkerExit(IntEnum):
+    """Exit codes of `python -m runtime_worker`."""
+    OK = 0
+    CRASH = 1
+    BOOT_FAILURE = 3  # the runtime could not load: retrying will not help
+    SUPERVISOR_GONE = 4

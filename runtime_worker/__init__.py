@@ -1,0 +1,1 @@
+"""The runtime worker subprocess: one process per replica, one runtime each."""

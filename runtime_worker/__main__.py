@@ -1,0 +1,181 @@
+"""`python -m runtime_worker`: connect to the supervisor, load the runtime,
+run jobs, heartbeat; exit when told to, or when the supervisor is gone."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+import zmq
+import zmq.asyncio
+
+import protocol as p
+from protocol.errors import ErrorCode, WorkerExit
+from runtime_worker.backends import backend_class
+from runtime_worker.backends.base import Backend, BackendLoadError, Finished, JobError, TextDelta
+from runtime_worker.lifeline import die_with_parent
+
+log = logging.getLogger("runtime_worker")
+
+
+class Worker:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, args.replica.encode())
+        self.sock.setsockopt(zmq.LINGER, 500)
+        self.sock.connect(args.endpoint)
+        self.backend: Backend = backend_class(args.backend)(
+            json.loads(args.options), args.target_inflight, log)
+        self.capacity = 0
+        self.jobs: dict[str, asyncio.Task] = {}
+        self.last_heard = time.monotonic()
+        self.stopping = asyncio.Event()
+        self.exit_code = WorkerExit.OK
+
+    async def send(self, msg: p.Message) -> None:
+        await self.sock.send(p.encode(msg))
+
+    async def run(self) -> int:
+        await self.send(p.Hello(pid=os.getpid(), backend=self.args.backend))
+        tasks = [asyncio.create_task(self.recv_loop()), asyncio.create_task(self.heartbeat_loop()),
+                 asyncio.create_task(self.load())]
+        await self.stopping.wait()
+        for job in list(self.jobs.values()):
+            job.cancel()
+        await asyncio.gather(*self.jobs.values(), return_exceptions=True)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            await asyncio.wait_for(self.backend.stop(), timeout=self.args.stop_timeout_s)
+        except Exception:
+            log.exception("backend stop failed")
+        self.sock.close()
+        self.ctx.term()
+        return int(self.exit_code)
+
+    def stop(self, code: WorkerExit) -> None:
+        if not self.stopping.is_set():
+            self.exit_code = code
+            self.stopping.set()
+
+    async def load(self) -> None:
+        started = time.monotonic()
+        try:
+            capacity, info = await self.backend.start()
+        except BackendLoadError as exc:
+            log.error("runtime failed to load: %s", exc)
+            await self.send(p.Error(job=None, code=ErrorCode.LOAD_FAILED, message=str(exc)))
+            self.stop(WorkerExit.BOOT_FAILURE)
+            return
+        except Exception as exc:
+            log.exception("runtime crashed while loading")
+            await self.send(p.Error(job=None, code=ErrorCode.LOAD_FAILED,
+                                    message=f"{type(exc).__name__}: {exc}"))
+            self.stop(WorkerExit.BOOT_FAILURE)
+            return
+        self.capacity = capacity
+        log.info("runtime ready in %.2fs, capacity %d", time.monotonic() - started, capacity)
+        await self.send(p.Ready(capacity=capacity, info=info))
+
+    async def recv_loop(self) -> None:
+        while True:
+            msg = p.decode(await self.sock.recv())
+            self.last_heard = time.monotonic()
+            match msg:
+                case p.Submit(job=job, request=request):
+                    if len(self.jobs) >= self.capacity:
+                        await self.send(p.Error(job=job, code=ErrorCode.RUNTIME_ERROR,
+                                                message="worker is at capacity"))
+                    else:
+                        self.jobs[job] = asyncio.create_task(self.run_job(job, request))
+                case p.Cancel(job=job):
+                    if task := self.jobs.get(job):
+                        task.cancel()
+                case p.Shutdown():
+                    self.stop(WorkerExit.OK)
+                case p.Heartbeat():
+                    pass
+                case p.ProtocolError(reason=reason):
+                    log.error("bad frame from supervisor: %s", reason)
+                case _:
+                    log.error("unexpected message from supervisor: %r", msg)
+
+    async def run_job(self, job: str, request: dict) -> None:
+        try:
+            async for event in self.backend.run(request):
+                if isinstance(event, TextDelta):
+                    if event.text:
+                        await self.send(p.Delta(job=job, text=event.text))
+                elif isinstance(event, Finished):
+                    await self.send(p.Done(job=job, finish_reason=event.finish_reason, usage={
+                        "input_tokens": event.input_tokens, "output_tokens": event.output_tokens}))
+                    return
+            raise JobError(ErrorCode.RUNTIME_ERROR, "runtime ended the job without finishing it")
+        except asyncio.CancelledError:
+            if not self.stopping.is_set():
+                await self.send(p.Done(job=job, finish_reason="cancelled", usage={}))
+        except JobError as exc:
+            await self.send(p.Error(job=job, code=exc.code, message=exc.message))
+        except Exception as exc:
+            log.exception("job %s failed", job)
+            await self.send(p.Error(job=job, code=ErrorCode.RUNTIME_ERROR,
+                                    message=f"{type(exc).__name__}: {exc}"))
+        finally:
+            self.jobs.pop(job, None)
+
+    async def heartbeat_loop(self) -> None:
+        parent = self.args.parent_pid
+        while True:
+            await asyncio.sleep(self.args.heartbeat_s)
+            if os.getppid() != parent:
+                log.error("supervisor (pid %d) is gone; exiting", parent)
+                self.stop(WorkerExit.SUPERVISOR_GONE)
+                return
+            if time.monotonic() - self.last_heard > self.args.liveness_s:
+                log.error("no word from the supervisor for %.1fs; exiting", self.args.liveness_s)
+                self.stop(WorkerExit.SUPERVISOR_GONE)
+                return
+            await self.send(p.Heartbeat(inflight=len(self.jobs)))
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="runtime_worker")
+    ap.add_argument("--endpoint", required=True, help="supervisor ROUTER endpoint (ipc://...)")
+    ap.add_argument("--replica", required=True, help="routing identity, e.g. model/0")
+    ap.add_argument("--backend", required=True)
+    ap.add_argument("--options", default="{}", help="backend options as JSON")
+    ap.add_argument("--target-inflight", type=int, default=1)
+    ap.add_argument("--parent-pid", type=int, default=os.getppid())
+    ap.add_argument("--heartbeat-s", type=float, default=1.0)
+    ap.add_argument("--liveness-s", type=float, default=10.0)
+    ap.add_argument("--stop-timeout-s", type=float, default=10.0)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    die_with_parent()
+    if os.getppid() != args.parent_pid:  # the parent died before prctl took hold
+        return int(WorkerExit.SUPERVISOR_GONE)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s {args.replica} %(levelname)s %(message)s")
+    async def go() -> int:
+        worker = Worker(args)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, worker.stop, WorkerExit.OK)
+        return await worker.run()
+
+    return asyncio.run(go())
+
+if __name__ == "__main__":
+    sys.exit(main())

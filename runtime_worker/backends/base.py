@@ -1,0 +1,70 @@
+"""The backend interface every runtime implements.
+
+A backend owns exactly one runtime (a native server child, an in-process
+model, or a remote endpoint). The worker calls, in order:
+
+    capacity, info = await backend.start()     # load; raise BackendLoadError
+    async for event in backend.run(request):   # one call per job, many at once
+        ...                                    # TextDelta ... then one Finished
+    await backend.stop()
+
+Cancel: the worker cancels the task consuming `run()`, which raises
+CancelledError inside the generator; a backend releases the job's runtime
+resources (closes its HTTP stream, cancels the generator job) in `finally`.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    finish_reason: str  # "stop" | "length"
+    input_tokens: int
+    output_tokens: int
+
+
+Event = TextDelta | Finished
+
+
+class BackendLoadError(Exception):
+    """The runtime could not start; the message is shown to the operator as is."""
+
+
+class JobError(Exception):
+    """One job failed inside the runtime; `code` is a protocol ErrorCode value."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class Backend(abc.ABC):
+    name: str = "?"
+
+    def __init__(self, options: dict, target_inflight: int, log: logging.Logger) -> None:
+        self.options = options
+        self.target_inflight = target_inflight
+        self.log = log
+
+    @abc.abstractmethod
+    async def start(self) -> tuple[int, dict]:
+        """Load the runtime. Returns (honest capacity, info for the operator)."""
+
+    @abc.abstractmethod
+    def run(self, request: dict) -> AsyncIterator[Event]:
+        """Run one job: stream TextDelta events, end with exactly one Finished."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Release the runtime. Must return within a few seconds."""

@@ -1,0 +1,53 @@
+"""Deterministic generator for scheduler tests and benchmarks.
+
+Options: tokens_per_second (0 = as fast as possible), ttft_ms, capacity,
+output_tokens (length of a full answer). The text is a fixed function of the
+last message, so tests can compare runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from collections.abc import AsyncIterator
+
+from runtime_worker.backends.base import Backend, Event, Finished, TextDelta
+
+WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel",
+         "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa")
+
+
+def synthetic_tokens(prompt: str, count: int) -> list[str]:
+    seed = zlib.crc32(prompt.encode())
+    return [" " + WORDS[(seed + 7 * i) % len(WORDS)] for i in range(count)]
+
+
+class SyntheticBackend(Backend):
+    name = "synthetic"
+
+    async def start(self) -> tuple[int, dict]:
+        load_ms = float(self.options.get("load_ms", 0))
+        if load_ms:
+            await asyncio.sleep(load_ms / 1000)
+        return int(self.options.get("capacity", 1)), {}
+
+    async def run(self, request: dict) -> AsyncIterator[Event]:
+        messages = request.get("messages") or []
+        prompt = str(messages[-1].get("content", "")) if messages else ""
+        full = int(self.options.get("output_tokens", 16))
+        limit = request.get("max_tokens")
+        count = full if limit is None else min(full, int(limit))
+        tps = float(self.options.get("tokens_per_second", 0))
+        loop = asyncio.get_running_loop()
+        start = loop.time() + float(self.options.get("ttft_ms", 0)) / 1000
+        for i, token in enumerate(synthetic_tokens(prompt, count)):
+            # absolute schedule: no drift however late a wake-up is
+            delay = start + (i / tps if tps else 0) - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            yield TextDelta(token)
+        input_tokens = sum(len(str(m.get("content", "")).split()) for m in messages)
+        yield Finished("length" if count < full else "stop", input_tokens, count)
+
+    async def stop(self) -> None:
+        return None

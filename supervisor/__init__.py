@@ -1,0 +1,1 @@
+"""The llm-pool supervisor: config, engine, executors, replicas, HTTP API, CLI."""

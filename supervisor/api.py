@@ -1,0 +1,251 @@
+"""HTTP API: OpenAI-compatible inference, health, and the admin surface.
+
+This layer only translates: request bodies to job requests, job events to
+Responses / Chat Completions JSON and SSE, PoolErrors to the error envelope.
+Queueing and scheduling live in the engine and its executors."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from protocol import Delta, Done
+from protocol.errors import ErrorCode, PoolError
+from supervisor import openai_shapes as shapes
+from supervisor.config import PoolConfig
+from supervisor.engine import ModelRouterEngine
+from supervisor.jobs import Job
+from supervisor.observe import worker_views
+
+log = logging.getLogger("llm_pool.api")
+SSE_PING_S = 15
+
+
+def _error_response(err: PoolError) -> JSONResponse:
+    headers = {}
+    if err.retry_after_s is not None:
+        headers["Retry-After"] = str(int(err.retry_after_s))
+    if err.code in (ErrorCode.LOAD_FAILED, ErrorCode.INVALID_REQUEST):
+        headers["x-should-retry"] = "false"
+    return JSONResponse(err.envelope(), status_code=err.status, headers=headers)
+
+
+class BodySizeLimit:
+    """Refuse request bodies over `limit` bytes with 413, before reading them all."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
+                resp = JSONResponse({"error": {"message": f"request body over {self.limit} bytes",
+                                               "type": "invalid_request_error", "param": None,
+                                               "code": "request_too_large"}}, status_code=413)
+                return await resp(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise PoolError(ErrorCode.INVALID_REQUEST, f"request body over {self.limit} bytes")
+            return message
+
+        return await self.app(scope, limited_receive, send)
+
+
+def create_app(config: PoolConfig) -> FastAPI:
+    engine = ModelRouterEngine(config)
+    api_key = config.server.api_key or os.environ.get("LLM_POOL_API_KEY")
+    admin_key = config.server.admin_key or os.environ.get("LLM_POOL_ADMIN_KEY")
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await engine.start()
+        yield
+        await engine.shutdown(config.server.shutdown_grace_s)
+
+    app = FastAPI(title="llm-pool", version="0.1.0", lifespan=lifespan)
+    app.state.engine = engine
+    app.add_middleware(BodySizeLimit, limit=config.server.max_body_bytes)
+
+    # -- errors -------------------------------------------------------------------------------
+    @app.exception_handler(PoolError)
+    async def _pool_error(request: Request, exc: PoolError):
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        return _error_response(PoolError(ErrorCode.INVALID_REQUEST,
+                                         f"{param or 'body'}: {err.get('msg')}", param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return JSONResponse({"error": {"message": str(exc.detail), "type": "invalid_request_error",
+                                       "param": None, "code": None}}, status_code=exc.status_code)
+
+    # -- keys ------------------------------------------------------------------------------------
+    def _check(request: Request, *keys: str | None) -> None:
+        wanted = [k for k in keys if k]
+        if not wanted:
+            return
+        header = request.headers.get("authorization", "")
+        given = header[7:] if header.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+        if not any(hmac.compare_digest(given.encode(), k.encode()) for k in wanted):
+            raise PoolError(ErrorCode.UNAUTHORIZED, "missing or wrong API key")
+
+    def inference_auth(request: Request) -> None:
+        if api_key:  # the admin key also opens inference; an inference key never opens admin
+            _check(request, api_key, admin_key)
+
+    def admin_auth(request: Request) -> None:
+        _check(request, admin_key)
+
+    # -- running a job for a client ------------------------------------------------------------------
+    async def collect(job: Job) -> tuple[str, Done]:
+        parts = []
+        async for event in job.stream(engine.cancel):
+            if isinstance(event, Delta):
+                parts.append(event.text)
+            else:
+                return "".join(parts), event
+        raise PoolError(ErrorCode.RUNTIME_ERROR, "job ended without a result")
+
+    async def until_done_or_disconnect(request: Request, job: Job) -> tuple[str, Done] | None:
+        """Wait for the job; if the client goes away first, cancel it and return None."""
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        work = asyncio.create_task(collect(job))
+        watch = asyncio.create_task(disconnected())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+                engine.cancel(job)
+        if work.cancelled():
+            return None
+        return work.result()
+
+    # -- inference ----------------------------------------------------------------------------
+    @app.post("/v1/responses", dependencies=[Depends(inference_auth)])
+    async def create_response(body: shapes.ResponsesRequest, request: Request):
+        job = engine.submit(body.model, shapes.job_request_from_responses(body))
+        if body.stream:
+            return EventSourceResponse(_responses_events(job, body), ping=SSE_PING_S, sep="\n")
+        result = await until_done_or_disconnect(request, job)
+        if result is None:
+            return Response(status_code=499)
+        text, done = result
+        status = shapes.response_status(done.finish_reason)
+        item = shapes.message_item(shapes.new_id("msg"), text, "completed" if status == "completed" else "incomplete")
+        return shapes.response_object(body, shapes.new_id("resp"), int(time.time()), status=status,
+                                      output=[item], usage=done.usage)
+
+    async def _responses_events(job: Job, body: shapes.ResponsesRequest):
+        stream = shapes.ResponsesStream(body)
+        try:
+            for event in stream.opening():
+                yield event
+            async for event in job.stream(engine.cancel):
+                if isinstance(event, Delta):
+                    yield stream.delta(event.text)
+                else:
+                    for closing in stream.closing(event.finish_reason, event.usage):
+                        yield closing
+        except PoolError as err:
+            yield stream.failed(err)
+        finally:
+            engine.cancel(job)  # no-op when finished; frees the slot when the client left
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(inference_auth)])
+    async def chat_completions(body: shapes.ChatRequest, request: Request):
+        job = engine.submit(body.model, shapes.job_request_from_chat(body))
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return EventSourceResponse(_chat_events(job, body.model, include_usage), ping=SSE_PING_S, sep="\n")
+        result = await until_done_or_disconnect(request, job)
+        if result is None:
+            return Response(status_code=499)
+        text, done = result
+        return shapes.chat_completion(body.model, text, done.finish_reason, done.usage)
+
+    async def _chat_events(job: Job, model: str, include_usage: bool):
+        stream = shapes.ChatStream(model, include_usage)
+        try:
+            yield stream.opening()
+            async for event in job.stream(engine.cancel):
+                if isinstance(event, Delta):
+                    yield stream.delta(event.text)
+                else:
+                    for closing in stream.closing(event.finish_reason, event.usage):
+                        yield closing
+        except PoolError as err:
+            for event in stream.failed(err):
+                yield event
+        finally:
+            engine.cancel(job)
+
+    @app.get("/v1/models", dependencies=[Depends(inference_auth)])
+    async def list_models():
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "llm-pool",
+             "state": entry.state.value} for name, entry in engine.models.items()]}
+
+    # -- health --------------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if engine.ready():
+            return {"status": "ready"}
+        waiting = [n for n, e in engine.models.items() if e.cfg.load_on_start and e.state.value != "loaded"]
+        return JSONResponse({"status": "not_ready", "waiting_for": waiting}, status_code=503)
+
+    # -- admin ----------------------------------------------------------------------------------------
+    @app.get("/admin/models", dependencies=[Depends(admin_auth)])
+    async def admin_models():
+        return {"models": [engine.model_view(e) for e in engine.models.values()]}
+
+    @app.post("/admin/models/{name}/load", dependencies=[Depends(admin_auth)])
+    async def admin_load(name: str):
+        return engine.model_view(await engine.load(name))
+
+    @app.post("/admin/models/{name}/unload", dependencies=[Depends(admin_auth)])
+    async def admin_unload(name: str):
+        return engine.model_view(await engine.unload(name))
+
+    @app.post("/admin/models/{name}/restart", dependencies=[Depends(admin_auth)])
+    async def admin_restart(name: str, replica: int | None = None):
+        return engine.model_view(await engine.restart(name, replica))
+
+    @app.get("/admin/workers", dependencies=[Depends(admin_auth)])
+    async def admin_workers():
+        replicas = [r for e in engine.models.values() if e.executor for r in e.executor.replicas]
+        return {"workers": worker_views(replicas)}
+
+    return app

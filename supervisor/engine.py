@@ -1,0 +1,216 @@
+"""ModelRouterEngine: the registry of public models, their states, load and
+unload, and the entry point for jobs. It owns the transport, one executor per
+loaded model, and the heartbeat loop over all replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from protocol.errors import ErrorCode, PoolError
+from supervisor.config import ModelConfig, PoolConfig
+from supervisor.jobs import Job
+from supervisor.process import sweep_stale_workers
+from supervisor.replica import LoadFailed, Replica
+from supervisor.scheduler import Executor
+from supervisor.states import MODEL_TRANSITIONS, ModelState, ReplicaState, transition
+from supervisor.transport import Transport
+
+log = logging.getLogger("llm_pool.engine")
+
+
+def default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "llm-pool"
+
+
+@dataclass
+class ModelEntry:
+    cfg: ModelConfig
+    state: ModelState = ModelState.UNLOADED
+    executor: Executor | None = None
+    error: str | None = None
+    load_started: float | None = None
+    load_seconds: float | None = None
+    busy: asyncio.Lock | None = None  # one load/unload/restart at a time
+
+    def set_state(self, new: ModelState) -> None:
+        self.state = transition(MODEL_TRANSITIONS, self.state, new)
+
+
+class ModelRouterEngine:
+    def __init__(self, config: PoolConfig) -> None:
+        self.config = config
+        self.models = {m.name: ModelEntry(m, busy=asyncio.Lock()) for m in config.models}
+        self.transport: Transport | None = None
+        self.log_dir = Path(config.server.state_dir or default_state_dir()) / "logs"
+        self.shutting_down = False
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- process-wide lifecycle ----------------------------------------------------------
+    async def start(self) -> None:
+        swept = sweep_stale_workers()
+        if swept:
+            log.warning("swept %d stale worker(s) of a dead supervisor", len(swept))
+        self.transport = Transport()
+        self.transport.start()
+        self._spawn(self._heartbeat_loop())
+        for entry in self.models.values():
+            if entry.cfg.load_on_start:
+                self._spawn(self._load_quietly(entry.cfg.name))
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Stop accepting everywhere, let submitted work finish within `grace_s`,
+        then stop every worker. Leaves no process behind."""
+        self.shutting_down = True
+        names = [n for n, e in self.models.items() if e.executor]
+        await asyncio.gather(*(self.unload(n, drain_timeout_s=grace_s) for n in names),
+                             return_exceptions=True)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.transport:
+            await self.transport.close()
+
+    def ready(self) -> bool:
+        return not self.shutting_down and all(
+            e.state is ModelState.LOADED for e in self.models.values() if e.cfg.load_on_start)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.server.heartbeat_s)
+            now = time.monotonic()
+            for entry in self.models.values():
+                if entry.executor:
+                    for r in entry.executor.replicas:
+                        r.heartbeat(now)
+
+    # -- load / unload ----------------------------------------------------------------------
+    def entry(self, name: str) -> ModelEntry:
+        entry = self.models.get(name)
+        if entry is None:
+            raise PoolError(ErrorCode.MODEL_NOT_FOUND, f"model {name!r} does not exist", param="model")
+        return entry
+
+    async def _load_quietly(self, name: str) -> None:
+        try:
+            await self.load(name)
+        except PoolError as exc:
+            log.error("load of %s failed: %s", name, exc.message)
+
+    async def load(self, name: str) -> ModelEntry:
+        entry = self.entry(name)
+        async with entry.busy:
+            if entry.state is ModelState.LOADED:
+                return entry
+            if self.shutting_down:
+                raise PoolError(ErrorCode.MODEL_UNLOADING, "the pool is shutting down")
+            entry.set_state(ModelState.LOADING)
+            entry.error = None
+            entry.load_started = time.monotonic()
+            executor = Executor(entry.cfg)
+            executor.replicas = [Replica(entry.cfg, self.config.server, i, self.transport, self.log_dir,
+                                         executor.replica_changed)
+                                 for i in range(entry.cfg.replicas)]
+            entry.executor = executor
+            results = await asyncio.gather(*(r.start() for r in executor.replicas), return_exceptions=True)
+            errors = [f"{r.name}: {res}" for r, res in zip(executor.replicas, results)
+                      if isinstance(res, BaseException)]
+            if errors:
+                await asyncio.gather(*(r.stop() for r in executor.replicas), return_exceptions=True)
+                entry.executor = None
+                entry.error = "; ".join(errors)
+                entry.set_state(ModelState.FAILED)
+                raise PoolError(ErrorCode.LOAD_FAILED, f"model {name!r} failed to load: {entry.error}")
+            executor.start()
+            entry.load_seconds = time.monotonic() - entry.load_started
+            entry.set_state(ModelState.LOADED)
+            log.info("model %s loaded in %.2fs", name, entry.load_seconds)
+            return entry
+
+    async def unload(self, name: str, drain_timeout_s: float | None = None) -> ModelEntry:
+        entry = self.entry(name)
+        executor = entry.executor
+        if executor is None:
+            if entry.state is ModelState.FAILED:
+                entry.set_state(ModelState.UNLOADING)
+                entry.set_state(ModelState.UNLOADED)
+            return entry
+        # Stop intake before taking the lock, so requests arriving meanwhile get 503.
+        executor.accepting_new_requests = False
+        async with entry.busy:
+            if entry.executor is not executor:
+                return entry
+            entry.set_state(ModelState.UNLOADING)
+            for r in executor.replicas:
+                if r.state is ReplicaState.READY:
+                    r._set(ReplicaState.DRAINING)
+            await executor.drain(drain_timeout_s if drain_timeout_s is not None
+                                 else entry.cfg.request_timeout_s)
+            await asyncio.gather(*(r.stop() for r in executor.replicas), return_exceptions=True)
+            await executor.close()
+            entry.executor = None
+            entry.set_state(ModelState.UNLOADED)
+            return entry
+
+    async def restart(self, name: str, replica: int | None = None) -> ModelEntry:
+        entry = self.entry(name)
+        if entry.executor is None:
+            return await self.load(name)
+        targets = entry.executor.replicas if replica is None else [
+            r for r in entry.executor.replicas if r.index == replica]
+        if not targets:
+            raise PoolError(ErrorCode.INVALID_REQUEST, f"model {name!r} has no replica {replica}")
+        results = await asyncio.gather(*(r.restart() for r in targets), return_exceptions=True)
+        failed = [f"{r.name}: {res}" for r, res in zip(targets, results) if isinstance(res, LoadFailed)]
+        if failed:
+            raise PoolError(ErrorCode.LOAD_FAILED, "; ".join(failed))
+        return entry
+
+    # -- jobs -------------------------------------------------------------------------------------
+    def submit(self, model: str, request: dict) -> Job:
+        entry = self.entry(model)
+        executor = entry.executor
+        if entry.state is ModelState.UNLOADING or (executor and not executor.accepting_new_requests):
+            raise PoolError(ErrorCode.MODEL_UNLOADING, f"model {model!r} is unloading", param="model")
+        if entry.state is not ModelState.LOADED or executor is None:
+            raise PoolError(ErrorCode.MODEL_NOT_LOADED,
+                            f"model {model!r} is {entry.state.value}; load it first", param="model")
+        job = Job(model, request, entry.cfg.request_timeout_s)
+        executor.enqueue(job)
+        return job
+
+    def cancel(self, job: Job) -> None:
+        entry = self.models.get(job.model)
+        if entry and entry.executor:
+            entry.executor.cancel(job)
+        elif job.replica:
+            job.replica.cancel(job)
+
+    # -- views --------------------------------------------------------------------------------------
+    def model_view(self, entry: ModelEntry) -> dict:
+        ex = entry.executor
+        return {
+            "name": entry.cfg.name,
+            "backend": entry.cfg.backend,
+            "state": entry.state.value,
+            "replicas": entry.cfg.replicas,
+            "replicas_ready": sum(r.state is ReplicaState.READY for r in ex.replicas) if ex else 0,
+            "queue_depth": ex.queue_depth if ex else 0,
+            "runtime_inflight": ex.runtime_inflight if ex else 0,
+            "configured_target_inflight": entry.cfg.target_inflight * entry.cfg.replicas,
+            "effective_target_inflight": ex.effective_target_inflight if ex else 0,
+            "accepting_new_requests": bool(ex and ex.accepting_new_requests),
+            "max_queue": entry.cfg.max_queue,
+            "load_seconds": entry.load_seconds,
+            "error": entry.error,
+        }

@@ -1,0 +1,75 @@
+"""What ops sees of each replica's processes: psutil for the worker and its
+tree, NVML for GPU memory when a GPU is present (None otherwise, never a guess)."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+
+from supervisor.replica import Replica
+
+_procs: dict[int, psutil.Process] = {}  # kept so cpu_percent() measures since the last look
+
+
+def _proc(pid: int) -> psutil.Process:
+    proc = _procs.get(pid)
+    if proc is None or not proc.is_running():
+        proc = _procs[pid] = psutil.Process(pid)
+        proc.cpu_percent(None)  # first call primes the counter
+    return proc
+
+
+def _gpu_memory_by_pid() -> dict[int, int] | None:
+    try:
+        import pynvml  # from nvidia-ml-py, optional
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # no driver, no GPU
+        return None
+    used: dict[int, int] = {}
+    try:
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            for info in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if info.usedGpuMemory is not None:
+                    used[info.pid] = used.get(info.pid, 0) + int(info.usedGpuMemory)
+    finally:
+        pynvml.nvmlShutdown()
+    return used
+
+
+def worker_views(replicas: list[Replica]) -> list[dict]:
+    gpu = _gpu_memory_by_pid()
+    views = []
+    for r in replicas:
+        view = {
+            "model": r.cfg.name, "replica": r.index, "backend": r.cfg.backend, "pid": r.pid,
+            "state": r.state.value, "restarts": r.restarts, "last_exit_code": r.last_exit_code,
+            "uptime_s": round(time.time() - r.started_at, 1) if r.pid and r.started_at else None,
+            "inflight": len(r.inflight), "capacity": r.capacity, "runtime_capacity": r.runtime_capacity,
+            "rss_bytes": None, "cpu_percent": None, "children": [], "gpu_memory_bytes": None,
+            "log_path": str(r.log_path), "last_error": r.last_error,
+        }
+        if r.pid:
+            try:
+                proc = _proc(r.pid)
+                with proc.oneshot():
+                    view["rss_bytes"] = proc.memory_info().rss
+                    view["cpu_percent"] = proc.cpu_percent(None)
+                tree = [proc]
+                for child in proc.children(recursive=True):
+                    try:
+                        view["children"].append({"pid": child.pid, "name": child.name(),
+                                                 "rss_bytes": child.memory_info().rss})
+                        tree.append(child)
+                    except psutil.Error:
+                        pass
+                if gpu is not None:
+                    view["gpu_memory_bytes"] = sum(gpu.get(p.pid, 0) for p in tree)
+            except psutil.Error:
+                pass
+        views.append(view)
+    return views

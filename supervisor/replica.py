@@ -1,0 +1,253 @@
+"""One replica: the supervisor-side handle of one runtime worker subprocess.
+
+Owns that worker's lifecycle (spawn, ready, heartbeats, stop, restart after a
+crash) and its in-flight table. Scheduling decisions are the executor's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import protocol as p
+from protocol.errors import ErrorCode, PoolError, WorkerExit
+from supervisor.config import ModelConfig, ServerConfig
+from supervisor.jobs import Job, JobState
+from supervisor.process import spawn_worker, stop_process
+from supervisor.restart_policy import CrashHistory, RestartPolicy, restart_delay
+from supervisor.states import REPLICA_TRANSITIONS, ReplicaState, transition
+from supervisor.transport import Transport
+
+log = logging.getLogger("llm_pool.replica")
+
+
+class LoadFailed(Exception):
+    pass
+
+
+def _error_code(value: str) -> ErrorCode:
+    try:
+        return ErrorCode(value)
+    except ValueError:
+        return ErrorCode.RUNTIME_ERROR
+
+
+class Replica:
+    def __init__(self, cfg: ModelConfig, server: ServerConfig, index: int, transport: Transport,
+                 log_dir: Path, on_change: Callable[[], None],
+                 policy: RestartPolicy | None = None) -> None:
+        self.cfg = cfg
+        self.server = server
+        self.index = index
+        self.name = f"{cfg.name}/{index}"
+        self.transport = transport
+        self.log_path = log_dir / f"{cfg.name}-{index}.log"
+        self.on_change = on_change  # tells the executor that capacity may have changed
+        self.policy = policy or RestartPolicy()
+        self.state = ReplicaState.STOPPED
+        self.identity = ""
+        self.generation = 0
+        self.proc: asyncio.subprocess.Process | None = None
+        self.capacity = 0  # effective: min(configured, runtime capability)
+        self.runtime_capacity: int | None = None
+        self.info: dict = {}
+        self.inflight: dict[str, Job] = {}
+        self.started_at: float | None = None  # wall clock of the current process
+        self.ready_at: float | None = None  # monotonic
+        self.last_heard = 0.0
+        self.restarts = 0
+        self.last_exit_code: int | None = None
+        self.last_error: str | None = None
+        self.history = CrashHistory()
+        self._ready: asyncio.Future | None = None
+        self._watcher: asyncio.Task | None = None
+        self._restart_task: asyncio.Task | None = None
+
+    # -- state ---------------------------------------------------------------
+    def _set(self, new: ReplicaState) -> None:
+        self.state = transition(REPLICA_TRANSITIONS, self.state, new)
+        self.on_change()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc and self.proc.returncode is None else None
+
+    @property
+    def free_slots(self) -> int:
+        return self.capacity - len(self.inflight) if self.state is ReplicaState.READY else 0
+
+    # -- lifecycle -------------------------------------------------------------
+    async def start(self) -> None:
+        """Spawn the worker and wait until its runtime is ready (or fails to load)."""
+        self._set(ReplicaState.STARTING)
+        self.generation += 1
+        self.identity = f"{self.name}#{self.generation}"
+        self.capacity = 0
+        self.last_error = None
+        self._ready = asyncio.get_running_loop().create_future()
+        self.transport.register(self.identity, self._on_message)
+        env = {}
+        if self.cfg.replica_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.cfg.replica_devices[self.index]
+        self.proc = await spawn_worker([
+            "--endpoint", self.transport.endpoint, "--replica", self.identity,
+            "--backend", self.cfg.backend, "--options", json.dumps(self.cfg.options),
+            "--target-inflight", str(self.cfg.target_inflight),
+            "--heartbeat-s", str(self.server.heartbeat_s), "--liveness-s", str(self.server.liveness_s),
+            "--stop-timeout-s", str(self.cfg.stop_timeout_s),
+        ], self.log_path, env)
+        self.started_at = time.time()
+        self.last_heard = time.monotonic()
+        self._watcher = asyncio.create_task(self._watch(self.proc), name=f"watch-{self.identity}")
+        try:
+            await asyncio.wait_for(asyncio.shield(self._ready), self.cfg.load_timeout_s)
+        except TimeoutError:
+            self.last_error = f"runtime not ready within load_timeout_s={self.cfg.load_timeout_s}"
+            await self._kill()
+            raise LoadFailed(self.last_error) from None
+        except LoadFailed:
+            await self._kill()
+            raise
+
+    async def stop(self) -> None:
+        """Stop the worker now: a clean Shutdown, then SIGTERM/SIGKILL of its tree."""
+        if self._restart_task:
+            self._restart_task.cancel()
+        if self.state is ReplicaState.STOPPED:
+            return
+        if self.state in (ReplicaState.BACKOFF, ReplicaState.FATAL):
+            self._set(ReplicaState.STOPPED)
+            return
+        self._set(ReplicaState.STOPPING)
+        proc = self.proc
+        if proc and proc.returncode is None:
+            self.transport.send(self.identity, p.Shutdown())
+            try:
+                await asyncio.wait_for(asyncio.shield(proc.wait()), self.cfg.stop_timeout_s)
+            except TimeoutError:
+                await stop_process(proc, 2.0)
+        if self._watcher:
+            await asyncio.gather(self._watcher, return_exceptions=True)
+
+    async def _kill(self) -> None:
+        self._set(ReplicaState.STOPPING)
+        if self.proc:
+            await stop_process(self.proc, 0.0)
+        if self._watcher:
+            await asyncio.gather(self._watcher, return_exceptions=True)
+
+    async def _watch(self, proc: asyncio.subprocess.Process) -> None:
+        code = await proc.wait()
+        self.transport.unregister(self.identity)
+        self.last_exit_code = code
+        up_since = self.ready_at
+        self.ready_at = None
+        self.capacity = 0
+        expected = self.state is ReplicaState.STOPPING
+        if self._ready and not self._ready.done():
+            self._ready.set_exception(LoadFailed(
+                self.last_error or f"worker exited with code {code} before it was ready; see {self.log_path}"))
+        lost = list(self.inflight.values())
+        self.inflight.clear()
+        for job in lost:
+            job.finish(PoolError(ErrorCode.RUNTIME_CRASHED,
+                                 f"the runtime of replica {self.name} exited (code {code}) during the request"))
+        if expected:
+            self._set(ReplicaState.STOPPED)
+            return
+        log.error("replica %s exited unexpectedly with code %s", self.name, code)
+        if up_since is None:  # crashed while loading: start() reports it; no restart loop
+            self._set(ReplicaState.STOPPED)
+            return
+        delay = restart_delay(self.policy, self.history, now=time.monotonic(), up_since=up_since,
+                              exit_code=code)
+        if delay is None:
+            self.last_error = self.last_error or f"too many crashes (last exit code {code})"
+            self._set(ReplicaState.FATAL)
+            return
+        self._set(ReplicaState.BACKOFF)
+        self._restart_task = asyncio.create_task(self._restart_after(delay))
+
+    async def _restart_after(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        self.restarts += 1
+        try:
+            await self.start()
+        except LoadFailed as exc:
+            log.error("restart of %s failed: %s", self.name, exc)
+            self._set(ReplicaState.FATAL)  # it cannot boot: no retry loop
+
+    async def restart(self) -> None:
+        """Operator restart: stop whatever runs, clear fatal, start afresh."""
+        await self.stop()
+        self.history = CrashHistory()
+        self.restarts += 1
+        await self.start()
+
+    # -- jobs --------------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        job.state = JobState.SUBMITTED
+        job.replica = self
+        self.inflight[job.id] = job
+        if not self.transport.send(self.identity, p.Submit(job=job.id, request=job.request)):
+            self.inflight.pop(job.id, None)
+            job.finish(PoolError(ErrorCode.RUNTIME_CRASHED, f"replica {self.name} is unreachable"))
+
+    def cancel(self, job: Job) -> None:
+        """Ask the worker to stop the job. It stays inflight (its slot busy) until
+        the worker confirms, so capacity is never over-committed."""
+        if job.id in self.inflight and not job.cancel_requested:
+            job.cancel_requested = True
+            self.transport.send(self.identity, p.Cancel(job=job.id))
+
+    def heartbeat(self, now: float) -> None:
+        """Called every heartbeat period by the engine: ping the worker, and kill
+        it if it has been silent past the liveness window (hung or stopped)."""
+        if self.state not in (ReplicaState.READY, ReplicaState.DRAINING):
+            return
+        if now - self.last_heard > self.server.liveness_s and self.proc and self.proc.returncode is None:
+            log.error("replica %s silent for %.1fs: killing it", self.name, now - self.last_heard)
+            for job in list(self.inflight.values()):
+                job.finish(PoolError(ErrorCode.RUNTIME_TIMEOUT,
+                                     f"replica {self.name} stopped responding"))
+            self.inflight.clear()
+            self.proc.kill()  # SIGKILL: a stopped process ignores SIGTERM
+            return
+        self.transport.send(self.identity, p.Heartbeat(inflight=len(self.inflight)))
+
+    def _on_message(self, msg: p.Message | p.ProtocolError) -> None:
+        self.last_heard = time.monotonic()
+        match msg:
+            case p.Delta(job=job_id):
+                if job := self.inflight.get(job_id):
+                    job.push(msg)
+            case p.Done(job=job_id):
+                if job := self.inflight.pop(job_id, None):
+                    job.finish(msg)
+                    self.on_change()
+            case p.Error(job=None, message=message):
+                self.last_error = message
+                if self._ready and not self._ready.done():
+                    self._ready.set_exception(LoadFailed(message))
+            case p.Error(job=job_id, code=code, message=message):
+                if job := self.inflight.pop(job_id, None):
+                    job.finish(PoolError(_error_code(code), message))
+                    self.on_change()
+            case p.Ready(capacity=capacity, info=info):
+                self.runtime_capacity = capacity
+                self.capacity = max(0, min(self.cfg.target_inflight, capacity))
+                self.info = info
+                self.ready_at = time.monotonic()
+                if self._ready and not self._ready.done():
+                    self._ready.set_result(None)
+                if self.state is ReplicaState.STARTING:
+                    self._set(ReplicaState.READY)
+            case p.ProtocolError(job=job_id, reason=reason):
+                if job_id and (job := self.inflight.pop(job_id, None)):
+                    job.finish(PoolError(ErrorCode.PROTOCOL_ERROR, f"malformed reply from the runtime: {reason}"))
+                    self.on_change()
+            case p.Hello() | p.Heartbeat():
+                pass

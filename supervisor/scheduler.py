@@ -1,0 +1,134 @@
+"""Scheduling policy, in one place: the per-model executor.
+
+An executor owns one public model's FIFO of queued jobs, its replicas, and one
+driver loop that hands the head of the queue to the replica with the lowest
+occupancy (inflight / effective capacity), round-robin among equals, while any
+replica has a free slot. Queued jobs are the scheduler's and can be dropped;
+submitted jobs belong to a worker until it reports them finished."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+
+from protocol.errors import ErrorCode, PoolError
+from supervisor.config import ModelConfig
+from supervisor.jobs import Job, JobState
+from supervisor.replica import Replica
+from supervisor.states import ReplicaState
+
+log = logging.getLogger("llm_pool.scheduler")
+
+
+class Executor:
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg = cfg
+        self.replicas: list[Replica] = []
+        self.queue: deque[Job] = deque()
+        self.accepting_new_requests = False
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()  # set whenever nothing is inflight
+        self._idle.set()
+        self._rr = 0
+        self._driver: asyncio.Task | None = None
+
+    # -- figures for admin and metrics --------------------------------------------
+    @property
+    def configured_target_inflight(self) -> int:
+        # totals over replicas, like effective_target_inflight (per replica: /admin/workers)
+        return self.cfg.target_inflight * len(self.replicas)
+
+    @property
+    def effective_target_inflight(self) -> int:
+        return sum(r.capacity for r in self.replicas if r.state is ReplicaState.READY)
+
+    @property
+    def runtime_inflight(self) -> int:
+        return sum(len(r.inflight) for r in self.replicas)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.queue)
+
+    # -- intake ----------------------------------------------------------------------
+    def start(self) -> None:
+        self.accepting_new_requests = True
+        self._driver = asyncio.create_task(self._drive(), name=f"driver-{self.cfg.name}")
+
+    def enqueue(self, job: Job) -> None:
+        if not self.accepting_new_requests:
+            raise PoolError(ErrorCode.MODEL_UNLOADING, f"model {self.cfg.name!r} is unloading")
+        if len(self.queue) >= self.cfg.max_queue and not self._has_free_slot():
+            raise PoolError(ErrorCode.QUEUE_FULL,
+                            f"model {self.cfg.name!r} has {len(self.queue)} requests queued (max_queue)",
+                            retry_after_s=1)
+        self.queue.append(job)
+        self._wake.set()
+
+    def cancel(self, job: Job) -> None:
+        """The client is gone: drop a queued job, or ask its worker to stop it."""
+        if job.state is JobState.QUEUED:
+            try:
+                self.queue.remove(job)
+            except ValueError:
+                pass
+            job.finish(PoolError(ErrorCode.INVALID_REQUEST, "cancelled by the client"))
+        elif job.state is JobState.SUBMITTED and job.replica:
+            job.replica.cancel(job)
+
+    def replica_changed(self) -> None:
+        """A slot freed or a replica changed state: the driver looks again."""
+        if self.runtime_inflight == 0:
+            self._idle.set()
+        self._wake.set()
+
+    # -- the driver loop -------------------------------------------------------------
+    async def _drive(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self.queue:
+                replica = self._pick_replica()
+                if replica is None:
+                    break
+                job = self.queue.popleft()
+                self._idle.clear()
+                replica.submit(job)
+
+    def _has_free_slot(self) -> bool:
+        return any(r.free_slots > 0 for r in self.replicas)
+
+    def _pick_replica(self) -> Replica | None:
+        n = len(self.replicas)
+        best, best_key = None, None
+        for offset in range(n):  # scan from the round-robin cursor: ties go to the earliest
+            r = self.replicas[(self._rr + offset) % n]
+            if r.free_slots <= 0:
+                continue
+            key = len(r.inflight) / r.capacity
+            if best_key is None or key < best_key:
+                best, best_key = r, key
+        if best is not None:
+            self._rr = (best.index + 1) % n
+        return best
+
+    # -- unload ------------------------------------------------------------------------
+    async def drain(self, timeout_s: float) -> None:
+        """Stop accepting, fail every queued job with 503, wait for submitted
+        jobs to finish (their own deadlines bound this; `timeout_s` is the backstop)."""
+        self.accepting_new_requests = False
+        while self.queue:
+            self.queue.popleft().finish(PoolError(
+                ErrorCode.MODEL_UNLOADING, f"model {self.cfg.name!r} was unloaded before this request ran"))
+        if self.runtime_inflight:
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout_s)
+            except TimeoutError:
+                log.error("model %s: %d jobs still running after %.0fs of drain; stopping anyway",
+                          self.cfg.name, self.runtime_inflight, timeout_s)
+
+    async def close(self) -> None:
+        if self._driver:
+            self._driver.cancel()
+            await asyncio.gather(self._driver, return_exceptions=True)

@@ -1,0 +1,92 @@
+"""The supervisor's one ZeroMQ ROUTER socket: binds it in a private directory,
+routes incoming frames to replicas by identity, sends to a replica by identity.
+A malformed frame is counted and handed to its replica; it never escapes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+import protocol as p
+
+log = logging.getLogger("llm_pool.transport")
+
+Handler = Callable[[p.Message | p.ProtocolError], None]
+
+
+class Transport:
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="llm-pool-"))  # mkdtemp makes it 0700
+        os.chmod(self.dir, 0o700)
+        self.endpoint = f"ipc://{self.dir}/router.sock"
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone peer raises
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES + 1024)
+        self.sock.bind(self.endpoint)
+        self.handlers: dict[bytes, Handler] = {}
+        self.counters: Counter[str] = Counter()  # protocol_errors, unknown_peer, send_failed
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._recv_loop(), name="transport-recv")
+
+    def register(self, identity: str, handler: Handler) -> None:
+        self.handlers[identity.encode()] = handler
+
+    def unregister(self, identity: str) -> None:
+        self.handlers.pop(identity.encode(), None)
+
+    def send(self, identity: str, msg: p.Message) -> bool:
+        try:
+            self.sock.send_multipart([identity.encode(), p.encode(msg)], flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the worker is gone; EAGAIN: it is not reading
+            self.counters["send_failed"] += 1
+            log.debug("send to %s failed: %s", identity, exc)
+            return False
+
+    async def _recv_loop(self) -> None:
+        while True:
+            try:
+                frames = await self.sock.recv_multipart(copy=True)
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as exc:
+                log.error("recv failed: %s", exc)
+                continue
+            if len(frames) != 2:
+                self.counters["protocol_errors"] += 1
+                log.error("dropping a %d-part message", len(frames))
+                continue
+            identity, frame = frames
+            msg = p.decode(frame)
+            if isinstance(msg, p.ProtocolError):
+                self.counters["protocol_errors"] += 1
+                log.error("bad frame from %r: %s", identity, msg.reason)
+            handler = self.handlers.get(identity)
+            if handler is None:
+                self.counters["unknown_peer"] += 1
+                continue
+            try:
+                handler(msg)
+            except Exception:  # a bug in one replica's handling must not stop routing
+                log.exception("handler for %r failed on %r", identity, msg)
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self.sock.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self.dir, ignore_errors=True)
