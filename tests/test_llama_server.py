@@ -1,0 +1,155 @@
+"""A real llama-server, launched by the worker, driven through the pool.
+
+The model is a tiny random-weight GGUF made by the test; its text is noise,
+so assertions are about token counts, finish reasons, usage and processes."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.conftest import IGNORE_EOS, llama
+from tests.pool import wait_for
+
+pytestmark = pytest.mark.llama
+
+
+def sse_events(response: httpx.Response):
+    for line in response.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
+def llama_child(pool, model: str) -> psutil.Process:
+    worker = pool.workers(model)[0]
+    [child] = [c for c in worker["children"] if c["name"] == "llama-server"]
+    return psutil.Process(child["pid"])
+
+
+def test_sdk_calls_through_llama_server(make_pool, tiny_gguf, llama_server_bin):
+    pool = make_pool([llama("tiny", tiny_gguf, llama_server_bin, slots=2)])
+    client = openai.OpenAI(base_url=pool.url + "/v1", api_key="unused", max_retries=0)
+
+    r = client.responses.create(model="tiny", input="hello", max_output_tokens=12)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 12 and r.usage.input_tokens > 0
+
+    # no max_output_tokens: the model stops at its own EOS, so the stream ends "completed"
+    deltas = 0
+    with client.responses.stream(model="tiny", input="stream") as stream:
+        for event in stream:
+            deltas += event.type == "response.output_text.delta"
+        final = stream.get_final_response()
+    assert final.status == "completed" and final.usage.output_tokens >= deltas >= 1
+    assert final.output_text == "".join(
+        part.text for item in final.output for part in item.content)
+
+    chat = client.chat.completions.create(model="tiny", max_tokens=7,
+                                          messages=[{"role": "user", "content": "hi"}])
+    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 7
+
+    chunks = list(client.chat.completions.create(model="tiny", max_tokens=9, stream=True,
+                                                 messages=[{"role": "user", "content": "hi"}],
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == 9
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+    worker = pool.workers("tiny")[0]
+    assert worker["capacity"] == 2 and worker["runtime_capacity"] == 2  # /props total_slots
+    assert [c["name"] for c in worker["children"]] == ["llama-server"]
+
+
+def test_concurrency_up_to_slots_and_no_further(make_pool, tiny_gguf, llama_server_bin):
+    pool = make_pool([llama("tiny", tiny_gguf, llama_server_bin, slots=2, extra_args=IGNORE_EOS)])
+    cap = pool.model("tiny")["effective_target_inflight"]
+    assert cap == pool.workers("tiny")[0]["runtime_capacity"] == 2  # /props total_slots
+    peak = {"inflight": 0}
+
+    def long_request(i):
+        return httpx.post(pool.url + "/v1/chat/completions", timeout=120, json={
+            "model": "tiny", "max_tokens": 3000, "messages": [{"role": "user", "content": f"q{i}"}]})
+
+    with ThreadPoolExecutor(cap + 2) as ex:
+        futures = [ex.submit(long_request, i) for i in range(cap + 2)]
+
+        def sample():
+            v = pool.model("tiny")
+            peak["inflight"] = max(peak["inflight"], v["runtime_inflight"])
+            assert v["runtime_inflight"] <= cap
+            return v["runtime_inflight"] == cap and v["queue_depth"] == 2
+        wait_for(sample, 30, what="slots full and 2 queued")
+        results = [f.result() for f in futures]
+    assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3000 for r in results)
+    assert peak["inflight"] == cap
+
+
+def test_unload_drains_a_real_generation(make_pool, tiny_gguf, llama_server_bin):
+    pool = make_pool([llama("tiny", tiny_gguf, llama_server_bin, extra_args=IGNORE_EOS)])
+    child = llama_child(pool, "tiny")
+    with ThreadPoolExecutor(2) as ex:
+        with httpx.stream("POST", pool.url + "/v1/responses", timeout=120, json={
+                "model": "tiny", "input": "x", "stream": True, "max_output_tokens": 6000}) as r:
+            events = sse_events(r)
+            while next(events)["type"] != "response.output_text.delta":
+                pass
+            unload = ex.submit(pool.http.post, "/admin/models/tiny/unload")
+            wait_for(lambda: pool.model("tiny")["state"] == "unloading", 10, what="unloading")
+            assert child.is_running()  # still generating for us
+            last = None
+            for last in events:
+                pass
+        assert last["type"] == "response.incomplete"  # it ran to max_output_tokens
+        assert last["response"]["usage"]["output_tokens"] == 6000
+        assert unload.result().json()["state"] == "unloaded"
+    wait_for(lambda: not child.is_running() or child.status() == psutil.STATUS_ZOMBIE, 10,
+             what="llama-server gone")
+
+
+def test_cancelled_stream_frees_its_slot(make_pool, tiny_gguf, llama_server_bin):
+    pool = make_pool([llama("tiny", tiny_gguf, llama_server_bin, extra_args=IGNORE_EOS)])
+    child = llama_child(pool, "tiny")
+    with httpx.stream("POST", pool.url + "/v1/chat/completions", timeout=120, json={
+            "model": "tiny", "stream": True, "max_tokens": 15000,
+            "messages": [{"role": "user", "content": "x"}]}) as r:
+        events = sse_events(r)
+        while not next(events)["choices"][0]["delta"].get("content"):
+            pass
+        assert pool.model("tiny")["runtime_inflight"] == 1
+    wait_for(lambda: pool.model("tiny")["runtime_inflight"] == 0, 10, what="slot freed")
+    # llama-server itself stopped generating: it burns (almost) no CPU now
+    before = sum(child.cpu_times()[:2])
+    time.sleep(1.0)
+    assert sum(child.cpu_times()[:2]) - before < 0.3
+    r = pool.http.post("/v1/chat/completions", json={
+        "model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": "again"}]})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+
+
+def test_failed_loads_report_llama_server_errors(make_pool, tiny_gguf, llama_server_bin, tmp_path):
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00garbage" * 64)
+    pool = make_pool([
+        llama("missing", str(tmp_path / "nope.gguf"), llama_server_bin, load_on_start=False),
+        llama("corrupt", str(corrupt), llama_server_bin, load_on_start=False),
+        llama("good", tiny_gguf, llama_server_bin),
+    ])
+    r = pool.http.post("/admin/models/missing/load")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "load_failed"
+    assert "model file not found" in r.json()["error"]["message"]
+    r = pool.http.post("/admin/models/corrupt/load")
+    assert r.status_code == 503
+    assert "failed to load model" in r.json()["error"]["message"]  # llama-server's own words
+    view = pool.model("corrupt")
+    assert view["state"] == "failed" and "failed to load model" in view["error"]
+    assert pool.workers("corrupt") == []
+    r = pool.http.post("/v1/chat/completions", json={
+        "model": "good", "max_tokens": 3, "messages": [{"role": "user", "content": "still fine"}]})
+    assert r.status_code == 200
+    r = pool.http.post("/v1/responses", json={"model": "corrupt", "input": "x"})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "model_not_loaded"
