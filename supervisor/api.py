@@ -130,13 +130,14 @@ def create_app(config: PoolConfig) -> FastAPI:
                 return "".join(parts), event
         raise PoolError(ErrorCode.RUNTIME_ERROR, "job ended without a result")
 
-    async def until_done_or_disconnect(request: Request, job: Job) -> tuple[str, Done] | None:
-        """Wait for the job; if the client goes away first, cancel it and return None."""
+    async def unless_disconnected(request: Request, job: Job, waiting):
+        """Await `waiting` (about `job`); if the client goes away first, cancel
+        the job and return None."""
         async def disconnected() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
-        work = asyncio.create_task(collect(job))
+        work = asyncio.create_task(waiting)
         watch = asyncio.create_task(disconnected())
         try:
             await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -154,8 +155,11 @@ def create_app(config: PoolConfig) -> FastAPI:
     async def create_response(body: shapes.ResponsesRequest, request: Request):
         job = engine.submit(body.model, shapes.job_request_from_responses(body))
         if body.stream:
-            return EventSourceResponse(_responses_events(job, body), ping=SSE_PING_S, sep="\n")
-        result = await until_done_or_disconnect(request, job)
+            first = await first_event(request, job)
+            if first is None:
+                return Response(status_code=499)
+            return EventSourceResponse(_responses_events(job, body, first), ping=SSE_PING_S, sep="\n")
+        result = await unless_disconnected(request, job, collect(job))
         if result is None:
             return Response(status_code=499)
         text, done = result
@@ -164,12 +168,24 @@ def create_app(config: PoolConfig) -> FastAPI:
         return shapes.response_object(body, shapes.new_id("resp"), int(time.time()), status=status,
                                       output=[item], usage=done.usage)
 
-    async def _responses_events(job: Job, body: shapes.ResponsesRequest):
+    async def first_event(request: Request, job: Job):
+        """Hold the response headers until the job's first event, so that a
+        failure before any token (queue timeout, upstream 429, crash) is a plain
+        HTTP error the client can retry, not a stream that fails at once."""
+        return await unless_disconnected(request, job, job.next_event(engine.cancel))
+
+    async def _then(first, job: Job):
+        yield first
+        if not isinstance(first, Done):
+            async for event in job.stream(engine.cancel):
+                yield event
+
+    async def _responses_events(job: Job, body: shapes.ResponsesRequest, first):
         stream = shapes.ResponsesStream(body)
         try:
             for event in stream.opening():
                 yield event
-            async for event in job.stream(engine.cancel):
+            async for event in _then(first, job):
                 if isinstance(event, Delta):
                     yield stream.delta(event.text)
                 else:
@@ -185,18 +201,22 @@ def create_app(config: PoolConfig) -> FastAPI:
         job = engine.submit(body.model, shapes.job_request_from_chat(body))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventSourceResponse(_chat_events(job, body.model, include_usage), ping=SSE_PING_S, sep="\n")
-        result = await until_done_or_disconnect(request, job)
+            first = await first_event(request, job)
+            if first is None:
+                return Response(status_code=499)
+            return EventSourceResponse(_chat_events(job, body.model, include_usage, first),
+                                       ping=SSE_PING_S, sep="\n")
+        result = await unless_disconnected(request, job, collect(job))
         if result is None:
             return Response(status_code=499)
         text, done = result
         return shapes.chat_completion(body.model, text, done.finish_reason, done.usage)
 
-    async def _chat_events(job: Job, model: str, include_usage: bool):
+    async def _chat_events(job: Job, model: str, include_usage: bool, first):
         stream = shapes.ChatStream(model, include_usage)
         try:
             yield stream.opening()
-            async for event in job.stream(engine.cancel):
+            async for event in _then(first, job):
                 if isinstance(event, Delta):
                     yield stream.delta(event.text)
                 else:

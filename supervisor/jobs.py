@@ -46,23 +46,26 @@ class Job:
             self.state = JobState.FINISHED
             self.events.put_nowait(outcome)
 
-    async def stream(self, on_timeout) -> AsyncIterator[Delta | Done]:
-        """Yield deltas then the Done; raise the job's PoolError. Waits at most
+    async def next_event(self, on_timeout) -> Delta | Done:
+        """The next delta or the Done; raises the job's PoolError. Waits at most
         until the job's deadline; then `on_timeout(self)` is called and 504 raised."""
-        get = self.events.get
+        if self.events.empty():
+            try:
+                event = await asyncio.wait_for(self.events.get(), max(self.deadline - time.monotonic(), 0))
+            except TimeoutError:
+                on_timeout(self)
+                raise PoolError(ErrorCode.RUNTIME_TIMEOUT,
+                                "the runtime did not finish the request within its deadline") from None
+        else:
+            event = self.events.get_nowait()
+        if isinstance(event, PoolError):
+            raise event
+        return event
+
+    async def stream(self, on_timeout) -> AsyncIterator[Delta | Done]:
+        """Yield deltas, then the Done (see next_event)."""
         while True:
-            if self.events.empty():
-                remaining = self.deadline - time.monotonic()
-                try:
-                    event = await asyncio.wait_for(get(), max(remaining, 0))
-                except TimeoutError:
-                    on_timeout(self)
-                    raise PoolError(ErrorCode.RUNTIME_TIMEOUT,
-                                    "the runtime did not finish the request within its deadline") from None
-            else:
-                event = self.events.get_nowait()
-            if isinstance(event, PoolError):
-                raise event
+            event = await self.next_event(on_timeout)
             yield event
             if isinstance(event, Done):
                 return
