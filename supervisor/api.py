@@ -268,4 +268,24 @@ def create_app(config: PoolConfig) -> FastAPI:
         replicas = [r for e in engine.models.values() if e.executor for r in e.executor.replicas]
         return {"workers": worker_views(replicas)}
 
+    @app.get("/admin/models/{name}/logs", dependencies=[Depends(admin_auth)])
+    async def admin_logs(name: str, replica: int = 0, lines: int = 200):
+        """The tail of one replica's log (the worker's and its backend's output)."""
+        engine.entry(name)
+        path = engine.log_dir / f"{name}-{replica}.log"
+        if not path.is_file():
+            raise PoolError(ErrorCode.INVALID_REQUEST, f"no log for {name}/{replica} yet", param="replica")
+        return {"model": name, "replica": replica, "path": str(path),
+                "lines": tail_lines(path, max(1, min(lines, 10000)))}
+
     return app
+
+
+def tail_lines(path, count: int) -> list[str]:
+    """The last `count` lines of a file, reading only its end."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        block = min(size, 256 * count)
+        f.seek(size - block)
+        return f.read().decode(errors="replace").splitlines()[-count:]
