@@ -17,6 +17,8 @@ class ErrorCode(StrEnum):
     MODEL_NOT_LOADED = "model_not_loaded"
     QUEUE_FULL = "queue_full"
     MODEL_UNLOADING = "model_unloading"
+    QUEUE_TIMEOUT = "queue_timeout"
+    NO_HEALTHY_REPLICA = "no_healthy_replica"
     RUNTIME_CRASHED = "runtime_crashed"
     RUNTIME_TIMEOUT = "runtime_timeout"
     RUNTIME_ERROR = "runtime_error"  # the runtime answered with an error of its own
@@ -33,6 +35,8 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.QUEUE_FULL: 429,
     ErrorCode.UPSTREAM_RATE_LIMITED: 429,
     ErrorCode.MODEL_UNLOADING: 503,
+    ErrorCode.QUEUE_TIMEOUT: 503,
+    ErrorCode.NO_HEALTHY_REPLICA: 503,
     ErrorCode.LOAD_FAILED: 503,
     ErrorCode.RUNTIME_CRASHED: 502,
     ErrorCode.RUNTIME_ERROR: 502,

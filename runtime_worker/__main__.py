@@ -18,7 +18,7 @@ import zmq.asyncio
 import protocol as p
 from protocol.errors import ErrorCode, WorkerExit
 from runtime_worker.backends import backend_class
-from runtime_worker.backends.base import Backend, BackendLoadError, Finished, JobError, TextDelta
+from runtime_worker.backends.base import Backend, BackendLoadError, Finished, JobError, RawFrame, TextDelta
 from runtime_worker.lifeline import die_with_parent
 
 log = logging.getLogger("runtime_worker")
@@ -85,6 +85,10 @@ class Worker:
         self.capacity = capacity
         log.info("runtime ready in %.2fs, capacity %d", time.monotonic() - started, capacity)
         await self.send(p.Ready(capacity=capacity, info=info))
+        reason = await self.backend.wait_dead()
+        log.error("runtime died: %s", reason)
+        await self.send(p.Error(job=None, code=ErrorCode.RUNTIME_CRASHED, message=reason))
+        self.stop(WorkerExit.CRASH)
 
     async def recv_loop(self) -> None:
         while True:
@@ -111,10 +115,12 @@ class Worker:
 
     async def run_job(self, job: str, request: dict) -> None:
         try:
-            async for event in self.backend.run(request):
+            async for event in self.backend.run(job, request):
                 if isinstance(event, TextDelta):
                     if event.text:
                         await self.send(p.Delta(job=job, text=event.text))
+                elif isinstance(event, RawFrame):
+                    await self.sock.send(event.data)
                 elif isinstance(event, Finished):
                     await self.send(p.Done(job=job, finish_reason=event.finish_reason, usage={
                         "input_tokens": event.input_tokens, "output_tokens": event.output_tokens}))

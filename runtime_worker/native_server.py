@@ -43,6 +43,13 @@ class ChatClient:
         """Stream one request. Cancelling the consumer closes the HTTP stream,
         which makes the server drop the request and free its slot."""
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        try:
+            async for event in self._stream(body):
+                yield event
+        except httpx.TransportError as exc:  # connection refused or cut mid-stream
+            raise JobError(ErrorCode.RUNTIME_CRASHED, f"lost the connection to the runtime: {exc!r}") from None
+
+    async def _stream(self, body: dict) -> AsyncIterator[TextDelta | Finished]:
         finish, usage, produced = None, None, 0
         async with self.http.stream("POST", "/chat/completions", json=body) as r:
             if r.status_code != 200:
@@ -107,6 +114,13 @@ class NativeServer:
             text = line.decode(errors="replace").rstrip()
             self.tail.append(text)
             sys.stderr.write(f"[{self.name}] {text}\n")
+
+    async def wait_exit(self) -> str:
+        """Return once the child exits, with its last output as the reason."""
+        code = await self.proc.wait()
+        if self._relay:
+            await asyncio.wait([self._relay], timeout=2)
+        return f"{self.name} exited with code {code}:\n{self.error_text()}"
 
     def error_text(self) -> str:
         lines = [l for l in self.tail if l.strip()]

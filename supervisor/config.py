@@ -41,6 +41,8 @@ class ModelConfig(_Strict):
     load_on_start: bool = True
     load_timeout_s: float = Field(120.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0)  # whole job, queue wait included
+    queue_timeout_s: float | None = Field(None, gt=0)  # max wait in the queue; then 503 queue_timeout
+    retry_unstarted_on_crash: bool = True  # a crash before the first token: run it once more elsewhere
     stop_timeout_s: float = Field(10.0, gt=0)  # drain-free stop: SIGTERM .. SIGKILL
     replica_devices: list[str] | None = None  # CUDA_VISIBLE_DEVICES per replica
     options: dict = Field(default_factory=dict)

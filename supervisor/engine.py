@@ -63,6 +63,13 @@ class ModelRouterEngine:
             if entry.cfg.load_on_start:
                 self._spawn(self._load_quietly(entry.cfg.name))
 
+    async def drain_all(self, grace_s: float) -> None:
+        """First step of a graceful stop: /ready turns 503, new and queued
+        requests get 503, submitted ones get up to `grace_s` to finish."""
+        self.shutting_down = True
+        executors = [e.executor for e in self.models.values() if e.executor]
+        await asyncio.gather(*(ex.drain(grace_s) for ex in executors), return_exceptions=True)
+
     async def shutdown(self, grace_s: float) -> None:
         """Stop accepting everywhere, let submitted work finish within `grace_s`,
         then stop every worker. Leaves no process behind."""
@@ -119,7 +126,7 @@ class ModelRouterEngine:
             entry.load_started = time.monotonic()
             executor = Executor(entry.cfg)
             executor.replicas = [Replica(entry.cfg, self.config.server, i, self.transport, self.log_dir,
-                                         executor.replica_changed)
+                                         executor)
                                  for i in range(entry.cfg.replicas)]
             entry.executor = executor
             results = await asyncio.gather(*(r.start() for r in executor.replicas), return_exceptions=True)
@@ -179,13 +186,15 @@ class ModelRouterEngine:
     # -- jobs -------------------------------------------------------------------------------------
     def submit(self, model: str, request: dict) -> Job:
         entry = self.entry(model)
+        if self.shutting_down:
+            raise PoolError(ErrorCode.MODEL_UNLOADING, "the pool is shutting down")
         executor = entry.executor
         if entry.state is ModelState.UNLOADING or (executor and not executor.accepting_new_requests):
             raise PoolError(ErrorCode.MODEL_UNLOADING, f"model {model!r} is unloading", param="model")
         if entry.state is not ModelState.LOADED or executor is None:
             raise PoolError(ErrorCode.MODEL_NOT_LOADED,
                             f"model {model!r} is {entry.state.value}; load it first", param="model")
-        job = Job(model, request, entry.cfg.request_timeout_s)
+        job = Job(model, request, entry.cfg.request_timeout_s, entry.cfg.queue_timeout_s)
         executor.enqueue(job)
         return job
 

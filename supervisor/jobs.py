@@ -24,9 +24,9 @@ class JobState(StrEnum):
 
 class Job:
     __slots__ = ("id", "model", "request", "state", "replica", "events", "created_at",
-                 "deadline", "cancel_requested")
+                 "deadline", "queue_deadline", "cancel_requested", "produced", "attempts")
 
-    def __init__(self, model: str, request: dict, timeout_s: float) -> None:
+    def __init__(self, model: str, request: dict, timeout_s: float, queue_timeout_s: float | None = None) -> None:
         self.id = uuid.uuid4().hex
         self.model = model
         self.request = request
@@ -36,9 +36,13 @@ class Job:
         self.events: asyncio.Queue[Delta | Done | PoolError] = asyncio.Queue()
         self.created_at = time.monotonic()
         self.deadline = self.created_at + timeout_s
+        self.queue_deadline = self.created_at + queue_timeout_s if queue_timeout_s else None
         self.cancel_requested = False
+        self.produced = False  # any token sent to the client yet
+        self.attempts = 0  # submissions to a worker
 
     def push(self, event: Delta) -> None:
+        self.produced = True
         self.events.put_nowait(event)
 
     def finish(self, outcome: Done | PoolError) -> None:
@@ -49,13 +53,23 @@ class Job:
     async def next_event(self, on_timeout) -> Delta | Done:
         """The next delta or the Done; raises the job's PoolError. Waits at most
         until the job's deadline; then `on_timeout(self)` is called and 504 raised."""
-        if self.events.empty():
+        while self.events.empty():
+            now = time.monotonic()
+            until = self.deadline
+            if self.state is JobState.QUEUED and self.queue_deadline:
+                until = min(until, self.queue_deadline)
             try:
-                event = await asyncio.wait_for(self.events.get(), max(self.deadline - time.monotonic(), 0))
+                event = await asyncio.wait_for(self.events.get(), max(until - now, 0))
+                break
             except TimeoutError:
-                on_timeout(self)
-                raise PoolError(ErrorCode.RUNTIME_TIMEOUT,
-                                "the runtime did not finish the request within its deadline") from None
+                if self.state is JobState.QUEUED and self.queue_deadline and time.monotonic() >= self.queue_deadline:
+                    on_timeout(self)
+                    raise PoolError(ErrorCode.QUEUE_TIMEOUT, "the request waited in the queue longer "
+                                    "than queue_timeout_s", retry_after_s=1) from None
+                if time.monotonic() >= self.deadline:
+                    on_timeout(self)
+                    raise PoolError(ErrorCode.RUNTIME_TIMEOUT,
+                                    "the runtime did not finish the request within its deadline") from None
         else:
             event = self.events.get_nowait()
         if isinstance(event, PoolError):

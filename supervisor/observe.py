@@ -52,6 +52,7 @@ def worker_views(replicas: list[Replica]) -> list[dict]:
             "inflight": len(r.inflight), "capacity": r.capacity, "runtime_capacity": r.runtime_capacity,
             "rss_bytes": None, "cpu_percent": None, "children": [], "gpu_memory_bytes": None,
             "log_path": str(r.log_path), "last_error": r.last_error,
+            "protocol_errors": r.protocol_errors, "unknown_job_replies": r.unknown_job_replies,
         }
         if r.pid:
             try:

@@ -9,8 +9,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import protocol as p
 from protocol.errors import ErrorCode, PoolError, WorkerExit
@@ -28,6 +28,14 @@ class LoadFailed(Exception):
     pass
 
 
+class ReplicaOwner(Protocol):
+    """What a replica tells its executor."""
+
+    def replica_changed(self) -> None: ...  # a slot freed or the state changed
+
+    def requeue(self, job: Job) -> None: ...  # run this job again, ahead of the queue
+
+
 def _error_code(value: str) -> ErrorCode:
     try:
         return ErrorCode(value)
@@ -37,15 +45,14 @@ def _error_code(value: str) -> ErrorCode:
 
 class Replica:
     def __init__(self, cfg: ModelConfig, server: ServerConfig, index: int, transport: Transport,
-                 log_dir: Path, on_change: Callable[[], None],
-                 policy: RestartPolicy | None = None) -> None:
+                 log_dir: Path, owner: ReplicaOwner, policy: RestartPolicy | None = None) -> None:
         self.cfg = cfg
         self.server = server
         self.index = index
         self.name = f"{cfg.name}/{index}"
         self.transport = transport
         self.log_path = log_dir / f"{cfg.name}-{index}.log"
-        self.on_change = on_change  # tells the executor that capacity may have changed
+        self.owner = owner
         self.policy = policy or RestartPolicy()
         self.state = ReplicaState.STOPPED
         self.identity = ""
@@ -62,6 +69,8 @@ class Replica:
         self.last_exit_code: int | None = None
         self.last_error: str | None = None
         self.history = CrashHistory()
+        self.unknown_job_replies = 0  # late or bogus replies, dropped by job id
+        self.protocol_errors = 0
         self._ready: asyncio.Future | None = None
         self._watcher: asyncio.Task | None = None
         self._restart_task: asyncio.Task | None = None
@@ -69,7 +78,7 @@ class Replica:
     # -- state ---------------------------------------------------------------
     def _set(self, new: ReplicaState) -> None:
         self.state = transition(REPLICA_TRANSITIONS, self.state, new)
-        self.on_change()
+        self.owner.replica_changed()
 
     @property
     def pid(self) -> int | None:
@@ -153,8 +162,12 @@ class Replica:
         lost = list(self.inflight.values())
         self.inflight.clear()
         for job in lost:
-            job.finish(PoolError(ErrorCode.RUNTIME_CRASHED,
-                                 f"the runtime of replica {self.name} exited (code {code}) during the request"))
+            if self.cfg.retry_unstarted_on_crash and not job.produced and job.attempts < 2 \
+                    and not job.cancel_requested:
+                self.owner.requeue(job)  # nothing reached the client: safe to run once more
+            else:
+                job.finish(PoolError(ErrorCode.RUNTIME_CRASHED, f"the runtime of replica {self.name} "
+                                     f"exited (code {code}) during the request"))
         if expected:
             self._set(ReplicaState.STOPPED)
             return
@@ -191,6 +204,7 @@ class Replica:
     def submit(self, job: Job) -> None:
         job.state = JobState.SUBMITTED
         job.replica = self
+        job.attempts += 1
         self.inflight[job.id] = job
         if not self.transport.send(self.identity, p.Submit(job=job.id, request=job.request)):
             self.inflight.pop(job.id, None)
@@ -210,13 +224,25 @@ class Replica:
             return
         if now - self.last_heard > self.server.liveness_s and self.proc and self.proc.returncode is None:
             log.error("replica %s silent for %.1fs: killing it", self.name, now - self.last_heard)
-            for job in list(self.inflight.values()):
-                job.finish(PoolError(ErrorCode.RUNTIME_TIMEOUT,
-                                     f"replica {self.name} stopped responding"))
-            self.inflight.clear()
-            self.proc.kill()  # SIGKILL: a stopped process ignores SIGTERM
+            self._fail_all(ErrorCode.RUNTIME_TIMEOUT, f"replica {self.name} stopped responding")
+            self.proc.kill()  # SIGKILL: a stopped process ignores SIGTERM; its child has PDEATHSIG
             return
         self.transport.send(self.identity, p.Heartbeat(inflight=len(self.inflight)))
+
+    def _fail_all(self, code: ErrorCode, message: str) -> None:
+        jobs = list(self.inflight.values())
+        self.inflight.clear()
+        for job in jobs:
+            job.finish(PoolError(code, message))
+        self.owner.replica_changed()
+
+    def _finish(self, job_id: str, outcome: p.Done | PoolError) -> None:
+        job = self.inflight.pop(job_id, None)
+        if job is None:
+            self.unknown_job_replies += 1  # late reply for a job already ended: dropped
+            return
+        job.finish(outcome)
+        self.owner.replica_changed()
 
     def _on_message(self, msg: p.Message | p.ProtocolError) -> None:
         self.last_heard = time.monotonic()
@@ -224,18 +250,16 @@ class Replica:
             case p.Delta(job=job_id):
                 if job := self.inflight.get(job_id):
                     job.push(msg)
+                else:
+                    self.unknown_job_replies += 1
             case p.Done(job=job_id):
-                if job := self.inflight.pop(job_id, None):
-                    job.finish(msg)
-                    self.on_change()
+                self._finish(job_id, msg)
             case p.Error(job=None, message=message):
                 self.last_error = message
                 if self._ready and not self._ready.done():
                     self._ready.set_exception(LoadFailed(message))
             case p.Error(job=job_id, code=code, message=message):
-                if job := self.inflight.pop(job_id, None):
-                    job.finish(PoolError(_error_code(code), message))
-                    self.on_change()
+                self._finish(job_id, PoolError(_error_code(code), message))
             case p.Ready(capacity=capacity, info=info):
                 self.runtime_capacity = capacity
                 self.capacity = max(0, min(self.cfg.target_inflight, capacity))
@@ -246,8 +270,15 @@ class Replica:
                 if self.state is ReplicaState.STARTING:
                     self._set(ReplicaState.READY)
             case p.ProtocolError(job=job_id, reason=reason):
-                if job_id and (job := self.inflight.pop(job_id, None)):
-                    job.finish(PoolError(ErrorCode.PROTOCOL_ERROR, f"malformed reply from the runtime: {reason}"))
-                    self.on_change()
+                self.protocol_errors += 1
+                log.error("replica %s sent a malformed frame: %s", self.name, reason)
+                error = PoolError(ErrorCode.PROTOCOL_ERROR, f"malformed reply from the runtime: {reason}")
+                if job_id in self.inflight:
+                    self.transport.send(self.identity, p.Cancel(job=job_id))
+                    self._finish(job_id, error)
+                elif job_id is None and self.proc and self.proc.returncode is None:
+                    # which job's stream is corrupt is unknown: fail them all, restart the worker
+                    self._fail_all(error.code, error.message)
+                    self.proc.kill()
             case p.Hello() | p.Heartbeat():
                 pass

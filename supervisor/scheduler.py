@@ -59,6 +59,8 @@ class Executor:
     def enqueue(self, job: Job) -> None:
         if not self.accepting_new_requests:
             raise PoolError(ErrorCode.MODEL_UNLOADING, f"model {self.cfg.name!r} is unloading")
+        if self._all_fatal():
+            raise self._no_replica_error()
         if len(self.queue) >= self.cfg.max_queue and not self._has_free_slot():
             raise PoolError(ErrorCode.QUEUE_FULL,
                             f"model {self.cfg.name!r} has {len(self.queue)} requests queued (max_queue)",
@@ -81,7 +83,25 @@ class Executor:
         """A slot freed or a replica changed state: the driver looks again."""
         if self.runtime_inflight == 0:
             self._idle.set()
+        if self.queue and self._all_fatal():  # nothing will ever run them
+            while self.queue:
+                self.queue.popleft().finish(self._no_replica_error())
         self._wake.set()
+
+    def requeue(self, job: Job) -> None:
+        """A job lost with its crashed worker before producing anything: it goes
+        back to the head of the queue (it was admitted first)."""
+        job.state = JobState.QUEUED
+        job.replica = None
+        self.queue.appendleft(job)
+        self._wake.set()
+
+    def _all_fatal(self) -> bool:
+        return bool(self.replicas) and all(r.state is ReplicaState.FATAL for r in self.replicas)
+
+    def _no_replica_error(self) -> PoolError:
+        return PoolError(ErrorCode.NO_HEALTHY_REPLICA, f"every replica of model {self.cfg.name!r} is fatal; "
+                         f"see /admin/workers and POST /admin/models/{self.cfg.name}/restart")
 
     # -- the driver loop -------------------------------------------------------------
     async def _drive(self) -> None:
@@ -120,7 +140,8 @@ class Executor:
         self.accepting_new_requests = False
         while self.queue:
             self.queue.popleft().finish(PoolError(
-                ErrorCode.MODEL_UNLOADING, f"model {self.cfg.name!r} was unloaded before this request ran"))
+                ErrorCode.MODEL_UNLOADING,
+                f"model {self.cfg.name!r} stopped taking work (unload or shutdown) before this request ran"))
         if self.runtime_inflight:
             try:
                 await asyncio.wait_for(self._idle.wait(), timeout_s)

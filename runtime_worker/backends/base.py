@@ -4,7 +4,7 @@ A backend owns exactly one runtime (a native server child, an in-process
 model, or a remote endpoint). The worker calls, in order:
 
     capacity, info = await backend.start()     # load; raise BackendLoadError
-    async for event in backend.run(request):   # one call per job, many at once
+    async for event in backend.run(job, request):   # one call per job, many at once
         ...                                    # TextDelta ... then one Finished
     await backend.stop()
 
@@ -16,6 +16,7 @@ resources (closes its HTTP stream, cancels the generator job) in `finally`.
 from __future__ import annotations
 
 import abc
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -33,7 +34,15 @@ class Finished:
     output_tokens: int
 
 
-Event = TextDelta | Finished
+@dataclass(frozen=True, slots=True)
+class RawFrame:
+    """Bytes the worker sends to the supervisor as they are. Only the synthetic
+    backend's `chaos` option makes these, to test how the supervisor survives
+    malformed frames from a real worker."""
+    data: bytes
+
+
+Event = TextDelta | Finished | RawFrame
 
 
 class BackendLoadError(Exception):
@@ -62,9 +71,15 @@ class Backend(abc.ABC):
         """Load the runtime. Returns (honest capacity, info for the operator)."""
 
     @abc.abstractmethod
-    def run(self, request: dict) -> AsyncIterator[Event]:
-        """Run one job: stream TextDelta events, end with exactly one Finished."""
+    def run(self, job: str, request: dict) -> AsyncIterator[Event]:
+        """Run one job (`job` is its id): stream TextDelta events, end with exactly one Finished."""
 
     @abc.abstractmethod
     async def stop(self) -> None:
         """Release the runtime. Must return within a few seconds."""
+
+    async def wait_dead(self) -> str:
+        """Return (with a reason) if the runtime dies on its own, e.g. a native
+        server child crashed. The worker then exits so the supervisor restarts it."""
+        await asyncio.Event().wait()  # in-process runtimes die with the worker
+        return ""

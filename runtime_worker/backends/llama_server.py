@@ -58,8 +58,11 @@ class LlamaServerBackend(Backend):
         n_ctx = (props.get("default_generation_settings") or {}).get("n_ctx")
         return capacity, {"child_pid": self.server.proc.pid, "port": self.server.port, "n_ctx_per_slot": n_ctx}
 
-    def run(self, request: dict) -> AsyncIterator[Event]:
+    def run(self, job: str, request: dict) -> AsyncIterator[Event]:
         return self.server.chat.stream(chat_body(request))
+
+    async def wait_dead(self) -> str:
+        return await self.server.wait_exit()
 
     async def stop(self) -> None:
         if getattr(self, "server", None):

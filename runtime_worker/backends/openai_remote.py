@@ -25,7 +25,7 @@ class OpenAIRemoteBackend(Backend):
         self.chat = ChatClient(base_url, key)
         return self.target_inflight, {"base_url": base_url}
 
-    def run(self, request: dict) -> AsyncIterator[Event]:
+    def run(self, job: str, request: dict) -> AsyncIterator[Event]:
         return self.chat.stream(chat_body(request, self.options["model"]))
 
     async def stop(self) -> None:

@@ -1,8 +1,13 @@
 """Deterministic generator for scheduler tests and benchmarks.
 
 Options: tokens_per_second (0 = as fast as possible), ttft_ms, capacity,
-output_tokens (length of a full answer). The text is a fixed function of the
-last message, so tests can compare runs.
+output_tokens (length of a full answer), load_ms. The text is a fixed
+function of the last message, so tests can compare runs.
+
+`chaos` (fault injection for tests) makes every job's first event a bad
+frame instead of a token: "garbage" (not msgpack), "wrong_types", "bad_version",
+"oversized" (over the frame cap), "unknown_job" (a done for a job that does
+not exist, after which the job runs normally).
 """
 
 from __future__ import annotations
@@ -11,7 +16,10 @@ import asyncio
 import zlib
 from collections.abc import AsyncIterator
 
-from runtime_worker.backends.base import Backend, Event, Finished, TextDelta
+import msgpack
+
+from protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION
+from runtime_worker.backends.base import Backend, Event, Finished, RawFrame, TextDelta
 
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel",
          "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa")
@@ -20,6 +28,19 @@ WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel
 def synthetic_tokens(prompt: str, count: int) -> list[str]:
     seed = zlib.crc32(prompt.encode())
     return [" " + WORDS[(seed + 7 * i) % len(WORDS)] for i in range(count)]
+
+
+def chaos_frame(kind: str, job: str) -> bytes:
+    delta = {"v": PROTOCOL_VERSION, "t": "delta", "job": job, "text": "x"}
+    frames = {
+        "garbage": lambda: b"\xc1 not msgpack",
+        "wrong_types": lambda: msgpack.packb({**delta, "text": 12345}),
+        "bad_version": lambda: msgpack.packb({**delta, "v": 99}),
+        "oversized": lambda: msgpack.packb({**delta, "text": "x" * (MAX_FRAME_BYTES + 10)}),
+        "unknown_job": lambda: msgpack.packb({"v": PROTOCOL_VERSION, "t": "done", "job": "no-such-job",
+                                              "finish_reason": "stop", "usage": {}}),
+    }
+    return frames[kind]()
 
 
 class SyntheticBackend(Backend):
@@ -31,7 +52,11 @@ class SyntheticBackend(Backend):
             await asyncio.sleep(load_ms / 1000)
         return int(self.options.get("capacity", 1)), {}
 
-    async def run(self, request: dict) -> AsyncIterator[Event]:
+    async def run(self, job: str, request: dict) -> AsyncIterator[Event]:
+        if chaos := self.options.get("chaos"):
+            yield RawFrame(chaos_frame(chaos, job))
+            if chaos != "unknown_job":
+                await asyncio.Event().wait()  # the supervisor fails the job; wait for its cancel
         messages = request.get("messages") or []
         prompt = str(messages[-1].get("content", "")) if messages else ""
         full = int(self.options.get("output_tokens", 16))

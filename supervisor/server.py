@@ -1,0 +1,50 @@
+"""Run the app under uvicorn with a draining shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import uvicorn
+
+from supervisor.api import create_app
+from supervisor.config import PoolConfig
+
+log = logging.getLogger("llm_pool.server")
+
+
+class DrainingServer(uvicorn.Server):
+    """First SIGTERM/SIGINT: drain (/ready 503, new work refused, submitted
+    jobs get `grace_s` to finish), then stop uvicorn and the workers.
+    A second signal stops at once."""
+
+    def __init__(self, config: uvicorn.Config, engine, grace_s: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.grace_s = grace_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def serve(self, sockets=None):
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._draining or self._loop is None:
+            return super().handle_exit(sig, frame)
+        self._draining = True
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain_then_exit(sig)))
+
+    async def _drain_then_exit(self, sig) -> None:
+        log.info("draining for up to %.0fs before exit", self.grace_s)
+        await self.engine.drain_all(self.grace_s)
+        super().handle_exit(sig, None)
+
+
+def run(cfg: PoolConfig, log_level: str = "info") -> None:
+    app = create_app(cfg)
+    server = DrainingServer(uvicorn.Config(
+        app, host=cfg.server.host, port=cfg.server.port, log_level=log_level, loop="uvloop",
+        http="httptools", access_log=False, timeout_graceful_shutdown=5),
+        app.state.engine, cfg.server.shutdown_grace_s)
+    server.run()
