@@ -1,0 +1,82 @@
+"""The wire codec: round trips, every kind of malformed frame, and a fuzzer.
+`decode` must never raise, whatever bytes arrive."""
+
+from __future__ import annotations
+
+import msgpack
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import protocol as p
+
+MESSAGES = [
+    p.Hello(pid=1, backend="synthetic"), p.Ready(capacity=4, info={"port": 1}),
+    p.Submit(job="j", request={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
+    p.Cancel(job="j"), p.Delta(job="j", text="tok"),
+    p.Done(job="j", finish_reason="stop", usage={"input_tokens": 1, "output_tokens": 2}),
+    p.Error(job=None, code="load_failed", message="no file"), p.Error(job="j", code="runtime_error", message="x"),
+    p.Heartbeat(inflight=2), p.Shutdown(),
+]
+
+
+def test_round_trip_every_message_type():
+    for msg in MESSAGES:
+        assert p.decode(p.encode(msg)) == msg
+
+
+def frame(**fields) -> bytes:
+    return msgpack.packb({"v": p.PROTOCOL_VERSION, **fields})
+
+
+def test_malformed_frames_become_typed_errors():
+    cases = {
+        b"\xc1": "undecodable",
+        b"": "undecodable",
+        msgpack.packb([1, 2]): "not a map",
+        frame(t="nope"): "unknown message type",
+        frame(t="delta", job="j"): "missing field 'text'",
+        frame(t="delta", job="j", text=5): "field 'text' has type int",
+        frame(t="heartbeat", inflight=True): "field 'inflight' has type bool",
+        frame(t="ready", capacity="4"): "field 'capacity' has type str",
+        msgpack.packb({"v": 99, "t": "delta", "job": "j", "text": "x"}): "protocol version 99",
+        msgpack.packb({"t": "delta"}): "protocol version None",
+    }
+    for raw, reason in cases.items():
+        err = p.decode(raw)
+        assert isinstance(err, p.ProtocolError), raw
+        assert reason in err.reason, (raw, err)
+
+
+def test_errors_name_the_job_when_they_can():
+    assert p.decode(frame(t="delta", job="j7", text=1)).job == "j7"
+    assert p.decode(msgpack.packb({"v": 2, "t": "done", "job": "j8"})).job == "j8"
+    assert p.decode(b"\xc1").job is None
+
+
+def test_frame_cap():
+    big = p.encode(p.Delta(job="j", text="x" * p.MAX_FRAME_BYTES))
+    err = p.decode(big)
+    assert isinstance(err, p.ProtocolError) and "cap" in err.reason
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=2048))
+def test_decode_never_raises_on_random_bytes(raw):
+    assert isinstance(p.decode(raw), (p.ProtocolError, *p.messages.MESSAGE_TYPES.values()))
+
+
+values = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=20)
+                      | st.binary(max_size=20), lambda inner: st.lists(inner, max_size=4)
+                      | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=10)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.sampled_from(sorted(p.messages.MESSAGE_TYPES)), st.dictionaries(
+    st.sampled_from(["v", "job", "text", "pid", "backend", "capacity", "info", "request", "finish_reason",
+                     "usage", "code", "message", "inflight"]), values, max_size=6))
+def test_decode_never_raises_on_random_maps(kind, fields):
+    raw = msgpack.packb({"t": kind, "v": p.PROTOCOL_VERSION, **fields})
+    msg = p.decode(raw)
+    if not isinstance(msg, p.ProtocolError):  # anything accepted has the declared field types
+        for name, expected in p.messages.FIELD_TYPES[type(msg)].items():
+            assert isinstance(getattr(msg, name), expected)
