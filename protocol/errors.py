@@ -12,6 +12,7 @@ from enum import IntEnum, StrEnum
 
 class ErrorCode(StrEnum):
     INVALID_REQUEST = "invalid_request"
+    REQUEST_TOO_LARGE = "request_too_large"
     UNAUTHORIZED = "unauthorized"
     MODEL_NOT_FOUND = "model_not_found"
     MODEL_NOT_LOADED = "model_not_loaded"
@@ -29,6 +30,7 @@ class ErrorCode(StrEnum):
 
 HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.REQUEST_TOO_LARGE: 413,
     ErrorCode.UNAUTHORIZED: 401,
     ErrorCode.MODEL_NOT_FOUND: 404,
     ErrorCode.MODEL_NOT_LOADED: 409,

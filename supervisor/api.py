@@ -25,10 +25,12 @@ from supervisor import openai_shapes as shapes
 from supervisor.config import PoolConfig
 from supervisor.engine import ModelRouterEngine
 from supervisor.jobs import Job
+from supervisor.metrics import Metrics
 from supervisor.observe import worker_views
 
 log = logging.getLogger("llm_pool.api")
 SSE_PING_S = 15
+ENDPOINTS = {"/v1/responses": "responses", "/v1/chat/completions": "chat_completions"}  # metric labels
 
 
 def _error_response(err: PoolError) -> JSONResponse:
@@ -41,7 +43,9 @@ def _error_response(err: PoolError) -> JSONResponse:
 
 
 class BodySizeLimit:
-    """Refuse request bodies over `limit` bytes with 413, before reading them all."""
+    """Refuse request bodies over `limit` bytes with 413: at once when the
+    Content-Length says so, else while reading (the body is buffered up to the
+    limit and then replayed to the app)."""
 
     def __init__(self, app, limit: int) -> None:
         self.app = app
@@ -50,24 +54,31 @@ class BodySizeLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        too_large = _error_response(PoolError(ErrorCode.REQUEST_TOO_LARGE, f"request body over {self.limit} bytes"))
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and value.isdigit() and int(value) > self.limit:
-                resp = JSONResponse({"error": {"message": f"request body over {self.limit} bytes",
-                                               "type": "invalid_request_error", "param": None,
-                                               "code": "request_too_large"}}, status_code=413)
-                return await resp(scope, receive, send)
-        seen = 0
-
-        async def limited_receive():
-            nonlocal seen
+                return await too_large(scope, receive, send)
+        chunks, size = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise PoolError(ErrorCode.INVALID_REQUEST, f"request body over {self.limit} bytes")
-            return message
+            if message["type"] != "http.request":  # the client left while sending
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await too_large(scope, receive, send)
+            if not message.get("more_body"):
+                break
+        replayed = False
 
-        return await self.app(scope, limited_receive, send)
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # after the body: disconnect notices pass through
+
+        return await self.app(scope, replay, send)
 
 
 def create_app(config: PoolConfig) -> FastAPI:
@@ -83,6 +94,7 @@ def create_app(config: PoolConfig) -> FastAPI:
 
     app = FastAPI(title="llm-pool", version="0.1.0", lifespan=lifespan)
     app.state.engine = engine
+    metrics = Metrics(engine)
     app.add_middleware(BodySizeLimit, limit=config.server.max_body_bytes)
 
     # -- errors -------------------------------------------------------------------------------
@@ -95,6 +107,7 @@ def create_app(config: PoolConfig) -> FastAPI:
         err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         param = ".".join(loc) or None
+        metrics.request("", ENDPOINTS.get(request.url.path, request.url.path), 400)
         return _error_response(PoolError(ErrorCode.INVALID_REQUEST,
                                          f"{param or 'body'}: {err.get('msg')}", param=param))
 
@@ -151,22 +164,25 @@ def create_app(config: PoolConfig) -> FastAPI:
         return work.result()
 
     # -- inference ----------------------------------------------------------------------------
-    @app.post("/v1/responses", dependencies=[Depends(inference_auth)])
-    async def create_response(body: shapes.ResponsesRequest, request: Request):
-        job = engine.submit(body.model, shapes.job_request_from_responses(body))
-        if body.stream:
-            first = await first_event(request, job)
-            if first is None:
+    async def serve_job(request: Request, endpoint: str, model: str, job_request: dict, sse_shape, to_json):
+        """Run one inference request: as SSE when `sse_shape` is given, else as
+        the JSON that `to_json(text, done)` builds."""
+        try:
+            job = engine.submit(model, job_request)
+            if sse_shape is not None:
+                first = await first_event(request, job)
+                if first is None:
+                    return Response(status_code=499)
+                return EventSourceResponse(_sse(job, endpoint, sse_shape, first), ping=SSE_PING_S, sep="\n")
+            result = await unless_disconnected(request, job, collect(job))
+            if result is None:
                 return Response(status_code=499)
-            return EventSourceResponse(_responses_events(job, body, first), ping=SSE_PING_S, sep="\n")
-        result = await unless_disconnected(request, job, collect(job))
-        if result is None:
-            return Response(status_code=499)
-        text, done = result
-        status = shapes.response_status(done.finish_reason)
-        item = shapes.message_item(shapes.new_id("msg"), text, "completed" if status == "completed" else "incomplete")
-        return shapes.response_object(body, shapes.new_id("resp"), int(time.time()), status=status,
-                                      output=[item], usage=done.usage)
+            text, done = result
+            metrics.job_done(job, done, endpoint)
+            return to_json(text, done)
+        except PoolError as err:
+            metrics.request(model, endpoint, err.status)
+            raise
 
     async def first_event(request: Request, job: Job):
         """Hold the response headers until the job's first event, so that a
@@ -174,59 +190,46 @@ def create_app(config: PoolConfig) -> FastAPI:
         HTTP error the client can retry, not a stream that fails at once."""
         return await unless_disconnected(request, job, job.next_event(engine.cancel))
 
-    async def _then(first, job: Job):
-        yield first
-        if not isinstance(first, Done):
-            async for event in job.stream(engine.cancel):
-                yield event
-
-    async def _responses_events(job: Job, body: shapes.ResponsesRequest, first):
-        stream = shapes.ResponsesStream(body)
+    async def _sse(job: Job, endpoint: str, shape, first):
         try:
-            for event in stream.opening():
+            for event in shape.opening():
                 yield event
-            async for event in _then(first, job):
+            event = first
+            while True:
                 if isinstance(event, Delta):
-                    yield stream.delta(event.text)
+                    yield shape.delta(event.text)
                 else:
-                    for closing in stream.closing(event.finish_reason, event.usage):
+                    metrics.job_done(job, event, endpoint)
+                    for closing in shape.closing(event.finish_reason, event.usage):
                         yield closing
+                    return
+                event = await job.next_event(engine.cancel)
         except PoolError as err:
-            yield stream.failed(err)
+            metrics.request(job.model, endpoint, err.status)
+            for failed in shape.failed(err):
+                yield failed
         finally:
             engine.cancel(job)  # no-op when finished; frees the slot when the client left
 
+    @app.post("/v1/responses", dependencies=[Depends(inference_auth)])
+    async def create_response(body: shapes.ResponsesRequest, request: Request):
+        def to_json(text: str, done: Done) -> dict:
+            status = shapes.response_status(done.finish_reason)
+            item = shapes.message_item(shapes.new_id("msg"), text,
+                                       "completed" if status == "completed" else "incomplete")
+            return shapes.response_object(body, shapes.new_id("resp"), int(time.time()), status=status,
+                                          output=[item], usage=done.usage)
+
+        return await serve_job(request, "responses", body.model, shapes.job_request_from_responses(body),
+                               shapes.ResponsesStream(body) if body.stream else None, to_json)
+
     @app.post("/v1/chat/completions", dependencies=[Depends(inference_auth)])
     async def chat_completions(body: shapes.ChatRequest, request: Request):
-        job = engine.submit(body.model, shapes.job_request_from_chat(body))
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            first = await first_event(request, job)
-            if first is None:
-                return Response(status_code=499)
-            return EventSourceResponse(_chat_events(job, body.model, include_usage, first),
-                                       ping=SSE_PING_S, sep="\n")
-        result = await unless_disconnected(request, job, collect(job))
-        if result is None:
-            return Response(status_code=499)
-        text, done = result
-        return shapes.chat_completion(body.model, text, done.finish_reason, done.usage)
-
-    async def _chat_events(job: Job, model: str, include_usage: bool, first):
-        stream = shapes.ChatStream(model, include_usage)
-        try:
-            yield stream.opening()
-            async for event in _then(first, job):
-                if isinstance(event, Delta):
-                    yield stream.delta(event.text)
-                else:
-                    for closing in stream.closing(event.finish_reason, event.usage):
-                        yield closing
-        except PoolError as err:
-            for event in stream.failed(err):
-                yield event
-        finally:
-            engine.cancel(job)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await serve_job(
+            request, "chat_completions", body.model, shapes.job_request_from_chat(body),
+            shapes.ChatStream(body.model, include_usage) if body.stream else None,
+            lambda text, done: shapes.chat_completion(body.model, text, done.finish_reason, done.usage))
 
     @app.get("/v1/models", dependencies=[Depends(inference_auth)])
     async def list_models():
@@ -235,6 +238,10 @@ def create_app(config: PoolConfig) -> FastAPI:
              "state": entry.state.value} for name, entry in engine.models.items()]}
 
     # -- health --------------------------------------------------------------------------------------
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
     @app.get("/health")
     async def health():
         return {"status": "ok"}

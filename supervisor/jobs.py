@@ -24,7 +24,7 @@ class JobState(StrEnum):
 
 class Job:
     __slots__ = ("id", "model", "request", "state", "replica", "events", "created_at",
-                 "deadline", "queue_deadline", "cancel_requested", "produced", "attempts")
+                 "deadline", "queue_deadline", "cancel_requested", "first_token_at", "attempts")
 
     def __init__(self, model: str, request: dict, timeout_s: float, queue_timeout_s: float | None = None) -> None:
         self.id = uuid.uuid4().hex
@@ -38,11 +38,12 @@ class Job:
         self.deadline = self.created_at + timeout_s
         self.queue_deadline = self.created_at + queue_timeout_s if queue_timeout_s else None
         self.cancel_requested = False
-        self.produced = False  # any token sent to the client yet
+        self.first_token_at: float | None = None  # monotonic; None: nothing reached the client yet
         self.attempts = 0  # submissions to a worker
 
     def push(self, event: Delta) -> None:
-        self.produced = True
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
         self.events.put_nowait(event)
 
     def finish(self, outcome: Done | PoolError) -> None:

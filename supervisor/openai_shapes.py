@@ -191,10 +191,10 @@ class ResponsesStream:
             self._event(f"response.{status}", response=final),
         ]
 
-    def failed(self, err: PoolError) -> dict:
+    def failed(self, err: PoolError) -> list[dict]:
         obj = response_object(self.req, self.resp_id, self.created_at, status="failed", output=[],
                               error={"code": err.code.value, "message": err.message})
-        return self._event("response.failed", response=obj)
+        return [self._event("response.failed", response=obj)]
 
 
 # -- Chat Completions objects -----------------------------------------------------------------------
@@ -214,6 +214,9 @@ def chat_completion(model: str, text: str, finish_reason: str, usage: dict) -> d
 
 
 class ChatStream:
+    """Builds the SSE chunks of one streamed chat completion (same interface
+    as ResponsesStream: opening, delta, closing, failed)."""
+
     def __init__(self, model: str, include_usage: bool) -> None:
         self.model = model
         self.include_usage = include_usage
@@ -230,8 +233,8 @@ class ChatStream:
             body["usage"] = usage
         return {"data": json.dumps(body, separators=(",", ":"))}
 
-    def opening(self) -> dict:
-        return self.chunk({"role": "assistant", "content": ""})
+    def opening(self) -> list[dict]:
+        return [self.chunk({"role": "assistant", "content": ""})]
 
     def delta(self, text: str) -> dict:
         return self.chunk({"content": text})

@@ -162,7 +162,7 @@ class Replica:
         lost = list(self.inflight.values())
         self.inflight.clear()
         for job in lost:
-            if self.cfg.retry_unstarted_on_crash and not job.produced and job.attempts < 2 \
+            if self.cfg.retry_unstarted_on_crash and job.first_token_at is None and job.attempts < 2 \
                     and not job.cancel_requested:
                 self.owner.requeue(job)  # nothing reached the client: safe to run once more
             else:

@@ -1,0 +1,93 @@
+"""Prometheus metrics. Request outcomes, latencies and tokens are recorded as
+they happen; queue, capacity, worker and memory gauges are read from the
+engine at scrape time, so they can never drift from the admin view."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from protocol import Done
+from supervisor.jobs import Job
+from supervisor.states import ReplicaState
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class Metrics:
+    def __init__(self, engine) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("llm_pool_requests", "Inference requests by model, endpoint and HTTP status",
+                                ["model", "endpoint", "status"], registry=self.registry)
+        self.ttft = Histogram("llm_pool_time_to_first_token_seconds", "Admission to first token",
+                              ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.latency = Histogram("llm_pool_request_duration_seconds", "Admission to last token",
+                                 ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.tokens = Counter("llm_pool_generated_tokens", "Tokens generated", ["model"], registry=self.registry)
+        self.registry.register(_EngineCollector(engine))
+
+    def request(self, model: str, endpoint: str, status: int) -> None:
+        self.requests.labels(model, endpoint, str(status)).inc()
+
+    def job_done(self, job: Job, done: Done, endpoint: str) -> None:
+        self.request(job.model, endpoint, 200)
+        now = time.monotonic()
+        if job.first_token_at is not None:
+            self.ttft.labels(job.model).observe(job.first_token_at - job.created_at)
+        self.latency.labels(job.model).observe(now - job.created_at)
+        self.tokens.labels(job.model).inc(int(done.usage.get("output_tokens", 0)))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        labels = ["model"]
+        queue = GaugeMetricFamily("llm_pool_queue_depth", "Jobs waiting in the model's queue", labels=labels)
+        inflight = GaugeMetricFamily("llm_pool_inflight", "Jobs handed to workers", labels=labels)
+        configured = GaugeMetricFamily("llm_pool_configured_capacity", "Configured target_inflight over replicas",
+                                       labels=labels)
+        effective = GaugeMetricFamily("llm_pool_effective_capacity",
+                                      "min(configured, runtime capability) over ready replicas", labels=labels)
+        loaded = GaugeMetricFamily("llm_pool_model_loaded", "1 when the model is loaded", labels=labels)
+        rlabels = ["model", "replica"]
+        up = GaugeMetricFamily("llm_pool_worker_up", "1 when the replica is ready", labels=rlabels)
+        restarts = CounterMetricFamily("llm_pool_worker_restarts", "Replica restarts", labels=rlabels)
+        bad = CounterMetricFamily("llm_pool_protocol_errors", "Malformed frames from the replica", labels=rlabels)
+        rss = GaugeMetricFamily("llm_pool_process_rss_bytes", "Resident memory per process",
+                                labels=["model", "replica", "process"])
+        rss.add_metric(["", "", "supervisor"], psutil.Process().memory_info().rss)
+        for name, entry in self.engine.models.items():
+            view = self.engine.model_view(entry)
+            queue.add_metric([name], view["queue_depth"])
+            inflight.add_metric([name], view["runtime_inflight"])
+            configured.add_metric([name], view["configured_target_inflight"])
+            effective.add_metric([name], view["effective_target_inflight"])
+            loaded.add_metric([name], 1 if view["state"] == "loaded" else 0)
+            for r in entry.executor.replicas if entry.executor else []:
+                key = [name, str(r.index)]
+                up.add_metric(key, 1 if r.state is ReplicaState.READY else 0)
+                restarts.add_metric(key, r.restarts)
+                bad.add_metric(key, r.protocol_errors)
+                by_process: dict[str, int] = {}  # summed per process name: one series each
+                if r.pid:
+                    try:
+                        proc = psutil.Process(r.pid)
+                        by_process["worker"] = proc.memory_info().rss
+                        for child in proc.children(recursive=True):
+                            by_process[child.name()] = by_process.get(child.name(), 0) + child.memory_info().rss
+                    except psutil.Error:
+                        pass
+                for process, value in by_process.items():
+                    rss.add_metric([*key, process], value)
+        yield from (queue, inflight, configured, effective, loaded, up, restarts, bad, rss)

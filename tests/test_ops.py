@@ -1,0 +1,93 @@
+"""Ops and security surfaces: /metrics against the admin view, keys, body cap."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import synthetic
+from tests.pool import wait_for
+
+
+def scrape(pool) -> dict[tuple, float]:
+    samples = {}
+    for family in text_string_to_metric_families(pool.http.get("/metrics").text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def value(samples, name, **labels) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def test_metrics_match_the_admin_view_under_load(make_pool):
+    pool = make_pool([synthetic("m", target_inflight=4, capacity=2, tps=20, tokens=20, max_queue=10),
+                      synthetic("other", replicas=2)])
+    with ThreadPoolExecutor(5) as ex:
+        futures = [ex.submit(httpx.post, pool.url + "/v1/responses", timeout=60,
+                             json={"model": "m", "input": str(i)}) for i in range(5)]
+        wait_for(lambda: pool.model("m")["queue_depth"] == 3, 10, what="3 queued")
+        samples, view = scrape(pool), pool.model("m")
+        assert value(samples, "llm_pool_queue_depth", model="m") == view["queue_depth"] == 3
+        assert value(samples, "llm_pool_inflight", model="m") == view["runtime_inflight"] == 2
+        assert value(samples, "llm_pool_configured_capacity", model="m") == 4
+        assert value(samples, "llm_pool_effective_capacity", model="m") == 2
+        assert all(f.result().status_code == 200 for f in futures)
+    pool.http.post("/v1/responses", json={"model": "nope", "input": "x"})
+    samples = scrape(pool)
+    assert value(samples, "llm_pool_requests_total", model="m", endpoint="responses", status="200") == 5
+    assert value(samples, "llm_pool_requests_total", model="nope", endpoint="responses", status="404") == 1
+    assert value(samples, "llm_pool_generated_tokens_total", model="m") == 5 * 20
+    assert value(samples, "llm_pool_time_to_first_token_seconds_count", model="m") == 5
+    assert value(samples, "llm_pool_request_duration_seconds_count", model="m") == 5
+    # every request took at least its 19 token intervals at 20/s
+    assert value(samples, "llm_pool_request_duration_seconds_bucket", model="m", le="0.5") == 0
+    for w in pool.workers():
+        key = dict(model=w["model"], replica=str(w["replica"]))
+        assert value(samples, "llm_pool_worker_up", **key) == 1
+        assert value(samples, "llm_pool_worker_restarts_total", **key) == 0
+        rss = value(samples, "llm_pool_process_rss_bytes", process="worker", **key)
+        assert 0.5 < rss / psutil.Process(w["pid"]).memory_info().rss < 2
+    supervisor_rss = value(samples, "llm_pool_process_rss_bytes", model="", replica="", process="supervisor")
+    assert 0.5 < supervisor_rss / psutil.Process(pool.proc.pid).memory_info().rss < 2
+
+
+def test_inference_and_admin_keys_are_separate(make_pool):
+    pool = make_pool([synthetic("k")], server={"api_key": "infer-key", "admin_key": "admin-key"})
+
+    def call(method, path, key=None, **kw):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return pool.http.request(method, path, headers=headers, **kw)
+
+    body = {"json": {"model": "k", "input": "x"}}
+    for key, status in ((None, 401), ("wrong", 401), ("infer-key", 200), ("admin-key", 200)):
+        r = call("POST", "/v1/responses", key, **body)
+        assert r.status_code == status, (key, r.text)
+        if status == 401:
+            assert r.json()["error"]["code"] == "unauthorized"
+    for key, status in ((None, 401), ("infer-key", 401), ("admin-key", 200)):
+        assert call("GET", "/admin/models", key).status_code == status, key
+        assert call("GET", "/admin/workers", key).status_code == status, key
+    assert call("POST", "/admin/models/k/unload", "infer-key").status_code == 401
+    assert call("GET", "/health").status_code == 200 and call("GET", "/ready").status_code == 200
+    r = httpx.get(pool.url + "/v1/models", headers={"x-api-key": "infer-key"})
+    assert r.status_code == 200
+
+
+def test_request_body_is_capped(make_pool):
+    pool = make_pool([synthetic("c")], server={"max_body_bytes": 4096})
+    r = pool.http.post("/v1/responses", json={"model": "c", "input": "x" * 10_000})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunked():
+        yield b'{"model": "c", "input": "'
+        for _ in range(10):
+            yield b"x" * 1000
+        yield b'"}'
+    r = pool.http.post("/v1/responses", content=chunked(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert pool.http.post("/v1/responses", json={"model": "c", "input": "small"}).status_code == 200
