@@ -51,7 +51,7 @@ def worker_views(replicas: list[Replica]) -> list[dict]:
             "uptime_s": round(time.time() - r.started_at, 1) if r.pid and r.started_at else None,
             "inflight": len(r.inflight), "capacity": r.capacity, "runtime_capacity": r.runtime_capacity,
             "rss_bytes": None, "cpu_percent": None, "children": [], "gpu_memory_bytes": None,
-            "log_path": str(r.log_path), "last_error": r.last_error,
+            "log_path": str(r.log_path), "last_error": r.last_error, "runtime_info": r.info,
             "protocol_errors": r.protocol_errors, "unknown_job_replies": r.unknown_job_replies,
         }
         if r.pid:

@@ -142,7 +142,8 @@ class Replica:
             await asyncio.gather(self._watcher, return_exceptions=True)
 
     async def _kill(self) -> None:
-        self._set(ReplicaState.STOPPING)
+        if self.state is not ReplicaState.STOPPED:  # it may have exited already
+            self._set(ReplicaState.STOPPING)
         if self.proc:
             await stop_process(self.proc, 2.0)
         if self._watcher:
@@ -220,7 +221,7 @@ class Replica:
     def heartbeat(self, now: float) -> None:
         """Called every heartbeat period by the engine: ping the worker, and kill
         it if it has been silent past the liveness window (hung or stopped)."""
-        if self.state not in (ReplicaState.READY, ReplicaState.DRAINING):
+        if self.state not in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING):
             return
         if now - self.last_heard > self.server.liveness_s and self.proc and self.proc.returncode is None:
             log.error("replica %s silent for %.1fs: killing it", self.name, now - self.last_heard)

@@ -70,3 +70,12 @@ def llama(name: str, model: str, binary: str, *, slots: int = 1, ctx: int | None
 
 
 IGNORE_EOS = ["--ignore-eos"]  # random weights hit EOS after ~300 tokens; long jobs need this
+
+
+def vllm_python() -> str | None:
+    """The interpreter of an environment with vLLM (scripts/test-vllm makes one)."""
+    import os
+    from pathlib import Path
+    path = os.environ.get("LLM_POOL_VLLM_PYTHON")
+    default = Path.home() / ".cache" / "llm-pool" / "vllm-venv" / "bin" / "python"
+    return path or (str(default) if default.exists() else None)

@@ -11,6 +11,8 @@ BACKENDS = {
     "synthetic": "runtime_worker.backends.synthetic:SyntheticBackend",
     "llama_server": "runtime_worker.backends.llama_server:LlamaServerBackend",
     "openai_remote": "runtime_worker.backends.openai_remote:OpenAIRemoteBackend",
+    "vllm_serve": "runtime_worker.backends.vllm_serve:VllmServeBackend",
+    "exllamav3": "runtime_worker.backends.exllamav3:ExLlamaV3Backend",
 }
 
 

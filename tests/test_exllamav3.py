@@ -1,0 +1,125 @@
+"""ExLlamaV3 backend: everything that needs no CUDA, for real; the generator
+itself (CUDA only) is replaced by FakeGenerator in the threading test, and the
+real path runs in the GPU tier (tests/test_gpu.py, scripts/gpu-check)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from runtime_worker.backends.base import Finished, JobError, TextDelta
+from runtime_worker.backends.exllamav3 import (
+    GeneratorThread,
+    events_from_result,
+    job_settings,
+    load_chat_template,
+    render_chat,
+)
+from tests.conftest import synthetic
+
+
+def test_job_settings_map_the_request():
+    s = job_settings({"max_tokens": 7, "temperature": 0.2, "top_p": 0.9, "stop": ["\n\n"]}, [2, 9], 100)
+    assert s == {"max_new_tokens": 7, "stop_conditions": [2, 9, "\n\n"], "temperature": 0.2, "top_p": 0.9}
+    s = job_settings({"max_tokens": None, "temperature": None}, [2], 100)
+    assert s["max_new_tokens"] == 100 and s["temperature"] == 1.0 and s["stop_conditions"] == [2]
+
+
+def test_results_map_to_events():
+    assert events_from_result({"stage": "prefill", "curr_progress": 3}) == []
+    assert events_from_result({"stage": "streaming", "text": "ab", "eos": False}) == [TextDelta("ab")]
+    assert events_from_result({"stage": "streaming", "text": "", "eos": True, "eos_reason": "max_new_tokens",
+                               "prompt_tokens": 5, "new_tokens": 9}) == [Finished("length", 5, 9)]
+    assert events_from_result({"stage": "streaming", "text": "z", "eos": True, "eos_reason": "stop_token",
+                               "prompt_tokens": 1, "new_tokens": 2}) == [TextDelta("z"), Finished("stop", 1, 2)]
+    with pytest.raises(JobError):
+        events_from_result({"stage": "error", "error": RuntimeError("boom")})
+
+
+def test_chat_template_lookup_and_render(tmp_path):
+    with pytest.raises(Exception):
+        load_chat_template(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": [{"name": "tool_use", "template": "x"},
+                           {"name": "default", "template": "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}"
+                                                           "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"}]}))
+    template = load_chat_template(tmp_path)
+    assert render_chat(template, [{"role": "user", "content": "hi"}]) == "[user]hi[assistant]"
+    (tmp_path / "chat_template.jinja").write_text("{{ bos_token }}{{ messages[0]['content'] }}")
+    assert render_chat(load_chat_template(tmp_path), [{"role": "user", "content": "q"}], bos_token="<s>") == "<s>q"
+
+
+class FakeGenerator:
+    """Stands in for exllamav3's Generator (CUDA only): same calls, plain data.
+    Each job yields its `script` of results, one per iterate()."""
+
+    def __init__(self, capacity_tokens: int = 100) -> None:
+        self.active: dict[str, list[dict]] = {}
+        self.capacity_tokens = capacity_tokens
+        self.cancelled: list[str] = []
+
+    def enqueue(self, job) -> None:
+        assert job["tokens"] <= self.capacity_tokens, f"Job requires {job['tokens']} tokens"
+        self.active[job["id"]] = list(job["script"])
+
+    def cancel(self, job) -> None:
+        self.active.pop(job["id"], None)
+        self.cancelled.append(job["id"])
+
+    def clear_queue(self) -> None:
+        self.active.clear()
+
+    def num_remaining_jobs(self) -> int:
+        return len(self.active)
+
+    def iterate(self) -> list[dict]:
+        out = []
+        for job_id, script in list(self.active.items()):
+            out.append({**script.pop(0), "identifier": job_id})
+            if not script:
+                del self.active[job_id]
+        return out
+
+
+def streaming(text, eos=False):
+    return {"stage": "streaming", "text": text, "eos": eos, "eos_reason": "stop_token",
+            "prompt_tokens": 1, "new_tokens": 2}
+
+
+def test_generator_thread_runs_jobs_together_and_cancels():
+    async def scenario():
+        fake = FakeGenerator()
+        thread = GeneratorThread(fake, asyncio.get_running_loop())
+        thread.start()
+        a, b, c = asyncio.Queue(), asyncio.Queue(), asyncio.Queue()
+        thread.submit("a", {"id": "a", "tokens": 5, "script": [streaming("x"), streaming("y", eos=True)]}, a)
+        thread.submit("b", {"id": "b", "tokens": 5, "script": [streaming("1")] * 1000}, b)
+        thread.submit("c", {"id": "c", "tokens": 500, "script": []}, c)  # too long for the cache
+        got_a = [await asyncio.wait_for(a.get(), 5) for _ in range(3)]
+        assert got_a == [TextDelta("x"), TextDelta("y"), Finished("stop", 1, 2)]
+        assert (await asyncio.wait_for(b.get(), 5)) == TextDelta("1")
+        err = await asyncio.wait_for(c.get(), 5)
+        assert isinstance(err, JobError) and err.code == "invalid_request"
+        thread.cancel("b")
+        await asyncio.to_thread(thread.stop)
+        assert fake.cancelled == ["b"]
+    asyncio.run(scenario())
+
+
+def test_exllamav3_without_cuda_fails_to_load_cleanly(make_pool, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    pool = make_pool([{"name": "exl", "backend": "exllamav3", "load_on_start": False,
+                       "options": {"model": str(tmp_path)}}, synthetic("ok")])
+    r = pool.http.post("/admin/models/exl/load")
+    assert r.status_code == 503 and "exllamav3 is not usable here" in r.json()["error"]["message"]
+    assert pool.http.post("/v1/responses", json={"model": "ok", "input": "x"}).status_code == 200
+
+
+def test_replica_devices_pin_each_replica(make_pool):
+    import psutil
+    pool = make_pool([synthetic("gpu", replicas=2, replica_devices=["0", "1,2"])])
+    devices = {w["replica"]: psutil.Process(w["pid"]).environ().get("CUDA_VISIBLE_DEVICES")
+               for w in pool.workers("gpu")}
+    assert devices == {0: "0", 1: "1,2"}
