@@ -22,11 +22,15 @@ class ProtocolError:
     job: str | None = None
 
 
+_FIELD_NAMES = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in MESSAGE_TYPES.values()}
+_packb = msgpack.Packer(use_bin_type=True).pack  # one packer: no per-message set-up on the token path
+
+
 def encode(msg: Message) -> bytes:
     payload = {"v": PROTOCOL_VERSION, "t": msg.TYPE}
-    for f in dataclasses.fields(msg):
-        payload[f.name] = getattr(msg, f.name)
-    return msgpack.packb(payload, use_bin_type=True)
+    for name in _FIELD_NAMES[type(msg)]:
+        payload[name] = getattr(msg, name)
+    return _packb(payload)
 
 
 def decode(frame: bytes) -> Message | ProtocolError:
