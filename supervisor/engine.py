@@ -159,8 +159,7 @@ class ModelRouterEngine:
                 return entry
             entry.set_state(ModelState.UNLOADING)
             for r in executor.replicas:
-                if r.state is ReplicaState.READY:
-                    r._set(ReplicaState.DRAINING)
+                r.drain()
             await executor.drain(drain_timeout_s if drain_timeout_s is not None
                                  else entry.cfg.request_timeout_s)
             await asyncio.gather(*(r.stop() for r in executor.replicas), return_exceptions=True)

@@ -192,7 +192,19 @@ class Replica:
             await self.start()
         except LoadFailed as exc:
             log.error("restart of %s failed: %s", self.name, exc)
-            self._set(ReplicaState.FATAL)  # it cannot boot: no retry loop
+            # a boot failure (bad model file) is final; anything else counts as one more crash
+            delay = restart_delay(self.policy, self.history, now=time.monotonic(), up_since=None,
+                                  exit_code=self.last_exit_code)
+            if delay is None:
+                self._set(ReplicaState.FATAL)
+                return
+            self._set(ReplicaState.BACKOFF)
+            self._restart_task = asyncio.create_task(self._restart_after(delay))
+
+    def drain(self) -> None:
+        """No new jobs (the executor stops sending them); running ones finish."""
+        if self.state is ReplicaState.READY:
+            self._set(ReplicaState.DRAINING)
 
     async def restart(self) -> None:
         """Operator restart: stop whatever runs, clear fatal, start afresh."""

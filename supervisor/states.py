@@ -41,7 +41,7 @@ REPLICA_TRANSITIONS: dict[ReplicaState, set[ReplicaState]] = {
                          ReplicaState.BACKOFF, ReplicaState.FATAL},
     ReplicaState.DRAINING: {ReplicaState.STOPPING, ReplicaState.STOPPED},
     ReplicaState.STOPPING: {ReplicaState.STOPPED},
-    ReplicaState.STOPPED: {ReplicaState.STARTING, ReplicaState.FATAL},
+    ReplicaState.STOPPED: {ReplicaState.STARTING, ReplicaState.BACKOFF, ReplicaState.FATAL},
     ReplicaState.BACKOFF: {ReplicaState.STARTING, ReplicaState.STOPPED},
     ReplicaState.FATAL: {ReplicaState.STARTING, ReplicaState.STOPPED},
 }
