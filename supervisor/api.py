@@ -126,11 +126,12 @@ def create_app(config: PoolConfig) -> FastAPI:
         if not any(hmac.compare_digest(given.encode(), k.encode()) for k in wanted):
             raise PoolError(ErrorCode.UNAUTHORIZED, "missing or wrong API key")
 
-    def inference_auth(request: Request) -> None:
+    # async: a plain def dependency would cost a threadpool hop on every request
+    async def inference_auth(request: Request) -> None:
         if api_key:  # the admin key also opens inference; an inference key never opens admin
             _check(request, api_key, admin_key)
 
-    def admin_auth(request: Request) -> None:
+    async def admin_auth(request: Request) -> None:
         _check(request, admin_key)
 
     # -- running a job for a client ------------------------------------------------------------------

@@ -132,7 +132,7 @@ def test_disconnect_removes_queued_and_cancels_submitted(make_pool):
     # the queued one left the queue, and the worker stopped the submitted one long before its 10 s
     wait_for(lambda: (v := pool.model("d"))["queue_depth"] == 0 and v["runtime_inflight"] == 0, 5,
              what="queue empty and slot free")
-    r, took = post(pool, "d", "c", max_output_tokens=2)
+    r, _ = post(pool, "d", "c", max_output_tokens=2)
     assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 2
 
 
@@ -144,9 +144,6 @@ def test_disconnect_of_non_streaming_submitted_job_frees_slot(make_pool):
     except httpx.ReadTimeout:
         pass
     wait_for(lambda: pool.model("n")["runtime_inflight"] == 0, 5, what="slot freed")
-    worker_log = pool.workers("n")[0]["log_path"]
-    assert pool.http.get("/health").status_code == 200
-    assert worker_log
 
 
 def test_bad_requests_get_envelopes_and_server_keeps_serving(make_pool):
