@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import msgpack
@@ -23,7 +24,18 @@ class ProtocolError:
 
 
 _FIELD_NAMES = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in MESSAGE_TYPES.values()}
+
+
+def _optional(cls: type, name: str) -> bool:
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+
+
+# per message type: (field, expected type(s), may be absent), worked out once, not per frame
+_SCHEMA = {cls: tuple((name, expected, _optional(cls, name)) for name, expected in FIELD_TYPES[cls].items())
+           for cls in MESSAGE_TYPES.values()}
 _packb = msgpack.Packer(use_bin_type=True).pack  # one packer: no per-message set-up on the token path
+_unpackb = functools.partial(msgpack.unpackb, raw=False, strict_map_key=True)
 
 
 def encode(msg: Message) -> bytes:
@@ -37,7 +49,7 @@ def decode(frame: bytes) -> Message | ProtocolError:
     if len(frame) > MAX_FRAME_BYTES:
         return ProtocolError(f"frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES} byte cap")
     try:
-        data = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+        data = _unpackb(frame)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         return ProtocolError(f"undecodable msgpack: {type(exc).__name__}: {exc}")
     if not isinstance(data, dict):
@@ -49,9 +61,9 @@ def decode(frame: bytes) -> Message | ProtocolError:
     if cls is None:
         return ProtocolError(f"unknown message type {data.get('t')!r}", job)
     kwargs = {}
-    for name, expected in FIELD_TYPES[cls].items():
+    for name, expected, optional in _SCHEMA[cls]:
         if name not in data:
-            if _has_default(cls, name):
+            if optional:
                 continue
             return ProtocolError(f"{cls.TYPE}: missing field {name!r}", job)
         value = data[name]
@@ -60,10 +72,3 @@ def decode(frame: bytes) -> Message | ProtocolError:
             return ProtocolError(f"{cls.TYPE}: field {name!r} has type {type(value).__name__}", job)
         kwargs[name] = value
     return cls(**kwargs)
-
-
-def _has_default(cls: type, name: str) -> bool:
-    for f in dataclasses.fields(cls):
-        if f.name == name:
-            return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-    return False

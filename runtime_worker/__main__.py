@@ -13,13 +13,14 @@ import sys
 import time
 
 import zmq
-import zmq.asyncio
 
 import protocol as p
+from protocol.loop_socket import LoopSocket
 from protocol.errors import ErrorCode, WorkerExit
 from runtime_worker.backends import backend_class
 from runtime_worker.backends.base import Backend, BackendLoadError, Finished, JobError, RawFrame, TextDelta
 from runtime_worker.lifeline import die_with_parent
+from runtime_worker.outbox import Outbox
 
 log = logging.getLogger("runtime_worker")
 
@@ -27,11 +28,13 @@ log = logging.getLogger("runtime_worker")
 class Worker:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.ctx = zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, args.replica.encode())
-        self.sock.setsockopt(zmq.LINGER, 500)
-        self.sock.connect(args.endpoint)
+        self.ctx = zmq.Context()
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, args.replica.encode())
+        sock.setsockopt(zmq.LINGER, 500)
+        sock.connect(args.endpoint)
+        self.sock = LoopSocket(sock, self.on_frames)
+        self.outbox = Outbox(self.sock)
         self.backend: Backend = backend_class(args.backend)(
             json.loads(args.options), args.target_inflight, log)
         self.capacity = 0
@@ -40,17 +43,19 @@ class Worker:
         self.stopping = asyncio.Event()
         self.exit_code = WorkerExit.OK
 
-    async def send(self, msg: p.Message) -> None:
-        await self.sock.send(p.encode(msg))
+    def send(self, msg: p.Message) -> None:
+        self.outbox.put(msg)
 
     async def run(self) -> int:
-        await self.send(p.Hello(pid=os.getpid(), backend=self.args.backend))
-        tasks = [asyncio.create_task(self.recv_loop()), asyncio.create_task(self.heartbeat_loop()),
-                 asyncio.create_task(self.load())]
+        self.send(p.Hello(pid=os.getpid(), backend=self.args.backend))
+        sender = asyncio.create_task(self.outbox.run())
+        tasks = [asyncio.create_task(self.heartbeat_loop()), asyncio.create_task(self.load())]
         await self.stopping.wait()
         for job in list(self.jobs.values()):
             job.cancel()
         await asyncio.gather(*self.jobs.values(), return_exceptions=True)
+        await self.outbox.flush(timeout_s=2.0)  # last words (a load error, cancelled jobs) go out
+        tasks.append(sender)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -73,67 +78,70 @@ class Worker:
             capacity, info = await self.backend.start()
         except BackendLoadError as exc:
             log.error("runtime failed to load: %s", exc)
-            await self.send(p.Error(job=None, code=ErrorCode.LOAD_FAILED, message=str(exc)))
+            self.send(p.Error(job=None, code=ErrorCode.LOAD_FAILED, message=str(exc)))
             self.stop(WorkerExit.BOOT_FAILURE)
             return
         except Exception as exc:
             log.exception("runtime crashed while loading")
-            await self.send(p.Error(job=None, code=ErrorCode.LOAD_FAILED,
+            self.send(p.Error(job=None, code=ErrorCode.LOAD_FAILED,
                                     message=f"{type(exc).__name__}: {exc}"))
             self.stop(WorkerExit.BOOT_FAILURE)
             return
         self.capacity = capacity
         log.info("runtime ready in %.2fs, capacity %d", time.monotonic() - started, capacity)
-        await self.send(p.Ready(capacity=capacity, info=info))
+        self.send(p.Ready(capacity=capacity, info=info))
         reason = await self.backend.wait_dead()
         log.error("runtime died: %s", reason)
-        await self.send(p.Error(job=None, code=ErrorCode.RUNTIME_CRASHED, message=reason))
+        self.send(p.Error(job=None, code=ErrorCode.RUNTIME_CRASHED, message=reason))
         self.stop(WorkerExit.CRASH)
 
-    async def recv_loop(self) -> None:
-        while True:
-            msg = p.decode(await self.sock.recv())
-            self.last_heard = time.monotonic()
-            match msg:
-                case p.Submit(job=job, request=request):
-                    if len(self.jobs) >= self.capacity:
-                        await self.send(p.Error(job=job, code=ErrorCode.RUNTIME_ERROR,
-                                                message="worker is at capacity"))
-                    else:
-                        self.jobs[job] = asyncio.create_task(self.run_job(job, request))
-                case p.Cancel(job=job):
-                    if task := self.jobs.get(job):
-                        task.cancel()
-                case p.Shutdown():
-                    self.stop(WorkerExit.OK)
-                case p.Heartbeat():
-                    pass
-                case p.ProtocolError(reason=reason):
-                    log.error("bad frame from supervisor: %s", reason)
-                case _:
-                    log.error("unexpected message from supervisor: %r", msg)
+    def on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 1:
+            self.handle(p.ProtocolError(f"a {len(frames)}-part message"))
+        else:
+            self.handle(p.decode(frames[0]))
+
+    def handle(self, msg: p.Message | p.ProtocolError) -> None:
+        self.last_heard = time.monotonic()
+        match msg:
+            case p.Submit(job=job, request=request):
+                if len(self.jobs) >= self.capacity:
+                    self.send(p.Error(job=job, code=ErrorCode.RUNTIME_ERROR, message="worker is at capacity"))
+                else:
+                    self.jobs[job] = asyncio.create_task(self.run_job(job, request))
+            case p.Cancel(job=job):
+                if task := self.jobs.get(job):
+                    task.cancel()
+            case p.Shutdown():
+                self.stop(WorkerExit.OK)
+            case p.Heartbeat():
+                pass
+            case p.ProtocolError(reason=reason):
+                log.error("bad frame from supervisor: %s", reason)
+            case _:
+                log.error("unexpected message from supervisor: %r", msg)
 
     async def run_job(self, job: str, request: dict) -> None:
         try:
             async for event in self.backend.run(job, request):
                 if isinstance(event, TextDelta):
                     if event.text:
-                        await self.send(p.Delta(job=job, text=event.text))
+                        self.send(p.Delta(job=job, text=event.text))
                 elif isinstance(event, RawFrame):
-                    await self.sock.send(event.data)
+                    self.outbox.put(event.data)
                 elif isinstance(event, Finished):
-                    await self.send(p.Done(job=job, finish_reason=event.finish_reason, usage={
+                    self.send(p.Done(job=job, finish_reason=event.finish_reason, usage={
                         "input_tokens": event.input_tokens, "output_tokens": event.output_tokens}))
                     return
             raise JobError(ErrorCode.RUNTIME_ERROR, "runtime ended the job without finishing it")
         except asyncio.CancelledError:
             if not self.stopping.is_set():
-                await self.send(p.Done(job=job, finish_reason="cancelled", usage={}))
+                self.send(p.Done(job=job, finish_reason="cancelled", usage={}))
         except JobError as exc:
-            await self.send(p.Error(job=job, code=exc.code, message=exc.message))
+            self.send(p.Error(job=job, code=exc.code, message=exc.message))
         except Exception as exc:
             log.exception("job %s failed", job)
-            await self.send(p.Error(job=job, code=ErrorCode.RUNTIME_ERROR,
+            self.send(p.Error(job=job, code=ErrorCode.RUNTIME_ERROR,
                                     message=f"{type(exc).__name__}: {exc}"))
         finally:
             self.jobs.pop(job, None)
@@ -150,7 +158,7 @@ class Worker:
                 log.error("no word from the supervisor for %.1fs; exiting", self.args.liveness_s)
                 self.stop(WorkerExit.SUPERVISOR_GONE)
                 return
-            await self.send(p.Heartbeat(inflight=len(self.jobs)))
+            self.send(p.Heartbeat(inflight=len(self.jobs)))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -181,7 +189,11 @@ def main(argv: list[str] | None = None) -> int:
             loop.add_signal_handler(sig, worker.stop, WorkerExit.OK)
         return await worker.run()
 
-    return asyncio.run(go())
+    try:
+        import uvloop  # a dependency on Linux; the worker's loop runs every token
+    except ImportError:
+        return asyncio.run(go())
+    return uvloop.run(go())
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -55,11 +55,10 @@ class ChatClient:
             if r.status_code != 200:
                 await r.aread()
                 raise upstream_error(r)
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+            events = _sse_data(r)
+            async for data in events:
+                if data == b"[DONE]":
+                    await _drain(events)
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
@@ -168,6 +167,32 @@ class NativeServer:
             await asyncio.wait([self._relay], timeout=2)
 
 
+async def _sse_data(r: httpx.Response) -> AsyncIterator[bytes]:
+    """The `data:` payloads of an SSE body, as bytes (one split per network
+    chunk instead of httpx's text line decoder: this runs once per token)."""
+    pending = b""
+    async for chunk in r.aiter_bytes():
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            if line.startswith(b"data:"):
+                yield line[5:].strip()
+    if pending.startswith(b"data:"):
+        yield pending[5:].strip()
+
+
+async def _drain(rest: AsyncIterator[bytes], timeout_s: float = 2.0) -> None:
+    """Read what follows [DONE] to the end of the body, so the connection can be
+    reused (a keep-alive upstream: no new TCP connection per job); a server
+    that does not end the body in time only costs that connection."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for _ in rest:
+                pass
+    except TimeoutError:
+        pass
+
+
 def upstream_error(r: httpx.Response) -> JobError:
     """Map an upstream HTTP error to a job error; never a success."""
     try:
@@ -186,9 +211,20 @@ def upstream_error(r: httpx.Response) -> JobError:
     return JobError(code, f"upstream {r.status_code}: {message}")
 
 
-def chat_body(request: dict, model: str | None = None) -> dict:
-    """The OpenAI chat body for a job request; unset sampling fields are omitted."""
-    body = {"messages": request["messages"]}
+def extra_body(options: dict) -> dict:
+    """options.extra_body, checked at load time: fields added to every chat request."""
+    extra = options.get("extra_body") or {}
+    if not isinstance(extra, dict):
+        raise BackendLoadError(f"options.extra_body must be a table of request fields, not {extra!r}")
+    return extra
+
+
+def chat_body(request: dict, model: str | None = None, extra: dict | None = None) -> dict:
+    """The OpenAI chat body for a job request; unset sampling fields are omitted.
+    `extra` (the model's options.extra_body) adds runtime-specific fields, e.g.
+    {"ignore_eos": true} or {"top_k": 20}; the request's own fields win."""
+    body = dict(extra or {})
+    body["messages"] = request["messages"]
     if model:
         body["model"] = model
     for key in ("max_tokens", "temperature", "top_p"):

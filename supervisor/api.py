@@ -13,7 +13,7 @@ import os
 import time
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
@@ -54,10 +54,12 @@ class BodySizeLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        too_large = _error_response(PoolError(ErrorCode.REQUEST_TOO_LARGE, f"request body over {self.limit} bytes"))
+        def too_large() -> JSONResponse:
+            return _error_response(PoolError(ErrorCode.REQUEST_TOO_LARGE, f"request body over {self.limit} bytes"))
+
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and value.isdigit() and int(value) > self.limit:
-                return await too_large(scope, receive, send)
+                return await too_large()(scope, receive, send)
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -66,7 +68,7 @@ class BodySizeLimit:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.limit:
-                return await too_large(scope, receive, send)
+                return await too_large()(scope, receive, send)
             if not message.get("more_body"):
                 break
         replayed = False
@@ -79,6 +81,38 @@ class BodySizeLimit:
             return await receive()  # after the body: disconnect notices pass through
 
         return await self.app(scope, replay, send)
+
+
+class KeyGate:
+    """API keys, checked before anything reads the request: /v1/* needs the
+    inference key or the admin key, /admin/* the admin key; a key that is not
+    configured leaves its paths open. (An ASGI layer, not a FastAPI
+    dependency: it is on every request's path, and costs less here.)"""
+
+    def __init__(self, app, api_key: str | None, admin_key: str | None) -> None:
+        self.app = app
+        self.inference = [k.encode() for k in (api_key, admin_key) if k] if api_key else []
+        self.admin = [admin_key.encode()] if admin_key else []
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            path = scope["path"]
+            wanted = self.inference if path.startswith("/v1/") else self.admin if path.startswith("/admin/") else []
+            if wanted and not self._allowed(scope["headers"], wanted):
+                denied = _error_response(PoolError(ErrorCode.UNAUTHORIZED, "missing or wrong API key"))
+                return await denied(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+    @staticmethod
+    def _allowed(headers, wanted: list[bytes]) -> bool:
+        given = b""
+        for name, value in headers:
+            if name == b"authorization" and value[:7].lower() == b"bearer ":
+                given = value[7:]
+                break
+            if name == b"x-api-key":
+                given = value
+        return any(hmac.compare_digest(given, k) for k in wanted)
 
 
 def create_app(config: PoolConfig) -> FastAPI:
@@ -96,6 +130,7 @@ def create_app(config: PoolConfig) -> FastAPI:
     app.state.engine = engine
     metrics = Metrics(engine)
     app.add_middleware(BodySizeLimit, limit=config.server.max_body_bytes)
+    app.add_middleware(KeyGate, api_key=api_key, admin_key=admin_key)  # outermost: runs first
 
     # -- errors -------------------------------------------------------------------------------
     @app.exception_handler(PoolError)
@@ -116,24 +151,6 @@ def create_app(config: PoolConfig) -> FastAPI:
         return JSONResponse({"error": {"message": str(exc.detail), "type": "invalid_request_error",
                                        "param": None, "code": None}}, status_code=exc.status_code)
 
-    # -- keys ------------------------------------------------------------------------------------
-    def _check(request: Request, *keys: str | None) -> None:
-        wanted = [k for k in keys if k]
-        if not wanted:
-            return
-        header = request.headers.get("authorization", "")
-        given = header[7:] if header.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-        if not any(hmac.compare_digest(given.encode(), k.encode()) for k in wanted):
-            raise PoolError(ErrorCode.UNAUTHORIZED, "missing or wrong API key")
-
-    # async: a plain def dependency would cost a threadpool hop on every request
-    async def inference_auth(request: Request) -> None:
-        if api_key:  # the admin key also opens inference; an inference key never opens admin
-            _check(request, api_key, admin_key)
-
-    async def admin_auth(request: Request) -> None:
-        _check(request, admin_key)
-
     # -- running a job for a client ------------------------------------------------------------------
     async def collect(job: Job) -> tuple[str, Done]:
         parts = []
@@ -145,24 +162,28 @@ def create_app(config: PoolConfig) -> FastAPI:
         raise PoolError(ErrorCode.RUNTIME_ERROR, "job ended without a result")
 
     async def unless_disconnected(request: Request, job: Job, waiting):
-        """Await `waiting` (about `job`); if the client goes away first, cancel
-        the job and return None."""
-        async def disconnected() -> None:
+        """Await `waiting` (about `job`). If the client goes away first, the job
+        is cancelled (a queued one dropped, a submitted one stopped by its
+        worker, which frees the slot) and None is returned once it has ended."""
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
             while (await request.receive())["type"] != "http.disconnect":
                 pass
+            gone = True
+            engine.cancel(job)
 
-        work = asyncio.create_task(waiting)
-        watch = asyncio.create_task(disconnected())
+        watcher = asyncio.create_task(watch())
         try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            result = await waiting
+        except PoolError:
+            if gone:
+                return None
+            raise
         finally:
-            watch.cancel()
-            if not work.done():
-                work.cancel()
-                engine.cancel(job)
-        if work.cancelled():
-            return None
-        return work.result()
+            watcher.cancel()
+        return None if gone else result
 
     # -- inference ----------------------------------------------------------------------------
     async def serve_job(request: Request, endpoint: str, model: str, job_request: dict, sse_shape, to_json):
@@ -180,7 +201,7 @@ def create_app(config: PoolConfig) -> FastAPI:
                 return Response(status_code=499)
             text, done = result
             metrics.job_done(job, done, endpoint)
-            return to_json(text, done)
+            return JSONResponse(to_json(text, done))  # a Response skips FastAPI's generic encoder
         except PoolError as err:
             metrics.request(model, endpoint, err.status)
             raise
@@ -212,7 +233,7 @@ def create_app(config: PoolConfig) -> FastAPI:
         finally:
             engine.cancel(job)  # no-op when finished; frees the slot when the client left
 
-    @app.post("/v1/responses", dependencies=[Depends(inference_auth)])
+    @app.post("/v1/responses")
     async def create_response(body: shapes.ResponsesRequest, request: Request):
         def to_json(text: str, done: Done) -> dict:
             status = shapes.response_status(done.finish_reason)
@@ -224,7 +245,7 @@ def create_app(config: PoolConfig) -> FastAPI:
         return await serve_job(request, "responses", body.model, shapes.job_request_from_responses(body),
                                shapes.ResponsesStream(body) if body.stream else None, to_json)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(inference_auth)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: shapes.ChatRequest, request: Request):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await serve_job(
@@ -232,7 +253,7 @@ def create_app(config: PoolConfig) -> FastAPI:
             shapes.ChatStream(body.model, include_usage) if body.stream else None,
             lambda text, done: shapes.chat_completion(body.model, text, done.finish_reason, done.usage))
 
-    @app.get("/v1/models", dependencies=[Depends(inference_auth)])
+    @app.get("/v1/models")
     async def list_models():
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "llm-pool",
@@ -255,28 +276,28 @@ def create_app(config: PoolConfig) -> FastAPI:
         return JSONResponse({"status": "not_ready", "waiting_for": waiting}, status_code=503)
 
     # -- admin ----------------------------------------------------------------------------------------
-    @app.get("/admin/models", dependencies=[Depends(admin_auth)])
+    @app.get("/admin/models")
     async def admin_models():
         return {"models": [engine.model_view(e) for e in engine.models.values()]}
 
-    @app.post("/admin/models/{name}/load", dependencies=[Depends(admin_auth)])
+    @app.post("/admin/models/{name}/load")
     async def admin_load(name: str):
         return engine.model_view(await engine.load(name))
 
-    @app.post("/admin/models/{name}/unload", dependencies=[Depends(admin_auth)])
+    @app.post("/admin/models/{name}/unload")
     async def admin_unload(name: str):
         return engine.model_view(await engine.unload(name))
 
-    @app.post("/admin/models/{name}/restart", dependencies=[Depends(admin_auth)])
+    @app.post("/admin/models/{name}/restart")
     async def admin_restart(name: str, replica: int | None = None):
         return engine.model_view(await engine.restart(name, replica))
 
-    @app.get("/admin/workers", dependencies=[Depends(admin_auth)])
+    @app.get("/admin/workers")
     async def admin_workers():
         replicas = [r for e in engine.models.values() if e.executor for r in e.executor.replicas]
         return {"workers": worker_views(replicas)}
 
-    @app.get("/admin/models/{name}/logs", dependencies=[Depends(admin_auth)])
+    @app.get("/admin/models/{name}/logs")
     async def admin_logs(name: str, replica: int = 0, lines: int = 200):
         """The tail of one replica's log (the worker's and its backend's output)."""
         engine.entry(name)

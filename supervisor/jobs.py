@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
-import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from enum import StrEnum
 from typing import TYPE_CHECKING
@@ -24,16 +25,18 @@ class JobState(StrEnum):
 
 class Job:
     __slots__ = ("id", "model", "request", "state", "replica", "events", "created_at",
-                 "deadline", "queue_deadline", "cancel_requested", "first_token_at", "attempts")
+                 "deadline", "queue_deadline", "cancel_requested", "first_token_at", "attempts", "_waiter")
 
     def __init__(self, model: str, request: dict, timeout_s: float, queue_timeout_s: float | None = None) -> None:
-        self.id = uuid.uuid4().hex
+        self.id = os.urandom(16).hex()  # as unique as uuid4, and cheaper
         self.model = model
         self.request = request
         self.state = JobState.QUEUED
         self.replica: Replica | None = None
-        # Delta..., then exactly one Done or PoolError
-        self.events: asyncio.Queue[Delta | Done | PoolError] = asyncio.Queue()
+        # Delta..., then exactly one Done or PoolError; one reader (the HTTP handler), which
+        # waits on `_waiter`: cheaper per token than an asyncio.Queue under wait_for
+        self.events: deque[Delta | Done | PoolError] = deque()
+        self._waiter: asyncio.Future | None = None
         self.created_at = time.monotonic()
         self.deadline = self.created_at + timeout_s
         self.queue_deadline = self.created_at + queue_timeout_s if queue_timeout_s else None
@@ -44,24 +47,31 @@ class Job:
     def push(self, event: Delta) -> None:
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
-        self.events.put_nowait(event)
+        self._put(event)
 
     def finish(self, outcome: Done | PoolError) -> None:
         if self.state is not JobState.FINISHED:
             self.state = JobState.FINISHED
-            self.events.put_nowait(outcome)
+            self._put(outcome)
+
+    def _put(self, event: Delta | Done | PoolError) -> None:
+        self.events.append(event)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def next_event(self, on_timeout) -> Delta | Done:
-        """The next delta or the Done; raises the job's PoolError. Waits at most
-        until the job's deadline; then `on_timeout(self)` is called and 504 raised."""
-        while self.events.empty():
-            now = time.monotonic()
+        """The next delta (all deltas that are waiting, merged) or the Done;
+        raises the job's PoolError. Waits at most until the job's deadline;
+        then `on_timeout(self)` is called and 504 raised."""
+        while not self.events:
             until = self.deadline
             if self.state is JobState.QUEUED and self.queue_deadline:
                 until = min(until, self.queue_deadline)
+            loop = asyncio.get_running_loop()
+            self._waiter = loop.create_future()
             try:
-                event = await asyncio.wait_for(self.events.get(), max(until - now, 0))
-                break
+                async with asyncio.timeout_at(loop.time() + max(until - time.monotonic(), 0)):
+                    await self._waiter
             except TimeoutError:
                 if self.state is JobState.QUEUED and self.queue_deadline and time.monotonic() >= self.queue_deadline:
                     on_timeout(self)
@@ -71,10 +81,17 @@ class Job:
                     on_timeout(self)
                     raise PoolError(ErrorCode.RUNTIME_TIMEOUT,
                                     "the runtime did not finish the request within its deadline") from None
-        else:
-            event = self.events.get_nowait()
+            finally:
+                self._waiter = None
+        event = self.events.popleft()
         if isinstance(event, PoolError):
             raise event
+        if isinstance(event, Delta) and self.events and isinstance(self.events[0], Delta):
+            # the client fell behind: what has piled up goes out as one delta
+            parts = [event.text]
+            while self.events and isinstance(self.events[0], Delta):
+                parts.append(self.events.popleft().text)
+            event = Delta(job=event.job, text="".join(parts))
         return event
 
     async def stream(self, on_timeout) -> AsyncIterator[Delta | Done]:

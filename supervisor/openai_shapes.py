@@ -5,8 +5,8 @@ and SSE events built from a job's deltas. No I/O here."""
 from __future__ import annotations
 
 import json
+import os
 import time
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -104,7 +104,7 @@ def job_request_from_chat(req: ChatRequest) -> dict:
 # -- Responses objects ----------------------------------------------------------------------------
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
+    return f"{prefix}_{os.urandom(16).hex()}"
 
 
 def _usage(usage: dict | None) -> dict | None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Protocol
 
 import protocol as p
-from protocol.errors import ErrorCode, PoolError, WorkerExit
+from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ModelConfig, ServerConfig
 from supervisor.jobs import Job, JobState
 from supervisor.process import spawn_worker, stop_process

@@ -66,7 +66,7 @@ class Executor:
                             f"model {self.cfg.name!r} has {len(self.queue)} requests queued (max_queue)",
                             retry_after_s=1)
         self.queue.append(job)
-        self._wake.set()
+        self._dispatch()  # a free slot takes it now, without waiting for the driver's turn
 
     def cancel(self, job: Job) -> None:
         """The client is gone: drop a queued job, or ask its worker to stop it."""
@@ -108,13 +108,17 @@ class Executor:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self.queue:
-                replica = self._pick_replica()
-                if replica is None:
-                    break
-                job = self.queue.popleft()
-                self._idle.clear()
-                replica.submit(job)
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Hand the head of the queue to a replica while one has a free slot."""
+        while self.queue:
+            replica = self._pick_replica()
+            if replica is None:
+                break
+            job = self.queue.popleft()
+            self._idle.clear()
+            replica.submit(job)
 
     def _has_free_slot(self) -> bool:
         return any(r.free_slots > 0 for r in self.replicas)

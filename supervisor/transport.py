@@ -4,7 +4,6 @@ A malformed frame is counted and handed to its replica; it never escapes."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import shutil
@@ -14,9 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import zmq
-import zmq.asyncio
 
 import protocol as p
+from protocol.loop_socket import LoopSocket
 
 log = logging.getLogger("llm_pool.transport")
 
@@ -28,7 +27,7 @@ class Transport:
         self.dir = Path(tempfile.mkdtemp(prefix="llm-pool-"))  # mkdtemp makes it 0700
         os.chmod(self.dir, 0o700)
         self.endpoint = f"ipc://{self.dir}/router.sock"
-        self.ctx = zmq.asyncio.Context()
+        self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone peer raises
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -36,10 +35,11 @@ class Transport:
         self.sock.bind(self.endpoint)
         self.handlers: dict[bytes, Handler] = {}
         self.counters: Counter[str] = Counter()  # protocol_errors, unknown_peer, send_failed
-        self._task: asyncio.Task | None = None
+        self._loop_sock: LoopSocket | None = None
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._recv_loop(), name="transport-recv")
+        """Begin routing incoming frames (call from the running loop)."""
+        self._loop_sock = LoopSocket(self.sock, self._dispatch)
 
     def register(self, identity: str, handler: Handler) -> None:
         self.handlers[identity.encode()] = handler
@@ -49,44 +49,36 @@ class Transport:
 
     def send(self, identity: str, msg: p.Message) -> bool:
         try:
-            self.sock.send_multipart([identity.encode(), p.encode(msg)], flags=zmq.NOBLOCK)
+            self._loop_sock.send_nowait([identity.encode(), p.encode(msg)])
             return True
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the worker is gone; EAGAIN: it is not reading
             self.counters["send_failed"] += 1
             log.debug("send to %s failed: %s", identity, exc)
             return False
 
-    async def _recv_loop(self) -> None:
-        while True:
-            try:
-                frames = await self.sock.recv_multipart(copy=True)
-            except asyncio.CancelledError:
-                raise
-            except zmq.ZMQError as exc:
-                log.error("recv failed: %s", exc)
-                continue
-            if len(frames) != 2:
-                self.counters["protocol_errors"] += 1
-                log.error("dropping a %d-part message", len(frames))
-                continue
-            identity, frame = frames
-            msg = p.decode(frame)
-            if isinstance(msg, p.ProtocolError):
-                self.counters["protocol_errors"] += 1
-                log.error("bad frame from %r: %s", identity, msg.reason)
-            handler = self.handlers.get(identity)
-            if handler is None:
-                self.counters["unknown_peer"] += 1
-                continue
-            try:
-                handler(msg)
-            except Exception:  # a bug in one replica's handling must not stop routing
-                log.exception("handler for %r failed on %r", identity, msg)
+    def _dispatch(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self.counters["protocol_errors"] += 1
+            log.error("dropping a %d-part message", len(frames))
+            return
+        identity, frame = frames
+        msg = p.decode(frame)
+        if isinstance(msg, p.ProtocolError):
+            self.counters["protocol_errors"] += 1
+            log.error("bad frame from %r: %s", identity, msg.reason)
+        handler = self.handlers.get(identity)
+        if handler is None:
+            self.counters["unknown_peer"] += 1
+            return
+        try:
+            handler(msg)
+        except Exception:  # a bug in one replica's handling must not stop routing
+            log.exception("handler for %r failed on %r", identity, msg)
 
     async def close(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        self.sock.close(linger=0)
+        if self._loop_sock:
+            self._loop_sock.close()
+        else:
+            self.sock.close(linger=0)
         self.ctx.term()
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -65,3 +65,28 @@ def test_openai_remote_without_its_key_fails_to_load(make_pool):
     r = pool.http.post("/admin/models/r/load")
     assert r.status_code == 503 and "LLM_POOL_TEST_UNSET_KEY" in r.json()["error"]["message"]
     assert pool.model("r")["state"] == "failed"
+
+
+def test_openai_remote_reuses_its_upstream_connection(make_pool):
+    """Streams are read to the end of the body (past [DONE]), so one keep-alive
+    connection carries job after job instead of a new TCP connection per job."""
+    import psutil
+
+    upstream = make_pool([synthetic("s", tokens=8)], server={"api_key": "upstream-secret"})
+    pool = make_pool([remote("r", upstream, "s")], env={"UPSTREAM_KEY": "upstream-secret"})
+    worker = psutil.Process(pool.workers("r")[0]["pid"])
+
+    def local_ports() -> set[int]:
+        return {c.laddr.port for c in worker.net_connections("tcp")
+                if c.raddr and c.raddr.port == upstream.port and c.status == psutil.CONN_ESTABLISHED}
+
+    texts = []
+    for i in range(4):
+        r = pool.http.post("/v1/chat/completions", json={"model": "r", "messages": [{"role": "user",
+                                                                                    "content": "x"}]})
+        assert r.status_code == 200
+        texts.append(r.json()["choices"][0]["message"]["content"])
+        if i == 0:
+            first = local_ports()
+    assert len(set(texts)) == 1 and len(first) == 1
+    assert local_ports() == first

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import protocol as p
+from runtime_worker.outbox import MERGE_LIMIT_CHARS, coalesce
 
 MESSAGES = [
     p.Hello(pid=1, backend="synthetic"), p.Ready(capacity=4, info={"port": 1}),
@@ -80,3 +81,24 @@ def test_decode_never_raises_on_random_maps(kind, fields):
     if not isinstance(msg, p.ProtocolError):  # anything accepted has the declared field types
         for name, expected in p.messages.FIELD_TYPES[type(msg)].items():
             assert isinstance(getattr(msg, name), expected)
+
+
+def test_outbox_merges_a_jobs_pending_deltas_but_never_across_its_end():
+    batch = [p.Delta(job="a", text="1"), p.Delta(job="b", text="x"), p.Delta(job="a", text="2"),
+             p.Done(job="a", finish_reason="stop"), p.Delta(job="a", text="late"), p.Delta(job="b", text="y"),
+             p.Heartbeat(inflight=1), p.Error(job="b", code="runtime_error", message="boom"),
+             p.Delta(job="b", text="z")]
+    assert coalesce(batch) == [
+        p.Delta(job="a", text="12"), p.Delta(job="b", text="xy"), p.Done(job="a", finish_reason="stop"),
+        p.Delta(job="a", text="late"), p.Heartbeat(inflight=1), p.Error(job="b", code="runtime_error",
+                                                                         message="boom"),
+        p.Delta(job="b", text="z")]
+
+
+def test_outbox_keeps_raw_frames_in_place_and_caps_merged_text():
+    assert coalesce([p.Delta(job="a", text="1"), b"raw", p.Delta(job="a", text="2")]) == [
+        p.Delta(job="a", text="1"), b"raw", p.Delta(job="a", text="2")]
+    big = "x" * (MERGE_LIMIT_CHARS // 2 + 1)
+    merged = coalesce([p.Delta(job="a", text=big)] * 3)
+    assert [len(m.text) for m in merged] == [len(big), len(big), len(big)]
+    assert all(len(p.encode(m)) < p.MAX_FRAME_BYTES for m in merged)

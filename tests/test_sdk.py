@@ -48,7 +48,7 @@ def test_responses_stream_final_response(client):
             if event.type == "response.output_text.delta":
                 deltas.append(event.delta)
         final = stream.get_final_response()
-    assert len(deltas) == 12
+    assert deltas  # instant tokens may arrive merged (see runtime_worker/outbox.py)
     assert "".join(deltas) == final.output_text == expected("stream me")
     assert final.usage.output_tokens == 12
 

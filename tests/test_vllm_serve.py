@@ -32,6 +32,8 @@ def pool(tmp_path_factory):
         "name": "tinyv", "backend": "vllm_serve", "target_inflight": SEQS, "load_timeout_s": 900,
         "options": {"model": str(model_dir), "python": python, "load_timeout_s": 900,
                     "extra_args": ["--dtype", "bfloat16", "--max-model-len", "2048"],
+                    # random weights stop at EOS at random; every request runs to max_tokens instead
+                    "extra_body": {"ignore_eos": True},
                     "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}}}], server={"liveness_s": 30})
     p.start(timeout=900)
     yield p
@@ -58,22 +60,24 @@ def test_sdk_calls(pool):
 
 
 def test_concurrency_up_to_max_num_seqs(pool):
-    peak = {"n": 0}
-    with ThreadPoolExecutor(SEQS + 2) as ex:
+    n, tokens = SEQS + 2, 1000
+    peak = {"pool": 0, "vllm": 0.0}
+    with ThreadPoolExecutor(n) as ex:
         futures = [ex.submit(httpx.post, pool.url + "/v1/chat/completions", timeout=300, json={
-            "model": "tinyv", "max_tokens": 1500, "messages": [{"role": "user", "content": str(i)}]})
-            for i in range(SEQS + 2)]
+            "model": "tinyv", "max_tokens": tokens, "messages": [{"role": "user", "content": str(i)}]})
+            for i in range(n)]
 
-        def sample():
+        def full() -> bool:
             v = pool.model("tinyv")
-            peak["n"] = max(peak["n"], v["runtime_inflight"])
-            assert v["runtime_inflight"] <= SEQS
-            return all(f.done() for f in futures)
-        wait_for(sample, 300, interval=0.05, what="all requests")
-    assert all(f.result().status_code == 200 for f in futures)
-    # never above max-num-seqs (checked on every sample); random weights can hit EOS within a
-    # few tokens, so how many overlap is not guaranteed
-    assert peak["n"] >= 1
+            assert v["runtime_inflight"] <= SEQS  # never above max-num-seqs
+            peak["pool"] = max(peak["pool"], v["runtime_inflight"])
+            peak["vllm"] = max(peak["vllm"], vllm_metric(pool, "vllm:num_requests_running"))
+            return v["runtime_inflight"] == SEQS and v["queue_depth"] == n - SEQS and peak["vllm"] == SEQS
+        wait_for(full, 120, interval=0.05, what=f"{SEQS} running in vLLM, {n - SEQS} queued in the pool")
+        wait_for(lambda: all(f.done() for f in futures), 300, what="all requests")
+    results = [f.result() for f in futures]
+    assert [r.status_code for r in results] == [200] * n
+    assert [r.json()["usage"]["completion_tokens"] for r in results] == [tokens] * n
 
 
 def test_cancel_stops_generation_in_vllm(pool):
@@ -83,7 +87,7 @@ def test_cancel_stops_generation_in_vllm(pool):
         for line in r.iter_lines():
             if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
                 break
-        assert vllm_metric(pool, "vllm:num_requests_running") >= 0
+        wait_for(lambda: vllm_metric(pool, "vllm:num_requests_running") == 1, 30, what="running in vLLM")
     wait_for(lambda: pool.model("tinyv")["runtime_inflight"] == 0, 30, what="slot freed")
     wait_for(lambda: vllm_metric(pool, "vllm:num_requests_running") == 0, 30, what="vLLM aborted it")
 

