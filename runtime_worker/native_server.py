@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 
+import aiohttp
 import httpx
 
 from protocol.errors import ErrorCode
@@ -31,13 +32,29 @@ def free_port() -> int:
 
 class ChatClient:
     """Streams chat completions from an OpenAI-compatible server. `base_url`
-    ends before /chat/completions (e.g. http://127.0.0.1:8080/v1)."""
+    ends before /chat/completions (e.g. http://127.0.0.1:8080/v1).
 
-    def __init__(self, base_url: str, api_key: str | None) -> None:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers,
-                                      timeout=httpx.Timeout(None, connect=10),
-                                      limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+    aiohttp, not httpx, on this path: its C parsers cost a fraction of httpx's
+    per request and per streamed chunk (scripts/bench, section 1).
+    `keep_alive`: reuse connections (a remote endpoint, where a new TLS
+    connection per job is dear). llama-server announces keep-alive but closes
+    a connection after a stream, racing the next request, so local runtimes
+    get a fresh connection per job."""
+
+    def __init__(self, base_url: str, api_key: str | None, keep_alive: bool = False) -> None:
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        if not keep_alive:
+            self.headers["Connection"] = "close"
+        self.keep_alive = keep_alive
+        self._session: aiohttp.ClientSession | None = None
+
+    def _open_session(self) -> aiohttp.ClientSession:
+        if self._session is None:  # made on first use, inside the running loop
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, force_close=not self.keep_alive),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10), headers=self.headers)
+        return self._session
 
     async def stream(self, body: dict) -> AsyncIterator[TextDelta | Finished]:
         """Stream one request. Cancelling the consumer closes the HTTP stream,
@@ -46,19 +63,28 @@ class ChatClient:
         try:
             async for event in self._stream(body):
                 yield event
-        except httpx.TransportError as exc:  # connection refused or cut mid-stream
+        except (aiohttp.ClientError, ConnectionError) as exc:  # refused, or cut mid-stream
             raise JobError(ErrorCode.RUNTIME_CRASHED, f"lost the connection to the runtime: {exc!r}") from None
+
+    async def _post(self, body: dict) -> aiohttp.ClientResponse:
+        session = self._open_session()
+        try:
+            return await session.post(self.url, json=body)
+        except aiohttp.ServerDisconnectedError:
+            if not self.keep_alive:
+                raise
+            # a pooled connection that the server had closed: nothing was sent back, try a new one
+            return await session.post(self.url, json=body)
 
     async def _stream(self, body: dict) -> AsyncIterator[TextDelta | Finished]:
         finish, usage, produced = None, None, 0
-        async with self.http.stream("POST", "/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                await r.aread()
-                raise upstream_error(r)
-            events = _sse_data(r)
-            async for data in events:
+        r = await self._post(body)
+        try:
+            if r.status != 200:
+                raise upstream_error(r.status, await r.text(errors="replace"))
+            async for data in _sse_data(r):
                 if data == b"[DONE]":
-                    await _drain(events)
+                    await _read_to_end(r)
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
@@ -73,12 +99,16 @@ class ChatClient:
                         yield TextDelta(text)
                     if choice.get("finish_reason"):
                         finish = choice["finish_reason"]
+        finally:
+            r.close()  # mid-stream (cancel, error): drops the connection, and the server its request;
+            # read to the end: the connection is back in the pool already and this is a no-op
         usage = usage or {}
         yield Finished("length" if finish == "length" else "stop",
                        int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", produced)))
 
     async def aclose(self) -> None:
-        await self.http.aclose()
+        if self._session is not None:
+            await self._session.close()
 
 
 class NativeServer:
@@ -92,10 +122,11 @@ class NativeServer:
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
         self._relay: asyncio.Task | None = None
         self.chat = ChatClient(self.base_url + "/v1", self.api_key)
+        self.control = httpx.AsyncClient(headers={"Authorization": f"Bearer {self.api_key}"})
 
     async def get(self, path: str, timeout: float = 5) -> httpx.Response:
         """GET a server path outside /v1 (/health, /props) with the server's key."""
-        return await self.chat.http.get(self.base_url + path, timeout=timeout)
+        return await self.control.get(self.base_url + path, timeout=timeout)
 
     async def launch(self, argv: list[str], env: dict | None = None) -> None:
         self.log.info("starting %s: %s", self.name, " ".join(a if a != self.api_key else "***" for a in argv))
@@ -148,6 +179,7 @@ class NativeServer:
         """SIGTERM, wait, then SIGKILL the group: llama-server can hang on
         SIGTERM while a request is in flight."""
         await self.chat.aclose()
+        await self.control.aclose()
         proc = self.proc
         if proc is None or proc.returncode is not None:
             return
@@ -167,12 +199,13 @@ class NativeServer:
             await asyncio.wait([self._relay], timeout=2)
 
 
-async def _sse_data(r: httpx.Response) -> AsyncIterator[bytes]:
-    """The `data:` payloads of an SSE body, as bytes (one split per network
-    chunk instead of httpx's text line decoder: this runs once per token)."""
+async def _sse_data(r: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The `data:` payloads of an SSE body, whatever the size of a line."""
     pending = b""
-    async for chunk in r.aiter_bytes():
+    async for chunk in r.content.iter_any():
         pending += chunk
+        if b"\n" not in chunk:
+            continue
         *lines, pending = pending.split(b"\n")
         for line in lines:
             if line.startswith(b"data:"):
@@ -181,34 +214,33 @@ async def _sse_data(r: httpx.Response) -> AsyncIterator[bytes]:
         yield pending[5:].strip()
 
 
-async def _drain(rest: AsyncIterator[bytes], timeout_s: float = 2.0) -> None:
-    """Read what follows [DONE] to the end of the body, so the connection can be
-    reused (a keep-alive upstream: no new TCP connection per job); a server
-    that does not end the body in time only costs that connection."""
+async def _read_to_end(r: aiohttp.ClientResponse, timeout_s: float = 2.0) -> None:
+    """Read what follows [DONE] to the end of the body, so that a keep-alive
+    connection can carry the next job; a server that does not end the body in
+    time only costs that connection."""
     try:
         async with asyncio.timeout(timeout_s):
-            async for _ in rest:
-                pass
+            await r.read()
     except TimeoutError:
         pass
 
 
-def upstream_error(r: httpx.Response) -> JobError:
+def upstream_error(status: int, text: str) -> JobError:
     """Map an upstream HTTP error to a job error; never a success."""
     try:
-        detail = r.json().get("error", r.text)
+        detail = json.loads(text).get("error", text)
         message = detail.get("message", str(detail)) if isinstance(detail, dict) else str(detail)
     except (ValueError, AttributeError):
-        message = r.text[:500]
-    if r.status_code == 400:
+        message = text[:500]
+    if status == 400:
         code = ErrorCode.INVALID_REQUEST
-    elif r.status_code == 429:
+    elif status == 429:
         code = ErrorCode.UPSTREAM_RATE_LIMITED
-    elif r.status_code in (408, 504):
+    elif status in (408, 504):
         code = ErrorCode.RUNTIME_TIMEOUT
     else:
         code = ErrorCode.RUNTIME_ERROR
-    return JobError(code, f"upstream {r.status_code}: {message}")
+    return JobError(code, f"upstream {status}: {message}")
 
 
 def extra_body(options: dict) -> dict:

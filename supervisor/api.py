@@ -15,8 +15,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from sse_starlette import EventSourceResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from protocol import Delta, Done
@@ -29,7 +28,15 @@ from supervisor.metrics import Metrics
 from supervisor.observe import worker_views
 
 log = logging.getLogger("llm_pool.api")
-SSE_PING_S = 15
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse_frame(event: dict) -> bytes:
+    """One server-sent event: {"data": str} with an optional "event" name. The
+    data is compact JSON (or [DONE]): never a newline inside."""
+    if "event" in event:
+        return f"event: {event['event']}\ndata: {event['data']}\n\n".encode()
+    return f"data: {event['data']}\n\n".encode()
 ENDPOINTS = {"/v1/responses": "responses", "/v1/chat/completions": "chat_completions"}  # metric labels
 
 
@@ -195,7 +202,8 @@ def create_app(config: PoolConfig) -> FastAPI:
                 first = await first_event(request, job)
                 if first is None:
                     return Response(status_code=499)
-                return EventSourceResponse(_sse(job, endpoint, sse_shape, first), ping=SSE_PING_S, sep="\n")
+                return StreamingResponse(_sse(job, endpoint, sse_shape, first), media_type="text/event-stream",
+                                         headers=SSE_HEADERS)
             result = await unless_disconnected(request, job, collect(job))
             if result is None:
                 return Response(status_code=499)
@@ -213,23 +221,29 @@ def create_app(config: PoolConfig) -> FastAPI:
         return await unless_disconnected(request, job, job.next_event(engine.cancel))
 
     async def _sse(job: Job, endpoint: str, shape, first):
+        """The SSE body. What is ready goes out in one write: the opening events
+        with the first delta, then each delta (merged if several were waiting),
+        then the closing events. A client that leaves cancels the job (Starlette
+        notices the disconnect and cancels this generator)."""
         try:
-            for event in shape.opening():
-                yield event
+            ready = [sse_frame(e) for e in shape.opening()]
             event = first
             while True:
                 if isinstance(event, Delta):
-                    yield shape.delta(event.text)
-                else:
+                    ready.append(sse_frame(shape.delta(event.text)))
+                elif isinstance(event, Done):
                     metrics.job_done(job, event, endpoint)
-                    for closing in shape.closing(event.finish_reason, event.usage):
-                        yield closing
+                    ready += [sse_frame(e) for e in shape.closing(event.finish_reason, event.usage)]
+                    yield b"".join(ready)
                     return
-                event = await job.next_event(engine.cancel)
+                else:  # quiet for sse_ping_s: a comment keeps proxies from timing the stream out
+                    ready.append(b": ping\n\n")
+                yield b"".join(ready)
+                ready = []
+                event = await job.next_event(engine.cancel, idle_s=config.server.sse_ping_s)
         except PoolError as err:
             metrics.request(job.model, endpoint, err.status)
-            for failed in shape.failed(err):
-                yield failed
+            yield b"".join([*ready, *(sse_frame(e) for e in shape.failed(err))])
         finally:
             engine.cancel(job)  # no-op when finished; frees the slot when the client left
 

@@ -29,6 +29,7 @@ class ServerConfig(_Strict):
     heartbeat_s: float = Field(1.0, gt=0)  # both directions
     liveness_s: float = Field(10.0, gt=0)  # no heartbeat this long: the peer is gone
     shutdown_grace_s: float = Field(30.0, ge=0)
+    sse_ping_s: float = Field(15.0, gt=0)  # a stream quiet this long gets a ": ping" comment line
     state_dir: str | None = None  # replica logs; default: the user's state dir
 
 

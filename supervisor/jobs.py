@@ -59,14 +59,20 @@ class Job:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    async def next_event(self, on_timeout) -> Delta | Done:
+    async def next_event(self, on_timeout, idle_s: float | None = None) -> Delta | Done | None:
         """The next delta (all deltas that are waiting, merged) or the Done;
         raises the job's PoolError. Waits at most until the job's deadline;
-        then `on_timeout(self)` is called and 504 raised."""
+        then `on_timeout(self)` is called and 504 raised. With `idle_s`, returns
+        None when nothing came for that long (time for a keep-alive ping)."""
+        idle_until = time.monotonic() + idle_s if idle_s else None
         while not self.events:
             until = self.deadline
             if self.state is JobState.QUEUED and self.queue_deadline:
                 until = min(until, self.queue_deadline)
+            if idle_until is not None:
+                if time.monotonic() >= idle_until:
+                    return None
+                until = min(until, idle_until)
             loop = asyncio.get_running_loop()
             self._waiter = loop.create_future()
             try:

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import psutil
 
+from runtime_worker.backends.synthetic import synthetic_tokens
 from tests.conftest import synthetic
 from tests.pool import wait_for
 
@@ -112,6 +113,19 @@ def test_streaming_is_token_by_token(make_pool):
     assert len(deltas) == 20 and arrivals[-1][1] == "response.completed"
     # the first token reached us while the generator still had 19 tokens (>= 1.9 s) to go
     assert deltas[-1] - deltas[0] >= 1.9 * 0.95
+
+
+def test_quiet_stream_gets_pings_between_tokens(make_pool):
+    pool = make_pool([synthetic("s", tps=2, tokens=3)], server={"sse_ping_s": 0.1})  # 0.5 s between tokens
+    with httpx.stream("POST", pool.url + "/v1/chat/completions", timeout=30,
+                      json={"model": "s", "stream": True, "messages": [{"role": "user", "content": "x"}]}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    kinds = ["ping" if line == ": ping" else "done" if line == "data: [DONE]" else "data" for line in lines]
+    assert kinds[-1] == "done" and kinds.count("ping") >= 2
+    # pings only between events, never inside one: every other line is a whole JSON chunk
+    text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                   for line in lines if line.startswith("data: {"))
+    assert text == "".join(synthetic_tokens("x", 3))
 
 
 def test_disconnect_removes_queued_and_cancels_submitted(make_pool):

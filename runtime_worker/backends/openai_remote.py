@@ -24,7 +24,7 @@ class OpenAIRemoteBackend(Backend):
         if key_env and not key:
             raise BackendLoadError(f"environment variable {key_env} (options.api_key_env) is not set")
         self.extra_body = extra_body(self.options)
-        self.chat = ChatClient(base_url, key)
+        self.chat = ChatClient(base_url, key, keep_alive=True)
         return self.target_inflight, {"base_url": base_url}
 
     def run(self, job: str, request: dict) -> AsyncIterator[Event]:
