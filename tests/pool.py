@@ -57,9 +57,20 @@ class Pool:
             cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         wait_for(self._healthy, timeout, what=f"pool /health (log: {self.log_path})")
         if wait_ready:
-            wait_for(lambda: self.http.get("/ready").status_code == 200, timeout,
-                     what=f"pool /ready (log: {self.log_path})")
+            wait_for(self._ready, timeout, what=f"pool /ready (log: {self.log_path})")
         return self
+
+    def _ready(self) -> bool:
+        """/ready is 200; a model that failed to load fails the wait at once, with its error."""
+        if self.http.get("/ready").status_code == 200:
+            return True
+        models = self.http.get("/admin/models")
+        if models.status_code != 200:  # an admin key is set: /ready alone decides
+            return False
+        failed = {m["name"]: m.get("error") for m in models.json()["models"] if m["state"] == "failed"}
+        if failed:
+            raise AssertionError(f"models failed to load: {failed}")
+        return False
 
     def _healthy(self) -> bool:
         if self.proc.poll() is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -18,6 +19,12 @@ from tests.pool import ROOT, Pool, wait_for
 
 pytestmark = pytest.mark.vllm
 SEQS = 4
+MODEL_LEN = 4096  # the tiny model's max_position_embeddings
+# The tiny model runs at hundreds of tokens/s while vLLM's busy engine loop takes both cores,
+# so the test's own samples can be seconds apart: requests are made long enough (with
+# ignore_eos) that every state to be observed lasts far longer than that.
+LONG = 4000  # single requests: about 20 s of generation
+WAVE = 2000  # per request when SEQS run at once
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +38,7 @@ def pool(tmp_path_factory):
     p = Pool(tmp_path_factory.mktemp("vllm"), [{
         "name": "tinyv", "backend": "vllm_serve", "target_inflight": SEQS, "load_timeout_s": 900,
         "options": {"model": str(model_dir), "python": python, "load_timeout_s": 900,
-                    "extra_args": ["--dtype", "bfloat16", "--max-model-len", "2048"],
+                    "extra_args": ["--dtype", "bfloat16", "--max-model-len", str(MODEL_LEN)],
                     # random weights stop at EOS at random; every request runs to max_tokens instead
                     "extra_body": {"ignore_eos": True},
                     "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}}}], server={"liveness_s": 30})
@@ -41,10 +48,24 @@ def pool(tmp_path_factory):
 
 
 def vllm_metric(pool, name: str) -> float:
-    """A gauge from vLLM's own /metrics (open without its key)."""
+    """A series from vLLM's own /metrics (open without its key), summed over labels."""
     port = pool.workers("tinyv")[0]["runtime_info"]["port"]
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=60).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def settled(read, what: str, timeout: float = 60):
+    """Wait until `read()` gives the same value twice, a second apart; return that value."""
+    previous = [read()]
+
+    def unchanged() -> bool:
+        time.sleep(1)  # the gap between the two readings compared
+        current = read()
+        same = current == previous[0]
+        previous[0] = current
+        return same
+    wait_for(unchanged, timeout, interval=0, what=what)
+    return previous[0]
 
 
 def test_sdk_calls(pool):
@@ -60,48 +81,57 @@ def test_sdk_calls(pool):
 
 
 def test_concurrency_up_to_max_num_seqs(pool):
-    n, tokens = SEQS + 2, 1000
-    peak = {"pool": 0, "vllm": 0.0}
+    n = SEQS + 2
+    seen = {"inflight": 0, "queued": 0, "vllm_running": 0.0}
     with ThreadPoolExecutor(n) as ex:
-        futures = [ex.submit(httpx.post, pool.url + "/v1/chat/completions", timeout=300, json={
-            "model": "tinyv", "max_tokens": tokens, "messages": [{"role": "user", "content": str(i)}]})
+        futures = [ex.submit(httpx.post, pool.url + "/v1/chat/completions", timeout=600, json={
+            "model": "tinyv", "max_tokens": WAVE, "messages": [{"role": "user", "content": str(i)}]})
             for i in range(n)]
 
-        def full() -> bool:
+        def all_seen() -> bool:
             v = pool.model("tinyv")
             assert v["runtime_inflight"] <= SEQS  # never above max-num-seqs
-            peak["pool"] = max(peak["pool"], v["runtime_inflight"])
-            peak["vllm"] = max(peak["vllm"], vllm_metric(pool, "vllm:num_requests_running"))
-            return v["runtime_inflight"] == SEQS and v["queue_depth"] == n - SEQS and peak["vllm"] == SEQS
-        wait_for(full, 120, interval=0.05, what=f"{SEQS} running in vLLM, {n - SEQS} queued in the pool")
-        wait_for(lambda: all(f.done() for f in futures), 300, what="all requests")
-    results = [f.result() for f in futures]
+            seen["inflight"] = max(seen["inflight"], v["runtime_inflight"])
+            seen["queued"] = max(seen["queued"], v["queue_depth"])
+            seen["vllm_running"] = max(seen["vllm_running"], vllm_metric(pool, "vllm:num_requests_running"))
+            return seen == {"inflight": SEQS, "queued": n - SEQS, "vllm_running": SEQS}
+        try:
+            wait_for(all_seen, 300, interval=0.05, what=f"{SEQS} running in vLLM and {n - SEQS} queued")
+        finally:
+            print("seen:", seen)
+        results = [f.result() for f in futures]
     assert [r.status_code for r in results] == [200] * n
-    assert [r.json()["usage"]["completion_tokens"] for r in results] == [tokens] * n
+    assert [r.json()["usage"]["completion_tokens"] for r in results] == [WAVE] * n
 
 
 def test_cancel_stops_generation_in_vllm(pool):
+    def generated() -> float:
+        return vllm_metric(pool, "vllm:generation_tokens_total")
+
+    before = settled(generated, "vLLM idle")
     with httpx.stream("POST", pool.url + "/v1/chat/completions", timeout=300, json={
-            "model": "tinyv", "stream": True, "max_tokens": 1900,
+            "model": "tinyv", "stream": True, "max_tokens": LONG,
             "messages": [{"role": "user", "content": "long"}]}) as r:
         for line in r.iter_lines():
             if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
-                break
-        wait_for(lambda: vllm_metric(pool, "vllm:num_requests_running") == 1, 30, what="running in vLLM")
+                break  # leaving the block closes the connection: the client is gone
     wait_for(lambda: pool.model("tinyv")["runtime_inflight"] == 0, 30, what="slot freed")
-    wait_for(lambda: vllm_metric(pool, "vllm:num_requests_running") == 0, 30, what="vLLM aborted it")
+    wait_for(lambda: vllm_metric(pool, "vllm:num_requests_running") == 0, 30, what="vLLM stopped it")
+    made = settled(generated, "vLLM idle again") - before
+    # without the cancel vLLM would have generated all LONG tokens (ignore_eos)
+    assert 0 < made < LONG / 2, made
 
 
 def test_unload_drains_then_stops_vllm(pool):
     children = [c["pid"] for c in pool.workers("tinyv")[0]["children"]]
     with ThreadPoolExecutor(2) as ex:
         running = ex.submit(httpx.post, pool.url + "/v1/responses", timeout=300,
-                            json={"model": "tinyv", "input": "x", "max_output_tokens": 1500})
+                            json={"model": "tinyv", "input": "x", "max_output_tokens": LONG})
         wait_for(lambda: pool.model("tinyv")["runtime_inflight"] == 1, 30, what="submitted")
         unload = ex.submit(pool.http.post, "/admin/models/tinyv/unload")
         wait_for(lambda: pool.model("tinyv")["state"] == "unloading", 30, what="unloading")
         r = running.result()
-        assert r.status_code == 200 and r.json()["usage"]["output_tokens"] > 0
+        assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == LONG  # ran to its end
         assert unload.result().json()["state"] == "unloaded"
     import psutil
     wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE

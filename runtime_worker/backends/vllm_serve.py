@@ -46,7 +46,8 @@ class VllmServeBackend(Backend):
                 "--host", "127.0.0.1", "--port", str(self.server.port),
                 "--served-model-name", SERVED_NAME, "--max-num-seqs", str(max_num_seqs),
                 "--api-key", self.server.api_key, *[str(a) for a in self.options.get("extra_args", [])]]
-        env = {str(k): str(v) for k, v in (self.options.get("env") or {}).items()}
+        # unbuffered: its access and engine lines reach the replica log as they happen, in order
+        env = {"PYTHONUNBUFFERED": "1", **{str(k): str(v) for k, v in (self.options.get("env") or {}).items()}}
         await self.server.launch(argv, env)
         # vLLM binds its port only after loading: refused connections mean "still loading"
         await self.server.wait_healthy(float(self.options.get("load_timeout_s", 600)))
