@@ -30,6 +30,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+STALE_RETRIES = 3  # keep-alive clients: resends after a connection error before any answer
+
+
 class ChatClient:
     """Streams chat completions from an OpenAI-compatible server. `base_url`
     ends before /chat/completions (e.g. http://127.0.0.1:8080/v1).
@@ -68,13 +71,17 @@ class ChatClient:
 
     async def _post(self, body: dict) -> aiohttp.ClientResponse:
         session = self._open_session()
-        try:
-            return await session.post(self.url, json=body)
-        except aiohttp.ServerDisconnectedError:
-            if not self.keep_alive:
-                raise
-            # a pooled connection that the server had closed: nothing was sent back, try a new one
-            return await session.post(self.url, json=body)
+        failures = 0
+        while True:
+            try:
+                return await session.post(self.url, json=body)
+            except aiohttp.ClientConnectionError:
+                # A pooled connection the server had closed just before (llama-server
+                # announces keep-alive, then closes after a stream): no answer came back,
+                # so the request is sent again; a server that is down fails every try.
+                failures += 1
+                if not self.keep_alive or failures > STALE_RETRIES:
+                    raise
 
     async def _stream(self, body: dict) -> AsyncIterator[TextDelta | Finished]:
         finish, usage, produced = None, None, 0

@@ -55,9 +55,13 @@ class Pool:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "supervisor.cli", "serve", "--config", str(self.config_path)],
             cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
-        wait_for(self._healthy, timeout, what=f"pool /health (log: {self.log_path})")
-        if wait_ready:
-            wait_for(self._ready, timeout, what=f"pool /ready (log: {self.log_path})")
+        try:
+            wait_for(self._healthy, timeout, what=f"pool /health (log: {self.log_path})")
+            if wait_ready:
+                wait_for(self._ready, timeout, what=f"pool /ready (log: {self.log_path})")
+        except BaseException:  # a fixture that fails here gets no teardown: stop it now
+            self.stop()
+            raise
         return self
 
     def _ready(self) -> bool:

@@ -90,3 +90,41 @@ def test_openai_remote_reuses_its_upstream_connection(make_pool):
             first = local_ports()
     assert len(set(texts)) == 1 and len(first) == 1
     assert local_ports() == first
+
+
+def test_openai_remote_in_front_of_a_llama_server_loses_no_request(make_pool, tiny_gguf, llama_server_bin,
+                                                                   tmp_path):
+    """llama-server announces keep-alive but may close a connection after a stream,
+    racing the next request on it (scripts/bench saw 3 of 125 such requests fail
+    before the retry on a stale connection). Back-to-back streams through the
+    keep-alive client must all succeed. The race is rare: this run does not
+    always meet it, so it guards the path, not the exact timing."""
+    import subprocess
+
+    from tests.pool import free_port
+
+    port = free_port()
+    log = open(tmp_path / "llama.log", "wb")
+    server = subprocess.Popen([llama_server_bin, "-m", tiny_gguf, "-c", "4096", "-np", "4", "--host", "127.0.0.1",
+                               "--port", str(port), "--api-key", "upstream-secret", "--no-webui"],
+                              stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+                 if server.poll() is None else pytest.fail("llama-server exited"), 60, what="llama-server")
+        upstream = type("Upstream", (), {"url": f"http://127.0.0.1:{port}"})
+        pool = make_pool([{**remote("r", upstream, "tiny"), "target_inflight": 4}],
+                         env={"UPSTREAM_KEY": "upstream-secret"})
+
+        def one(i: int) -> int:
+            with httpx.stream("POST", pool.url + "/v1/chat/completions", timeout=60, json={
+                    "model": "r", "stream": True, "max_tokens": 16,
+                    "messages": [{"role": "user", "content": str(i)}]}) as r:
+                r.read()
+                return r.status_code
+        with ThreadPoolExecutor(4) as ex:
+            codes = list(ex.map(one, range(200)))
+        assert codes == [200] * 200
+    finally:
+        server.terminate()
+        server.wait(10)
+        log.close()
