@@ -15,8 +15,8 @@ import time
 import zmq
 
 import protocol as p
-from protocol.loop_socket import LoopSocket
 from protocol.errors import ErrorCode, WorkerExit
+from protocol.loop_socket import LoopSocket
 from runtime_worker.backends import backend_class
 from runtime_worker.backends.base import Backend, BackendLoadError, Finished, JobError, RawFrame, TextDelta
 from runtime_worker.lifeline import die_with_parent
@@ -83,8 +83,7 @@ class Worker:
             return
         except Exception as exc:
             log.exception("runtime crashed while loading")
-            self.send(p.Error(job=None, code=ErrorCode.LOAD_FAILED,
-                                    message=f"{type(exc).__name__}: {exc}"))
+            self.send(p.Error(job=None, code=ErrorCode.LOAD_FAILED, message=f"{type(exc).__name__}: {exc}"))
             self.stop(WorkerExit.BOOT_FAILURE)
             return
         self.capacity = capacity
@@ -141,8 +140,7 @@ class Worker:
             self.send(p.Error(job=job, code=exc.code, message=exc.message))
         except Exception as exc:
             log.exception("job %s failed", job)
-            self.send(p.Error(job=job, code=ErrorCode.RUNTIME_ERROR,
-                                    message=f"{type(exc).__name__}: {exc}"))
+            self.send(p.Error(job=job, code=ErrorCode.RUNTIME_ERROR, message=f"{type(exc).__name__}: {exc}"))
         finally:
             self.jobs.pop(job, None)
 

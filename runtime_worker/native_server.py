@@ -107,8 +107,9 @@ class ChatClient:
                     if choice.get("finish_reason"):
                         finish = choice["finish_reason"]
         finally:
-            r.close()  # mid-stream (cancel, error): drops the connection, and the server its request;
-            # read to the end: the connection is back in the pool already and this is a no-op
+            # mid-stream (a cancel, an error) this drops the connection, so the server drops the
+            # request and frees its slot; after a body read to its end it is a no-op
+            r.close()
         usage = usage or {}
         yield Finished("length" if finish == "length" else "stop",
                        int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", produced)))
