@@ -18,7 +18,7 @@ from supervisor.process import sweep_stale_workers
 from supervisor.replica import LoadFailed, Replica
 from supervisor.scheduler import Executor
 from supervisor.states import MODEL_TRANSITIONS, ModelState, ReplicaState, transition
-from supervisor.transport import Transport
+from supervisor.transport import Transport, sweep_stale_socket_dirs
 
 log = logging.getLogger("llm_pool.engine")
 
@@ -56,6 +56,8 @@ class ModelRouterEngine:
         swept = sweep_stale_workers()
         if swept:
             log.warning("swept %d stale worker(s) of a dead supervisor", len(swept))
+        for path in sweep_stale_socket_dirs():
+            log.warning("removed %s, the socket directory of a dead supervisor", path)
         self.transport = Transport()
         self.transport.start()
         self._spawn(self._heartbeat_loop())

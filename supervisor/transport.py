@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import zmq
 
 import protocol as p
@@ -22,9 +23,30 @@ log = logging.getLogger("llm_pool.transport")
 Handler = Callable[[p.Message | p.ProtocolError], None]
 
 
+DIR_PREFIX = "llm-pool-"  # + the supervisor's pid + "-" + random: a dead owner's dir can be swept
+
+
+def sweep_stale_socket_dirs() -> list[Path]:
+    """Remove the socket directories of supervisors that died without cleaning
+    up (SIGKILL, a crash). Only ours (same user) and only when the pid in the
+    name is gone."""
+    removed = []
+    for path in Path(tempfile.gettempdir()).glob(f"{DIR_PREFIX}*-*"):
+        pid = path.name[len(DIR_PREFIX):].split("-", 1)[0]
+        try:
+            mine = path.is_dir() and path.stat().st_uid == os.getuid()
+        except OSError:
+            continue
+        if mine and pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 class Transport:
     def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="llm-pool-"))  # mkdtemp makes it 0700
+        # mkdtemp makes it 0700
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-"))
         os.chmod(self.dir, 0o700)
         self.endpoint = f"ipc://{self.dir}/router.sock"
         self.ctx = zmq.Context()

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import psutil
@@ -163,11 +164,17 @@ def test_supervisor_sigkill_leaves_no_orphans(make_pool, tiny_gguf, llama_server
     pool = make_pool([synthetic("s", replicas=2), llama("tiny", tiny_gguf, llama_server_bin)])
     pids = [w["pid"] for w in pool.workers()] + [c["pid"] for w in pool.workers() for c in w["children"]]
     assert len(pids) == 4
+    socket_dir = Path(next(a for a in psutil.Process(pids[0]).cmdline() if a.startswith("ipc://"))
+                      .removeprefix("ipc://")).parent
     killed_at = time.monotonic()
     pool.proc.kill()
     pool.proc.wait(10)
     wait_for(lambda: all(gone(p) for p in pids), 15, what="workers and llama-server gone")
     print(f"supervisor SIGKILL -> no orphans: {(time.monotonic() - killed_at) * 1000:.0f} ms")
+    # a killed supervisor cannot remove its socket directory: the next one does
+    assert socket_dir.is_dir()
+    make_pool([synthetic("next")])
+    assert not socket_dir.exists()
 
 
 def test_new_supervisor_sweeps_stale_workers(make_pool, tmp_path):
