@@ -91,7 +91,8 @@ class ChatClient:
                 raise upstream_error(r.status, await r.text(errors="replace"))
             async for data in _sse_data(r):
                 if data == b"[DONE]":
-                    await _read_to_end(r)
+                    if self.keep_alive:  # the connection goes back to the pool only once drained
+                        await _read_to_end(r)
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:

@@ -28,6 +28,7 @@ from supervisor.metrics import Metrics
 from supervisor.observe import worker_views
 
 log = logging.getLogger("llm_pool.api")
+ENDPOINTS = {"/v1/responses": "responses", "/v1/chat/completions": "chat_completions"}  # metric labels
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -37,7 +38,6 @@ def sse_frame(event: dict) -> bytes:
     if "event" in event:
         return f"event: {event['event']}\ndata: {event['data']}\n\n".encode()
     return f"data: {event['data']}\n\n".encode()
-ENDPOINTS = {"/v1/responses": "responses", "/v1/chat/completions": "chat_completions"}  # metric labels
 
 
 def _error_response(err: PoolError) -> JSONResponse:

@@ -100,18 +100,26 @@ def test_openai_remote_in_front_of_a_llama_server_loses_no_request(make_pool, ti
     keep-alive client must all succeed. The race is rare: this run does not
     always meet it, so it guards the path, not the exact timing."""
     import subprocess
+    from types import SimpleNamespace
 
     from tests.pool import free_port
 
     port = free_port()
+    upstream = SimpleNamespace(url=f"http://127.0.0.1:{port}")
     log = open(tmp_path / "llama.log", "wb")
     server = subprocess.Popen([llama_server_bin, "-m", tiny_gguf, "-c", "4096", "-np", "4", "--host", "127.0.0.1",
                                "--port", str(port), "--api-key", "upstream-secret", "--no-webui"],
                               stdout=log, stderr=subprocess.STDOUT)
+
+    def healthy() -> bool:
+        if server.poll() is not None:
+            pytest.fail(f"llama-server exited with {server.returncode}")
+        try:
+            return httpx.get(upstream.url + "/health", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
     try:
-        wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
-                 if server.poll() is None else pytest.fail("llama-server exited"), 60, what="llama-server")
-        upstream = type("Upstream", (), {"url": f"http://127.0.0.1:{port}"})
+        wait_for(healthy, 60, what="llama-server")
         pool = make_pool([{**remote("r", upstream, "tiny"), "target_inflight": 4}],
                          env={"UPSTREAM_KEY": "upstream-secret"})
 
@@ -126,5 +134,9 @@ def test_openai_remote_in_front_of_a_llama_server_loses_no_request(make_pool, ti
         assert codes == [200] * 200
     finally:
         server.terminate()
-        server.wait(10)
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
         log.close()

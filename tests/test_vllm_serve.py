@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -59,12 +58,11 @@ def settled(read, what: str, timeout: float = 60):
     previous = [read()]
 
     def unchanged() -> bool:
-        time.sleep(1)  # the gap between the two readings compared
         current = read()
         same = current == previous[0]
         previous[0] = current
         return same
-    wait_for(unchanged, timeout, interval=0, what=what)
+    wait_for(unchanged, timeout, interval=1, what=what)  # readings compared are 1 s apart
     return previous[0]
 
 
