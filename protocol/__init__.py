@@ -16,7 +16,7 @@ is the replica id. Every message is ONE frame holding one msgpack map:
     delta   job, text                       heartbeat
     done    job, finish_reason, usage{}     shutdown
     error   job|None, code, message
-    heartbeat inflight
+    heartbeat inflight, jobs[]
 
   hello is sent on connect (before the runtime loads); ready follows once the
   runtime can take jobs, carrying its honest capacity; a load failure is an
@@ -27,7 +27,7 @@ Frames above MAX_FRAME_BYTES are refused. `decode` never raises: any malformed
 frame comes back as a `ProtocolError` value naming what was wrong.
 """
 
-from protocol.codec import MAX_FRAME_BYTES, PROTOCOL_VERSION, ProtocolError, decode, encode
+from protocol.codec import MAX_FRAME_BYTES, PROTOCOL_VERSION, ProtocolError, decode, encode, find_unencodable
 from protocol.messages import (
     Cancel,
     Delta,
@@ -42,7 +42,7 @@ from protocol.messages import (
 )
 
 __all__ = [
-    "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "ProtocolError", "decode", "encode",
+    "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "ProtocolError", "decode", "encode", "find_unencodable",
     "Cancel", "Delta", "Done", "Error", "Heartbeat", "Hello", "Message", "Ready",
     "Shutdown", "Submit",
 ]

@@ -11,7 +11,10 @@ import msgpack
 from protocol.messages import FIELD_TYPES, MESSAGE_TYPES, Message
 
 PROTOCOL_VERSION = 1
-MAX_FRAME_BYTES = 4 * 1024 * 1024
+# Twice the largest request body a pool may accept (supervisor config caps
+# max_body_bytes at MAX_FRAME_BYTES // 2): msgpack never makes a JSON request
+# much bigger, so a body under its cap always fits in one Submit frame.
+MAX_FRAME_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +46,43 @@ def encode(msg: Message) -> bytes:
     for name in _FIELD_NAMES[type(msg)]:
         payload[name] = getattr(msg, name)
     return _packb(payload)
+
+
+_INT_RANGE = (-(2**63), 2**64 - 1)  # what msgpack can carry
+
+
+def find_unencodable(value, path: str = "") -> tuple[str, str] | None:
+    """The first value inside `value` that msgpack cannot encode, as (dotted
+    path, reason); None if there is none. Used to name the offending field of
+    a client's request, not on the hot path."""
+    if isinstance(value, bool) or value is None or isinstance(value, float):
+        return None
+    if isinstance(value, int):
+        if not _INT_RANGE[0] <= value <= _INT_RANGE[1]:
+            return path, "integer out of range"
+        return None
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path, "text that is not valid Unicode (a lone surrogate)"
+        return None
+    if isinstance(value, (bytes, bytearray)):
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return path, "a map key that is not text"
+            found = find_unencodable(key, path) or find_unencodable(item, f"{path}.{key}" if path else key)
+            if found:
+                return found
+        return None
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            if found := find_unencodable(item, f"{path}.{i}" if path else str(i)):
+                return found
+        return None
+    return path, f"a value of type {type(value).__name__}"
 
 
 def decode(frame: bytes) -> Message | ProtocolError:

@@ -34,7 +34,7 @@ class Worker:
         sock.setsockopt(zmq.LINGER, 500)
         sock.connect(args.endpoint)
         self.sock = LoopSocket(sock, self.on_frames)
-        self.outbox = Outbox(self.sock)
+        self.outbox = Outbox(self.sock, on_job_failed=self.cancel_job)
         self.backend: Backend = backend_class(args.backend)(
             json.loads(args.options), args.target_inflight, log)
         self.capacity = 0
@@ -46,10 +46,22 @@ class Worker:
     def send(self, msg: p.Message) -> None:
         self.outbox.put(msg)
 
+    def _background(self, coro, name: str) -> asyncio.Task:
+        """A task the worker cannot do without: if it ends by an exception, the
+        worker says so and exits non-zero, so its supervisor restarts it."""
+        task = asyncio.create_task(coro, name=name)
+
+        def ended(t: asyncio.Task) -> None:
+            if not t.cancelled() and t.exception() is not None:
+                log.error("%s died: %r; exiting", name, t.exception(), exc_info=t.exception())
+                self.stop(WorkerExit.CRASH)
+        task.add_done_callback(ended)
+        return task
+
     async def run(self) -> int:
         self.send(p.Hello(pid=os.getpid(), backend=self.args.backend))
-        sender = asyncio.create_task(self.outbox.run())
-        tasks = [asyncio.create_task(self.heartbeat_loop()), asyncio.create_task(self.load())]
+        sender = self._background(self.outbox.run(), "sender")
+        tasks = [self._background(self.heartbeat_loop(), "heartbeat"), self._background(self.load(), "load")]
         await self.stopping.wait()
         for job in list(self.jobs.values()):
             job.cancel()
@@ -107,10 +119,10 @@ class Worker:
                 if len(self.jobs) >= self.capacity:
                     self.send(p.Error(job=job, code=ErrorCode.RUNTIME_ERROR, message="worker is at capacity"))
                 else:
-                    self.jobs[job] = asyncio.create_task(self.run_job(job, request))
+                    task = self.jobs[job] = asyncio.create_task(self.run_job(job, request))
+                    task.add_done_callback(lambda t, job=job: self._job_ended(job))
             case p.Cancel(job=job):
-                if task := self.jobs.get(job):
-                    task.cancel()
+                self.cancel_job(job)
             case p.Shutdown():
                 self.stop(WorkerExit.OK)
             case p.Heartbeat():
@@ -144,6 +156,18 @@ class Worker:
         finally:
             self.jobs.pop(job, None)
 
+    def cancel_job(self, job: str) -> None:
+        if task := self.jobs.get(job):
+            task.cancel()
+
+    def _job_ended(self, job: str) -> None:
+        """run_job removes its job when it ends. A job still listed here was
+        cancelled before its first step (a Cancel in the same loop turn as its
+        Submit), so none of run_job ran: its Done is sent here, else its slot in
+        the supervisor would stay taken."""
+        if self.jobs.pop(job, None) is not None and not self.stopping.is_set():
+            self.send(p.Done(job=job, finish_reason="cancelled", usage={}))
+
     async def heartbeat_loop(self) -> None:
         parent = self.args.parent_pid
         while True:
@@ -156,7 +180,7 @@ class Worker:
                 log.error("no word from the supervisor for %.1fs; exiting", self.args.liveness_s)
                 self.stop(WorkerExit.SUPERVISOR_GONE)
                 return
-            self.send(p.Heartbeat(inflight=len(self.jobs)))
+            self.send(p.Heartbeat(inflight=len(self.jobs), jobs=list(self.jobs)))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -30,6 +30,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+RELAY_CHUNK_BYTES = 64 * 1024
+RELAY_LINE_BYTES = 16 * 1024  # a longer line of the child's output is split in the log
 STALE_RETRIES = 3  # keep-alive clients: resends after a connection error before any answer
 
 
@@ -137,22 +139,47 @@ class NativeServer:
         """GET a server path outside /v1 (/health, /props) with the server's key."""
         return await self.control.get(self.base_url + path, timeout=timeout)
 
-    async def launch(self, argv: list[str], env: dict | None = None) -> None:
-        self.log.info("starting %s: %s", self.name, " ".join(a if a != self.api_key else "***" for a in argv))
+    async def launch(self, argv: list[str], key_env: str, env: dict | None = None) -> None:
+        """Start the server. Its API key goes in the environment variable
+        `key_env` (private to this user), never in argv, which any user can
+        read through ps."""
+        self.log.info("starting %s: %s", self.name, " ".join(argv))
         self.proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, env={**os.environ, **(env or {})},
+            stderr=asyncio.subprocess.STDOUT, env={**os.environ, **(env or {}), key_env: self.api_key},
             start_new_session=True,  # its own group, killed as one
             preexec_fn=die_with_parent,  # gone with the worker, even on SIGKILL
         )
-        self._relay = asyncio.create_task(self._relay_output())
+        self._relay = asyncio.create_task(self._relay_output(), name=f"relay-{self.name}")
+        self._relay.add_done_callback(self._relay_ended)
+
+    def _relay_ended(self, task: asyncio.Task) -> None:
+        # a relay that stops while the child runs would leave it blocked on a full pipe
+        if not task.cancelled() and task.exception() is not None:
+            self.log.error("relaying %s's output failed: %r; stopping it", self.name, task.exception())
+            if self.proc and self.proc.returncode is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the worker sees it die and exits
 
     async def _relay_output(self) -> None:
+        """Copy the child's output to the worker's log, line by line, whatever
+        a line's length: it is read in chunks, and a line longer than
+        RELAY_LINE_BYTES is cut there (the rest follows as more lines)."""
         assert self.proc and self.proc.stdout
-        while line := await self.proc.stdout.readline():
-            text = line.decode(errors="replace").rstrip()
-            self.tail.append(text)
-            sys.stderr.write(f"[{self.name}] {text}\n")
+        pending = b""
+        while chunk := await self.proc.stdout.read(RELAY_CHUNK_BYTES):
+            *lines, pending = (pending + chunk).split(b"\n")
+            while len(pending) > RELAY_LINE_BYTES:
+                lines.append(pending[:RELAY_LINE_BYTES])
+                pending = pending[RELAY_LINE_BYTES:]
+            for line in lines:
+                self._relay_line(line)
+        if pending:
+            self._relay_line(pending)
+
+    def _relay_line(self, line: bytes) -> None:
+        text = line.decode(errors="replace").rstrip()
+        self.tail.append(text[:1000])
+        sys.stderr.write(f"[{self.name}] {text}\n")
 
     async def wait_exit(self) -> str:
         """Return once the child exits, with its last output as the reason."""

@@ -11,9 +11,13 @@ is never merged and never overtakes its deltas."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import protocol as p
+from protocol.errors import ErrorCode
 from protocol.loop_socket import LoopSocket
+
+log = logging.getLogger("runtime_worker")
 
 MERGE_LIMIT_CHARS = 64 * 1024  # well under the frame cap, whatever the encoding
 
@@ -37,9 +41,28 @@ def coalesce(batch: list[p.Message | bytes]) -> list[p.Message | bytes]:
     return out
 
 
+def encode_or_fail(msg: p.Message, on_job_failed=None) -> bytes:
+    """Encode a message; one that cannot be encoded (a runtime's JSON with a
+    lone surrogate, say) becomes its job's Error, so that job fails with 502
+    (and `on_job_failed(job)` stops it) while the worker and its other jobs go on."""
+    try:
+        return p.encode(msg)
+    except (OverflowError, UnicodeEncodeError, TypeError, ValueError) as exc:
+        job = getattr(msg, "job", None)
+        log.error("cannot encode a %s message for job %s: %r", msg.TYPE, job, exc)
+        if on_job_failed is not None and job is not None:
+            on_job_failed(job)
+        if job is None:
+            return p.encode(p.Error(job=None, code=ErrorCode.PROTOCOL_ERROR,
+                                    message=f"the worker could not encode a {msg.TYPE} message"))
+        return p.encode(p.Error(job=job, code=ErrorCode.RUNTIME_ERROR, message=(
+            f"the runtime sent output that cannot be passed on ({type(exc).__name__}: {exc})")))
+
+
 class Outbox:
-    def __init__(self, sock: LoopSocket) -> None:
+    def __init__(self, sock: LoopSocket, on_job_failed=None) -> None:
         self.sock = sock
+        self.on_job_failed = on_job_failed  # called with a job id whose message could not be encoded
         self._items: list[p.Message | bytes] = []
         self._wake = asyncio.Event()
         self._empty = asyncio.Event()
@@ -57,7 +80,7 @@ class Outbox:
             self._wake.clear()
             batch, self._items = self._items, []
             for item in coalesce(batch):
-                await self.sock.send([item if isinstance(item, bytes) else p.encode(item)])
+                await self.sock.send([item if isinstance(item, bytes) else encode_or_fail(item, self.on_job_failed)])
             if not self._items:
                 self._empty.set()
 

@@ -49,6 +49,24 @@ def _error_response(err: PoolError) -> JSONResponse:
     return JSONResponse(err.envelope(), status_code=err.status, headers=headers)
 
 
+class JobStream(StreamingResponse):
+    """An SSE response that owns its job: when the response ends for any
+    reason (done, client gone before or during the body, a failed write), the
+    job is cancelled unless it has finished. A generator's own `finally` is
+    not enough: a body that never starts never runs it."""
+
+    def __init__(self, job: Job, cancel, body) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.job = job
+        self.cancel = cancel
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.cancel(self.job)
+
+
 class BodySizeLimit:
     """Refuse request bodies over `limit` bytes with 413: at once when the
     Content-Length says so, else while reading (the body is buffered up to the
@@ -195,15 +213,22 @@ def create_app(config: PoolConfig) -> FastAPI:
     # -- inference ----------------------------------------------------------------------------
     async def serve_job(request: Request, endpoint: str, model: str, job_request: dict, sse_shape, to_json):
         """Run one inference request: as SSE when `sse_shape` is given, else as
-        the JSON that `to_json(text, done)` builds."""
+        the JSON that `to_json(text, done)` builds. However the handler ends (a
+        client gone at any moment, an error, a cancelled task), the job is
+        cancelled unless finished: no slot outlives its request."""
         try:
             job = engine.submit(model, job_request)
+        except PoolError as err:
+            metrics.request(model, endpoint, err.status)
+            raise
+        streaming = None
+        try:
             if sse_shape is not None:
                 first = await first_event(request, job)
                 if first is None:
                     return Response(status_code=499)
-                return StreamingResponse(_sse(job, endpoint, sse_shape, first), media_type="text/event-stream",
-                                         headers=SSE_HEADERS)
+                streaming = JobStream(job, engine.cancel, _sse(job, endpoint, sse_shape, first))
+                return streaming
             result = await unless_disconnected(request, job, collect(job))
             if result is None:
                 return Response(status_code=499)
@@ -213,6 +238,9 @@ def create_app(config: PoolConfig) -> FastAPI:
         except PoolError as err:
             metrics.request(model, endpoint, err.status)
             raise
+        finally:
+            if streaming is None:  # else the stream owns the job until its last write
+                engine.cancel(job)  # a no-op once the job has finished
 
     async def first_event(request: Request, job: Job):
         """Hold the response headers until the job's first event, so that a
@@ -223,8 +251,7 @@ def create_app(config: PoolConfig) -> FastAPI:
     async def _sse(job: Job, endpoint: str, shape, first):
         """The SSE body. What is ready goes out in one write: the opening events
         with the first delta, then each delta (merged if several were waiting),
-        then the closing events. A client that leaves cancels the job (Starlette
-        notices the disconnect and cancels this generator)."""
+        then the closing events. A client that leaves cancels the job (see JobStream)."""
         try:
             ready = [sse_frame(e) for e in shape.opening()]
             event = first
@@ -244,8 +271,6 @@ def create_app(config: PoolConfig) -> FastAPI:
         except PoolError as err:
             metrics.request(job.model, endpoint, err.status)
             yield b"".join([*ready, *(sse_frame(e) for e in shape.failed(err))])
-        finally:
-            engine.cancel(job)  # no-op when finished; frees the slot when the client left
 
     @app.post("/v1/responses")
     async def create_response(body: shapes.ResponsesRequest, request: Request):

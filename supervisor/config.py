@@ -9,6 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from protocol import MAX_FRAME_BYTES
+
 BackendName = Literal["synthetic", "llama_server", "openai_remote", "vllm_serve", "exllamav3"]
 
 
@@ -25,7 +27,8 @@ class ServerConfig(_Strict):
     port: int = Field(8000, ge=0, le=65535)
     api_key: str | None = None  # or env LLM_POOL_API_KEY
     admin_key: str | None = None  # or env LLM_POOL_ADMIN_KEY
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    # at most half the frame cap, so that any accepted body fits in one Submit frame
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=MAX_FRAME_BYTES // 2)
     heartbeat_s: float = Field(1.0, gt=0)  # both directions
     liveness_s: float = Field(10.0, gt=0)  # no heartbeat this long: the peer is gone
     shutdown_grace_s: float = Field(30.0, ge=0)
@@ -43,6 +46,10 @@ class ModelConfig(_Strict):
     load_timeout_s: float = Field(120.0, gt=0)
     request_timeout_s: float = Field(600.0, gt=0)  # whole job, queue wait included
     queue_timeout_s: float | None = Field(None, gt=0)  # max wait in the queue; then 503 queue_timeout
+    # bounds on one request's prompt: a runtime applies its chat template before it can be
+    # cancelled, at a cost that grows faster than the message count (400 beyond them)
+    max_messages: int = Field(2048, ge=1)
+    max_prompt_chars: int = Field(2_000_000, ge=1)
     retry_unstarted_on_crash: bool = True  # a crash before the first token: run it once more elsewhere
     stop_timeout_s: float = Field(10.0, gt=0)  # drain-free stop: SIGTERM .. SIGKILL
     replica_devices: list[str] | None = None  # CUDA_VISIBLE_DEVICES per replica

@@ -42,6 +42,24 @@ class ModelEntry:
         self.state = transition(MODEL_TRANSITIONS, self.state, new)
 
 
+def check_prompt_bounds(cfg: ModelConfig, request: dict) -> None:
+    """400 for a prompt over the model's max_messages or max_prompt_chars."""
+    messages = request.get("messages") or []
+    if len(messages) > cfg.max_messages:
+        raise PoolError(ErrorCode.INVALID_REQUEST, f"{len(messages)} messages, over model {cfg.name!r}'s "
+                        f"max_messages ({cfg.max_messages})", param="messages")
+    chars = 0
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            chars += sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
+    if chars > cfg.max_prompt_chars:
+        raise PoolError(ErrorCode.INVALID_REQUEST, f"the prompt has {chars} characters, over model "
+                        f"{cfg.name!r}'s max_prompt_chars ({cfg.max_prompt_chars})", param="messages")
+
+
 class ModelRouterEngine:
     def __init__(self, config: PoolConfig) -> None:
         self.config = config
@@ -195,6 +213,7 @@ class ModelRouterEngine:
         if entry.state is not ModelState.LOADED or executor is None:
             raise PoolError(ErrorCode.MODEL_NOT_LOADED,
                             f"model {model!r} is {entry.state.value}; load it first", param="model")
+        check_prompt_bounds(entry.cfg, request)
         job = Job(model, request, entry.cfg.request_timeout_s, entry.cfg.queue_timeout_s)
         executor.enqueue(job)
         return job

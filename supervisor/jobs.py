@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+import protocol as p
 from protocol import Delta, Done
 from protocol.errors import ErrorCode, PoolError
 
@@ -23,14 +24,34 @@ class JobState(StrEnum):
     FINISHED = "finished"
 
 
+def encode_submit(job_id: str, request: dict) -> bytes:
+    """The job's Submit frame, encoded once at admission: a value msgpack
+    cannot carry (an integer past 64 bits, a lone surrogate) is the client's
+    400 naming the field, and a frame over the cap its 413, before the job
+    takes a queue place or a slot."""
+    try:
+        frame = p.encode(p.Submit(job=job_id, request=request))
+    except (OverflowError, UnicodeEncodeError, TypeError, ValueError):
+        try:
+            where, why = p.find_unencodable(request) or ("", "a value that cannot be sent to the runtime")
+        except RecursionError:
+            where, why = "", "nested too deeply"
+        raise PoolError(ErrorCode.INVALID_REQUEST, f"{where or 'request'}: {why}", param=where or None) from None
+    if len(frame) > p.MAX_FRAME_BYTES:
+        raise PoolError(ErrorCode.REQUEST_TOO_LARGE, f"the request is {len(frame)} bytes once encoded for the "
+                        f"runtime, over the {p.MAX_FRAME_BYTES} byte frame cap")
+    return frame
+
+
 class Job:
-    __slots__ = ("id", "model", "request", "state", "replica", "events", "created_at",
+    __slots__ = ("id", "model", "request", "frame", "state", "replica", "events", "created_at",
                  "deadline", "queue_deadline", "cancel_requested", "first_token_at", "attempts", "_waiter")
 
     def __init__(self, model: str, request: dict, timeout_s: float, queue_timeout_s: float | None = None) -> None:
         self.id = os.urandom(16).hex()  # as unique as uuid4, and cheaper
         self.model = model
         self.request = request
+        self.frame = encode_submit(self.id, request)  # a request that cannot travel fails here, owning nothing
         self.state = JobState.QUEUED
         self.replica: Replica | None = None
         # Delta..., then exactly one Done or PoolError; one reader (the HTTP handler), which

@@ -24,6 +24,9 @@ from supervisor.transport import Transport
 log = logging.getLogger("llm_pool.replica")
 
 
+MISSED_BEATS = 3  # worker heartbeats without a job in flight here before it is deemed lost
+
+
 class LoadFailed(Exception):
     pass
 
@@ -71,6 +74,8 @@ class Replica:
         self.history = CrashHistory()
         self.unknown_job_replies = 0  # late or bogus replies, dropped by job id
         self.protocol_errors = 0
+        self.unreachable = False  # a Submit could not be sent: out of rotation until the next start
+        self._missed_beats: dict[str, int] = {}  # job id -> worker heartbeats in a row without it
         self._ready: asyncio.Future | None = None
         self._watcher: asyncio.Task | None = None
         self._restart_task: asyncio.Task | None = None
@@ -86,7 +91,9 @@ class Replica:
 
     @property
     def free_slots(self) -> int:
-        return self.capacity - len(self.inflight) if self.state is ReplicaState.READY else 0
+        if self.state is not ReplicaState.READY or self.unreachable:
+            return 0
+        return self.capacity - len(self.inflight)
 
     # -- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
@@ -96,6 +103,7 @@ class Replica:
         self.identity = f"{self.name}#{self.generation}"
         self.capacity = 0
         self.last_error = None
+        self.unreachable = False
         self._ready = asyncio.get_running_loop().create_future()
         self.transport.register(self.identity, self._on_message)
         env = {}
@@ -215,13 +223,24 @@ class Replica:
 
     # -- jobs --------------------------------------------------------------------
     def submit(self, job: Job) -> None:
+        """Hand a job to the worker. If the frame cannot be sent (the worker is
+        gone or not reading), the job goes back to the head of the queue and this
+        replica takes no more work until its worker is replaced: one unreachable
+        worker must not fail a whole queue."""
         job.state = JobState.SUBMITTED
         job.replica = self
         job.attempts += 1
         self.inflight[job.id] = job
-        if not self.transport.send(self.identity, p.Submit(job=job.id, request=job.request)):
-            self.inflight.pop(job.id, None)
-            job.finish(PoolError(ErrorCode.RUNTIME_CRASHED, f"replica {self.name} is unreachable"))
+        if self.transport.send_frame(self.identity, job.frame):
+            return
+        del self.inflight[job.id]
+        job.attempts -= 1  # it never reached a worker
+        self.owner.requeue(job)
+        if not self.unreachable:
+            self.unreachable = True
+            log.error("replica %s is unreachable (gone, or not reading its socket): restarting it", self.name)
+            if self.proc and self.proc.returncode is None:
+                self.proc.kill()  # its exit takes the crash path: in-flight jobs end, a restart follows
 
     def cancel(self, job: Job) -> None:
         """Ask the worker to stop the job. It stays inflight (its slot busy) until
@@ -256,6 +275,26 @@ class Replica:
             return
         job.finish(outcome)
         self.owner.replica_changed()
+
+    def _reconcile_jobs(self, running: list) -> None:
+        """Compare the in-flight table with the jobs the worker's heartbeat lists
+        (a backstop for a lost message: events can be missed). A job the worker
+        has not listed in MISSED_BEATS heartbeats in a row will never get its Done:
+        it ends with 502 and its slot frees. A job the worker runs that this
+        side no longer has is cancelled there."""
+        listed = {j for j in running if isinstance(j, str)}
+        for job_id in listed - self.inflight.keys():
+            self.transport.send(self.identity, p.Cancel(job=job_id))
+        misses = {}
+        for job_id in self.inflight.keys() - listed:
+            misses[job_id] = self._missed_beats.get(job_id, 0) + 1
+            if misses[job_id] >= MISSED_BEATS:
+                del misses[job_id]
+                log.error("replica %s: job %s is in flight here but its worker has not run it for %d "
+                          "heartbeats; ending it and freeing its slot", self.name, job_id, MISSED_BEATS)
+                self._finish(job_id, PoolError(ErrorCode.RUNTIME_ERROR,
+                                               "the runtime worker lost track of the request"))
+        self._missed_beats = misses
 
     def _on_message(self, msg: p.Message | p.ProtocolError) -> None:
         self.last_heard = time.monotonic()
@@ -293,5 +332,7 @@ class Replica:
                     # which job's stream is corrupt is unknown: fail them all, restart the worker
                     self._fail_all(error.code, error.message)
                     self.proc.kill()
-            case p.Hello() | p.Heartbeat():
+            case p.Heartbeat(jobs=jobs):
+                self._reconcile_jobs(jobs)
+            case p.Hello():
                 pass

@@ -54,7 +54,23 @@ class Executor:
     # -- intake ----------------------------------------------------------------------
     def start(self) -> None:
         self.accepting_new_requests = True
+        self._start_driver()
+
+    def _start_driver(self) -> None:
         self._driver = asyncio.create_task(self._drive(), name=f"driver-{self.cfg.name}")
+        self._driver.add_done_callback(self._driver_ended)
+
+    def _driver_ended(self, task: asyncio.Task) -> None:
+        """The driver only ends when closed; any other end is a bug, said loudly,
+        and the driver is started again so the queue keeps moving."""
+        if task.cancelled() or task is not self._driver:
+            return
+        log.error("model %s: the dispatch loop ended (%r); starting it again", self.cfg.name, task.exception())
+        self._start_driver()
+        self._wake.set()
+
+    def driver_alive(self) -> bool:
+        return self._driver is not None and not self._driver.done()
 
     def enqueue(self, job: Job) -> None:
         if not self.accepting_new_requests:
@@ -111,14 +127,22 @@ class Executor:
             self._dispatch()
 
     def _dispatch(self) -> None:
-        """Hand the head of the queue to a replica while one has a free slot."""
+        """Hand the head of the queue to a replica while one has a free slot.
+        Never raises: a job whose hand-over fails ends with 502, the rest go on."""
         while self.queue:
             replica = self._pick_replica()
             if replica is None:
                 break
             job = self.queue.popleft()
             self._idle.clear()
-            replica.submit(job)
+            try:
+                replica.submit(job)
+            except Exception as exc:  # a bug here must cost one job, never the loop or the slot
+                log.exception("model %s: handing job %s to %s failed", self.cfg.name, job.id, replica.name)
+                replica.inflight.pop(job.id, None)
+                job.finish(PoolError(ErrorCode.RUNTIME_ERROR, f"the pool could not hand the request to "
+                                     f"replica {replica.name}: {type(exc).__name__}"))
+                self.replica_changed()
 
     def _has_free_slot(self) -> bool:
         return any(r.free_slots > 0 for r in self.replicas)
@@ -154,6 +178,7 @@ class Executor:
                           self.cfg.name, self.runtime_inflight, timeout_s)
 
     async def close(self) -> None:
-        if self._driver:
-            self._driver.cancel()
-            await asyncio.gather(self._driver, return_exceptions=True)
+        driver, self._driver = self._driver, None  # None first: its end is not a failure
+        if driver:
+            driver.cancel()
+            await asyncio.gather(driver, return_exceptions=True)

@@ -70,12 +70,16 @@ class Transport:
         self.handlers.pop(identity.encode(), None)
 
     def send(self, identity: str, msg: p.Message) -> bool:
+        return self.send_frame(identity, p.encode(msg))
+
+    def send_frame(self, identity: str, frame: bytes) -> bool:
+        """Send an encoded frame to a worker now; False if it cannot be (never raises)."""
         try:
-            self._loop_sock.send_nowait([identity.encode(), p.encode(msg)])
+            self._loop_sock.send_nowait([identity.encode(), frame])
             return True
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the worker is gone; EAGAIN: it is not reading
             self.counters["send_failed"] += 1
-            log.debug("send to %s failed: %s", identity, exc)
+            log.warning("send to %s failed: %s", identity, exc)
             return False
 
     def _dispatch(self, frames: list[bytes]) -> None:

@@ -102,3 +102,39 @@ def test_outbox_keeps_raw_frames_in_place_and_caps_merged_text():
     merged = coalesce([p.Delta(job="a", text=big)] * 3)
     assert [len(m.text) for m in merged] == [len(big), len(big), len(big)]
     assert all(len(p.encode(m)) < p.MAX_FRAME_BYTES for m in merged)
+
+
+def test_heartbeat_lists_the_workers_jobs():
+    beat = p.Heartbeat(inflight=2, jobs=["a", "b"])
+    assert p.decode(p.encode(beat)) == beat
+    assert p.decode(frame(t="heartbeat", inflight=1, jobs="a")).reason == "heartbeat: field 'jobs' has type str"
+
+
+def test_unencodable_values_are_named_by_path():
+    assert p.find_unencodable({"messages": [{"content": "ok"}, {"content": "\ud83d"}]}) == (
+        "messages.1.content", "text that is not valid Unicode (a lone surrogate)")
+    assert p.find_unencodable({"max_tokens": 10**20}) == ("max_tokens", "integer out of range")
+    assert p.find_unencodable({"a": [1, -(2**63), 2**64 - 1, 1.5, None, True, "é"]}) is None
+
+
+def test_submit_frames_fail_at_admission_not_at_dispatch():
+    from protocol.errors import ErrorCode, PoolError
+    from supervisor.jobs import encode_submit
+    import pytest
+    with pytest.raises(PoolError) as err:
+        encode_submit("j", {"messages": [{"role": "user", "content": "x"}], "max_tokens": -(2**70)})
+    assert err.value.code is ErrorCode.INVALID_REQUEST and err.value.param == "max_tokens"
+    with pytest.raises(PoolError) as err:  # the backstop behind max_body_bytes
+        encode_submit("j", {"messages": [{"role": "user", "content": "x" * p.MAX_FRAME_BYTES}]})
+    assert err.value.code is ErrorCode.REQUEST_TOO_LARGE
+
+
+def test_outbox_turns_an_unencodable_message_into_its_jobs_error():
+    from runtime_worker.outbox import encode_or_fail
+    failed = []
+    frame_ = encode_or_fail(p.Delta(job="j", text="half \ud83d pair"), failed.append)
+    msg = p.decode(frame_)
+    assert isinstance(msg, p.Error) and msg.job == "j" and msg.code == "runtime_error"
+    assert failed == ["j"]
+    assert p.decode(encode_or_fail(p.Delta(job="k", text="fine"), failed.append)) == p.Delta(job="k", text="fine")
+    assert failed == ["j"]

@@ -48,12 +48,11 @@ class LlamaServerBackend(Backend):
         self.extra_body = extra_body(self.options)
         self.server = NativeServer("llama-server", self.log)
         argv = [binary, "-m", model, "-c", str(ctx), "-np", str(slots),
-                "--host", "127.0.0.1", "--port", str(self.server.port), "--api-key", self.server.api_key,
-                "--no-webui"]
+                "--host", "127.0.0.1", "--port", str(self.server.port), "--no-webui"]
         if self.options.get("threads"):
             argv += ["-t", str(self.options["threads"])]
         argv += [str(a) for a in self.options.get("extra_args", [])]
-        await self.server.launch(argv)
+        await self.server.launch(argv, key_env="LLAMA_API_KEY")
         await self.server.wait_healthy(float(self.options.get("load_timeout_s", 120)))
         props = (await self.server.get("/props")).json()
         capacity = int(props.get("total_slots", 1))

@@ -7,7 +7,10 @@ function of the last message, so tests can compare runs.
 `chaos` (fault injection for tests) makes every job's first event a bad
 frame instead of a token: "garbage" (not msgpack), "wrong_types", "bad_version",
 "oversized" (over the frame cap), "unknown_job" (a done for a job that does
-not exist, after which the job runs normally).
+not exist, after which the job runs normally); "lone_surrogate" makes the
+first token text that cannot be encoded (half of a UTF-16 pair, as a
+runtime's JSON can carry). With `chaos_prompt`, only jobs whose last
+message is that text get the chaos; the others run normally.
 """
 
 from __future__ import annotations
@@ -53,12 +56,18 @@ class SyntheticBackend(Backend):
         return int(self.options.get("capacity", 1)), {}
 
     async def run(self, job: str, request: dict) -> AsyncIterator[Event]:
-        if chaos := self.options.get("chaos"):
+        messages = request.get("messages") or []
+        prompt = str(messages[-1].get("content", "")) if messages else ""
+        chaos = self.options.get("chaos")
+        if self.options.get("chaos_prompt") not in (None, prompt):
+            chaos = None
+        if chaos == "lone_surrogate":
+            yield TextDelta("\ud83d")
+            await asyncio.Event().wait()  # the worker fails the job; wait for its cancel
+        elif chaos:
             yield RawFrame(chaos_frame(chaos, job))
             if chaos != "unknown_job":
                 await asyncio.Event().wait()  # the supervisor fails the job; wait for its cancel
-        messages = request.get("messages") or []
-        prompt = str(messages[-1].get("content", "")) if messages else ""
         full = int(self.options.get("output_tokens", 16))
         limit = request.get("max_tokens")
         count = full if limit is None else min(full, int(limit))

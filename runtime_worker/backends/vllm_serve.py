@@ -45,10 +45,10 @@ class VllmServeBackend(Backend):
         argv = [*vllm_command(self.options), os.path.expanduser(str(model)),
                 "--host", "127.0.0.1", "--port", str(self.server.port),
                 "--served-model-name", SERVED_NAME, "--max-num-seqs", str(max_num_seqs),
-                "--api-key", self.server.api_key, *[str(a) for a in self.options.get("extra_args", [])]]
+                *[str(a) for a in self.options.get("extra_args", [])]]
         # unbuffered: its access and engine lines reach the replica log as they happen, in order
         env = {"PYTHONUNBUFFERED": "1", **{str(k): str(v) for k, v in (self.options.get("env") or {}).items()}}
-        await self.server.launch(argv, env)
+        await self.server.launch(argv, key_env="VLLM_API_KEY", env=env)
         # vLLM binds its port only after loading: refused connections mean "still loading"
         await self.server.wait_healthy(float(self.options.get("load_timeout_s", 600)))
         return max_num_seqs, {"child_pid": self.server.proc.pid, "port": self.server.port}
