@@ -36,7 +36,7 @@ class Worker:
         self.sock = LoopSocket(sock, self.on_frames)
         self.outbox = Outbox(self.sock)
         self.backend: Backend = backend_class(args.backend)(
-            json.loads(args.options), args.target_inflight, log)
+            json.loads(args.options), args.target_inflight, log, stop_timeout_s=args.stop_timeout_s)
         self.capacity = 0
         self.jobs: dict[str, asyncio.Task] = {}
         self.last_heard = time.monotonic()

@@ -2,11 +2,13 @@
 
 Options: model (GGUF path, required), binary, ctx_size (total; each slot gets
 ctx_size / slots), extra_args (list), extra_body (fields added to every chat
-request, e.g. {ignore_eos = true}), load_timeout_s, threads. Slots = the
-configured target_inflight; the honest capacity is /props total_slots."""
+request, e.g. {ignore_eos = true}), threads. Slots = the configured
+target_inflight; the honest capacity is /props total_slots. The model's
+load_timeout_s and stop_timeout_s bound its start and its stop."""
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from collections.abc import AsyncIterator
@@ -54,7 +56,8 @@ class LlamaServerBackend(Backend):
             argv += ["-t", str(self.options["threads"])]
         argv += [str(a) for a in self.options.get("extra_args", [])]
         await self.server.launch(argv)
-        await self.server.wait_healthy(float(self.options.get("load_timeout_s", 120)))
+        # no deadline here: the supervisor stops a worker not ready within the model's load_timeout_s
+        await self.server.wait_healthy(math.inf)
         props = (await self.server.get("/props")).json()
         capacity = int(props.get("total_slots", 1))
         n_ctx = (props.get("default_generation_settings") or {}).get("n_ctx")
@@ -68,4 +71,4 @@ class LlamaServerBackend(Backend):
 
     async def stop(self) -> None:
         if getattr(self, "server", None):
-            await self.server.stop(float(self.options.get("stop_timeout_s", 5)))
+            await self.server.stop(self.stop_timeout_s)
