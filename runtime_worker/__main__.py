@@ -47,7 +47,7 @@ class Worker:
         self.outbox.put(msg)
 
     async def run(self) -> int:
-        self.send(p.Hello(pid=os.getpid(), backend=self.args.backend))
+        self.send(p.Hello())
         sender = asyncio.create_task(self.outbox.run())
         tasks = [asyncio.create_task(self.heartbeat_loop()), asyncio.create_task(self.load())]
         await self.stopping.wait()
