@@ -69,7 +69,7 @@ def settled(read, what: str, timeout: float = 60):
 def test_sdk_calls(pool):
     client = openai.OpenAI(base_url=pool.url + "/v1", api_key="unused", max_retries=0)
     r = client.responses.create(model="tinyv", input="hello", max_output_tokens=8)
-    assert r.usage.output_tokens <= 8 and r.usage.input_tokens > 0
+    assert r.usage.output_tokens == 8 and r.usage.input_tokens > 0  # ignore_eos: every answer runs to its max
     chunks = list(client.chat.completions.create(model="tinyv", max_tokens=6, stream=True,
                                                  messages=[{"role": "user", "content": "x"}],
                                                  stream_options={"include_usage": True}))
