@@ -9,9 +9,8 @@ from typing import Any, ClassVar
 
 @dataclass(frozen=True, slots=True)
 class Hello:
+    """The worker's first word: it is connected (the supervisor knows its pid and backend already)."""
     TYPE: ClassVar[str] = "hello"
-    pid: int
-    backend: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +76,7 @@ MESSAGE_TYPES: dict[str, type] = {
 
 # Expected Python types per field, checked on decode (msgpack gives plain types).
 FIELD_TYPES: dict[type, dict[str, Any]] = {
-    Hello: {"pid": int, "backend": str},
+    Hello: {},
     Ready: {"capacity": int, "info": dict},
     Submit: {"job": str, "request": dict},
     Cancel: {"job": str},

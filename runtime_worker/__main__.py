@@ -36,7 +36,7 @@ class Worker:
         self.sock = LoopSocket(sock, self.on_frames)
         self.outbox = Outbox(self.sock, on_job_failed=self.cancel_job)
         self.backend: Backend = backend_class(args.backend)(
-            json.loads(args.options), args.target_inflight, log)
+            json.loads(args.options), args.target_inflight, log, stop_timeout_s=args.stop_timeout_s)
         self.capacity = 0
         self.jobs: dict[str, asyncio.Task] = {}
         self.last_heard = time.monotonic()
@@ -59,7 +59,7 @@ class Worker:
         return task
 
     async def run(self) -> int:
-        self.send(p.Hello(pid=os.getpid(), backend=self.args.backend))
+        self.send(p.Hello())
         sender = self._background(self.outbox.run(), "sender")
         tasks = [self._background(self.heartbeat_loop(), "heartbeat"), self._background(self.load(), "load")]
         await self.stopping.wait()
@@ -72,7 +72,9 @@ class Worker:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         try:
-            await asyncio.wait_for(self.backend.stop(), timeout=self.args.stop_timeout_s)
+            # a native runtime gets stop_timeout_s from SIGTERM to SIGKILL inside backend.stop();
+            # this bound only guards a stop that hangs, so it must not cut that grace short
+            await asyncio.wait_for(self.backend.stop(), timeout=self.args.stop_timeout_s + 5)
         except Exception:
             log.exception("backend stop failed")
         self.sock.close()

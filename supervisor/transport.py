@@ -1,6 +1,7 @@
 """The supervisor's one ZeroMQ ROUTER socket: binds it in a private directory,
 routes incoming frames to replicas by identity, sends to a replica by identity.
-A malformed frame is counted and handed to its replica; it never escapes."""
+A malformed frame is logged and handed to its replica, which counts it; it
+never escapes."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import logging
 import os
 import shutil
 import tempfile
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -56,7 +56,6 @@ class Transport:
         self.sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES + 1024)
         self.sock.bind(self.endpoint)
         self.handlers: dict[bytes, Handler] = {}
-        self.counters: Counter[str] = Counter()  # protocol_errors, unknown_peer, send_failed
         self._loop_sock: LoopSocket | None = None
 
     def start(self) -> None:
@@ -78,23 +77,20 @@ class Transport:
             self._loop_sock.send_nowait([identity.encode(), frame])
             return True
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the worker is gone; EAGAIN: it is not reading
-            self.counters["send_failed"] += 1
             log.warning("send to %s failed: %s", identity, exc)
             return False
 
     def _dispatch(self, frames: list[bytes]) -> None:
         if len(frames) != 2:
-            self.counters["protocol_errors"] += 1
             log.error("dropping a %d-part message", len(frames))
             return
         identity, frame = frames
         msg = p.decode(frame)
         if isinstance(msg, p.ProtocolError):
-            self.counters["protocol_errors"] += 1
             log.error("bad frame from %r: %s", identity, msg.reason)
         handler = self.handlers.get(identity)
-        if handler is None:
-            self.counters["unknown_peer"] += 1
+        if handler is None:  # a worker already unregistered (stopped or replaced): its last words
+            log.debug("dropping a frame from unknown peer %r", identity)
             return
         try:
             handler(msg)

@@ -1,5 +1,6 @@
-"""Smoke test of scripts/bench: the quick run finishes, cleans up and prints a
-markdown table. No timing is asserted: the numbers depend on the machine."""
+"""Smoke test of scripts/bench: the quick run finishes, cleans up and prints its
+tables, every figure a number in a sane range and consistent with the others.
+No speed is asserted: that depends on the machine."""
 
 from __future__ import annotations
 
@@ -29,6 +30,95 @@ def _left_behind(mark: str) -> list[str]:
     return left
 
 
+def tables(report: str) -> dict[str, list[dict[str, str]]]:
+    """The report's markdown tables by section number ("1" for "### 1. ..."): one
+    dict per row, keyed by the column header."""
+    found: dict[str, list[dict[str, str]]] = {}
+    section, header = None, None
+    lines = report.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("### "):
+            section, header = line[4:].split(".")[0], None
+        elif not line.startswith("|"):
+            header = None
+        elif header is None:
+            assert i + 1 < len(lines) and lines[i + 1].startswith("|---"), line
+            header = cells(line)
+            found.setdefault(section, [])
+        elif not line.startswith("|---"):
+            row = cells(line)
+            assert len(row) == len(header), line
+            found[section].append(dict(zip(header, row)))
+    return found
+
+
+def cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def number(cell: str, low: float, high: float) -> float:
+    """A printed figure ("1,741", "23.4"): a number within [low, high]."""
+    value = float(cell.replace(",", ""))
+    assert low <= value <= high, f"{cell} is outside [{low}, {high}]"
+    return value
+
+
+def pair(cell: str, sep: str, low: float, high: float) -> tuple[float, float]:
+    a, b = cell.split(sep)
+    return number(a, low, high), number(b, low, high)
+
+
+def ratio_of(printed: str, a: float, b: float) -> None:
+    # the ratio is computed before rounding, the figures are printed rounded
+    assert abs(float(printed) - a / b) <= 0.05 * a / b + 0.01, (printed, a, b)
+
+
+MS = 120_000  # no request of a quick run takes two minutes
+CPU = 1e7  # µs per request or ms per 1k tokens: loose upper bounds, at 0 when idle
+
+
+def check_figures(found: dict[str, list[dict[str, str]]]) -> None:
+    assert set(found) == {"1", "2", "4"}, found.keys()  # 3 (LiteLLM) is skipped
+
+    streaming = found["1"]
+    assert [(r["model"], r["conc"]) for r in streaming] == [("tiny", "1"), ("tiny", "2"), ("tiny", "4")]
+    for r in streaming:
+        pair(r["requests direct/pool"], "/", 1, 1000)  # bounded in time too: the two may differ
+        direct = number(r["direct tok/s"], 1, 1e6)
+        pool = number(r["pool tok/s"], 1, 1e6)
+        ratio_of(r["pool/direct"], pool, direct)
+        for column in ("direct TTFT p50 / p95 ms", "pool TTFT p50 / p95 ms"):
+            p50, p95 = pair(r[column], " / ", 0, MS)
+            assert p50 <= p95, (column, r[column])
+        number(r["TTFT p50 added ms"], -MS, MS)  # negative when the pool happened to be quicker
+        for column in ("llama-server CPU ms/1k tok direct", "llama-server CPU ms/1k tok in pool",
+                       "pool CPU ms/1k tok (supervisor + worker)"):
+            number(r[column], 0, CPU)
+
+    capacity = found["2"]
+    assert [r["conc"] for r in capacity] == ["1", "4", "16", "64"]
+    for r in capacity:
+        pair(r["requests bare/pool"], "/", 1, 1e6)
+        bare = number(r["bare FastAPI req/s"], 1, 1e6)
+        pool = number(r["pool req/s"], 1, 1e6)
+        ratio_of(r["pool/bare"], pool, bare)
+        for column in ("bare p50 / p99 ms", "pool p50 / p99 ms"):
+            p50, p99 = pair(r[column], " / ", 0, MS)
+            assert p50 <= p99, (column, r[column])
+        number(r["bare CPU µs/req"], 0, CPU)
+        pair(r["pool CPU µs/req (supervisor + worker)"], " + ", 0, CPU)
+
+    memory = {r["process"]: r for r in found["4"]}
+    assert set(memory) == {"llama_server pool (tiny)", "synthetic pool (c<=64)"}, memory.keys()
+    for r in memory.values():
+        idle = number(r["supervisor RSS idle MiB"], 10, 4096)
+        assert number(r["supervisor RSS peak under load MiB"], idle, 4096) >= idle
+        assert number(r["workers"], 1, 1) == 1
+        number(r["worker RSS MiB (without backend child)"], 5, 4096)
+    number(memory["llama_server pool (tiny)"]["backend child RSS MiB"], 1, 4096)  # llama-server itself
+    assert memory["synthetic pool (c<=64)"]["backend child RSS MiB"] == "none"
+
+
 @pytest.mark.timeout(600)
 def test_bench_quick(llama_server_bin, tmp_path):
     mark = uuid.uuid4().hex
@@ -38,8 +128,8 @@ def test_bench_quick(llama_server_bin, tmp_path):
                               "--out", str(tmp_path / "results")],
                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540)
         assert out.returncode == 0, f"stdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-5000:]}"
-        assert any(line.startswith("|") for line in out.stdout.splitlines()), out.stdout[-3000:]
-        assert (tmp_path / "results" / "results.md").is_file()
+        assert (tmp_path / "results" / "results.md").read_text() == out.stdout.rstrip("\n") + "\n"
+        check_figures(tables(out.stdout))
     finally:
         left = _left_behind(mark)
         for line in left:  # never leave anything behind, even when failing

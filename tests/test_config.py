@@ -24,6 +24,22 @@ GOOD_MODEL = '[[models]]\nname = "a"\nbackend = "synthetic"\n'
     ('[server]\nprot = 1\n', ["'server.prot'"]),
     ('[[models]]\nname = "a"\n', ["'backend'", "Field required"]),
     ('models = [\n', ["not valid TOML"]),
+    # [models.options] is typed per backend
+    (GOOD_MODEL + '[models.options]\ncapcity = 2\n', ["model 'a'", "'options.capcity'", "Extra inputs"]),
+    (GOOD_MODEL + '[models.options]\ncapacity = "2"\n', ["model 'a'", "'options.capacity'", "integer"]),
+    (GOOD_MODEL + '[models.options]\nchaos = "loud"\n', ["model 'a'", "'options.chaos'", "garbage"]),
+    ('[[models]]\nname = "l"\nbackend = "llama_server"\n[models.options]\nmodel = "m.gguf"\n'
+     'extra_args = ["-ngl", 99]\n', ["model 'l'", "'options.extra_args.1'", "string"]),
+    ('[[models]]\nname = "l"\nbackend = "llama_server"\n[models.options]\nmodel = "m.gguf"\n'
+     'stop_timeout_s = 5\n', ["model 'l'", "'options.stop_timeout_s'", "a model key"]),
+    ('[[models]]\nname = "v"\nbackend = "vllm_serve"\n[models.options]\nbinary = "vllm"\n',
+     ["model 'v'", "'options.model'", "Field required"]),
+    ('[[models]]\nname = "r"\nbackend = "openai_remote"\n[models.options]\nbase_url = "http://h/v1"\n'
+     'model = "m"\nextra_body = ["top_k"]\n', ["model 'r'", "'options.extra_body'", "dictionary"]),
+    ('[[models]]\nname = "x"\nbackend = "exllamav3"\n[models.options]\nmodel = "/m"\ncache_tokens = 0\n',
+     ["model 'x'", "'options.cache_tokens'", "greater than"]),
+    ('[server]\nheartbeat_s = 2.0\nliveness_s = 2.0\n', ["'server.liveness_s'", "greater than heartbeat_s"]),
+    ('[server]\nliveness_s = 0.5\n', ["'server.liveness_s'", "greater than heartbeat_s (1.0)"]),
 ])
 def test_config_errors_name_file_model_and_key(tmp_path, text, expected):
     path = tmp_path / "pool.toml"
@@ -36,14 +52,71 @@ def test_config_errors_name_file_model_and_key(tmp_path, text, expected):
         assert part in message, message
 
 
-def test_serve_refuses_a_bad_config_before_starting_anything(tmp_path):
+@pytest.mark.parametrize("text, key", [
+    (GOOD_MODEL + 'max_queue = -1\n', "max_queue"),
+    (GOOD_MODEL + '[models.options]\noutput_tokens = 1.5\n', "options.output_tokens"),
+])
+def test_serve_refuses_a_bad_config_before_starting_anything(tmp_path, text, key):
     path = tmp_path / "pool.toml"
-    path.write_text(GOOD_MODEL + 'max_queue = -1\n')
+    path.write_text(text)
     r = subprocess.run([sys.executable, "-m", "supervisor.cli", "serve", "--config", str(path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
-    assert f"config error: {path}: model 'a': key 'max_queue'" in r.stderr
+    assert f"config error: {path}: model 'a': key '{key}'" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_options_of_every_backend_pass_as_given(tmp_path):
+    path = tmp_path / "pool.toml"
+    path.write_text('''
+[[models]]
+name = "l"
+backend = "llama_server"
+[models.options]
+model = "m.gguf"
+ctx_size = 4096
+extra_args = ["--no-jinja"]
+extra_body = {ignore_eos = true, nested = {a = [1, 2]}}
+
+[[models]]
+name = "v"
+backend = "vllm_serve"
+[models.options]
+model = "org/model"
+python = "/venv/bin/python"
+env = {VLLM_CPU_KVCACHE_SPACE = 1, OTHER = "x"}
+
+[[models]]
+name = "x"
+backend = "exllamav3"
+load_timeout_s = 900
+[models.options]
+model = "/models/x"
+max_batch_size = 8
+
+[[models]]
+name = "r"
+backend = "openai_remote"
+[models.options]
+base_url = "https://api.example.com/v1"
+model = "gpt"
+api_key_env = "KEY"
+
+[[models]]
+name = "s"
+backend = "synthetic"
+[models.options]
+tokens_per_second = 20
+ttft_ms = 0.5
+chaos = "garbage"
+''')
+    cfg = load_config(path)
+    # the worker gets the options exactly as written (JSON on its command line)
+    assert cfg.model("l").options["extra_body"] == {"ignore_eos": True, "nested": {"a": [1, 2]}}
+    assert cfg.model("v").options["env"] == {"VLLM_CPU_KVCACHE_SPACE": 1, "OTHER": "x"}
+    assert cfg.model("s").options == {"tokens_per_second": 20, "ttft_ms": 0.5, "chaos": "garbage"}
+    # vLLM's cold start takes minutes: its default load timeout is longer; a set one is kept
+    assert {m.name: m.load_timeout_s for m in cfg.models} == {"l": 120, "v": 600, "x": 900, "r": 120, "s": 120}
 
 
 def test_serve_refuses_a_public_bind_without_keys(tmp_path):
@@ -55,5 +128,7 @@ def test_serve_refuses_a_public_bind_without_keys(tmp_path):
 
 
 def test_example_configs_are_valid():
-    for path in (ROOT / "configs").glob("*.toml"):
+    paths = sorted((ROOT / "configs").glob("*.toml"))
+    assert {"demo.toml", "synthetic.toml"} <= {p.name for p in paths}, paths
+    for path in paths:
         assert load_config(path).models, path

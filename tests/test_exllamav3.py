@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from runtime_worker.backends.base import Finished, JobError, TextDelta
+from runtime_worker.backends.base import BackendLoadError, Finished, JobError, TextDelta
 from runtime_worker.backends.exllamav3 import (
     GeneratorThread,
     events_from_result,
@@ -39,7 +39,10 @@ def test_results_map_to_events():
 
 
 def test_chat_template_lookup_and_render(tmp_path):
-    with pytest.raises(Exception):
+    with pytest.raises(BackendLoadError, match="has no chat template"):
+        load_chat_template(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
+    with pytest.raises(BackendLoadError, match="has no chat template"):
         load_chat_template(tmp_path)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(
         {"chat_template": [{"name": "tool_use", "template": "x"},

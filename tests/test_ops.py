@@ -91,3 +91,27 @@ def test_request_body_is_capped(make_pool):
     r = pool.http.post("/v1/responses", content=chunked(), headers={"content-type": "application/json"})
     assert r.status_code == 413
     assert pool.http.post("/v1/responses", json={"model": "c", "input": "small"}).status_code == 200
+
+
+def test_process_cache_keeps_only_live_processes():
+    """/admin/workers keeps a psutil handle per worker pid (for cpu_percent); the
+    handles of exited workers must go, or the cache grows with every restart."""
+    import subprocess
+    import sys
+
+    from supervisor import observe
+
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(3)]
+    try:
+        for proc in procs:
+            observe._proc(proc.pid)
+        for proc in procs[1:]:
+            proc.kill()
+            proc.wait()
+        observe.worker_views([])
+        assert procs[0].pid in observe._procs
+        assert not {p.pid for p in procs[1:]} & observe._procs.keys()
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

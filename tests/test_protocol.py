@@ -11,7 +11,7 @@ import protocol as p
 from runtime_worker.outbox import MERGE_LIMIT_CHARS, coalesce
 
 MESSAGES = [
-    p.Hello(pid=1, backend="synthetic"), p.Ready(capacity=4, info={"port": 1}),
+    p.Hello(), p.Ready(capacity=4, info={"port": 1}),
     p.Submit(job="j", request={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
     p.Cancel(job="j"), p.Delta(job="j", text="tok"),
     p.Done(job="j", finish_reason="stop", usage={"input_tokens": 1, "output_tokens": 2}),

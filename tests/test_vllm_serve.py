@@ -38,7 +38,7 @@ def pool(tmp_path_factory):
                    capture_output=True, timeout=300)
     p = Pool(tmp_path_factory.mktemp("vllm"), [{
         "name": "tinyv", "backend": "vllm_serve", "target_inflight": SEQS, "load_timeout_s": 900,
-        "options": {"model": str(model_dir), "python": python, "load_timeout_s": 900,
+        "options": {"model": str(model_dir), "python": python,
                     "extra_args": ["--dtype", "bfloat16", "--max-model-len", str(MODEL_LEN),
                                    "--enable-log-requests"],
                     # random weights stop at EOS at random; every request runs to max_tokens instead

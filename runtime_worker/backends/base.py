@@ -61,10 +61,12 @@ class JobError(Exception):
 class Backend(abc.ABC):
     name: str = "?"
 
-    def __init__(self, options: dict, target_inflight: int, log: logging.Logger) -> None:
+    def __init__(self, options: dict, target_inflight: int, log: logging.Logger,
+                 stop_timeout_s: float = 10.0) -> None:
         self.options = options
         self.target_inflight = target_inflight
         self.log = log
+        self.stop_timeout_s = stop_timeout_s  # the model's stop_timeout_s: SIGTERM .. SIGKILL of a child
 
     @abc.abstractmethod
     async def start(self) -> tuple[int, dict]:

