@@ -24,9 +24,6 @@ from supervisor.transport import Transport
 log = logging.getLogger("llm_pool.replica")
 
 
-MISSED_BEATS = 3  # worker heartbeats without a job in flight here before it is deemed lost
-
-
 class LoadFailed(Exception):
     pass
 
@@ -75,7 +72,7 @@ class Replica:
         self.unknown_job_replies = 0  # late or bogus replies, dropped by job id
         self.protocol_errors = 0
         self.unreachable = False  # a Submit could not be sent: out of rotation until the next start
-        self._missed_beats: dict[str, int] = {}  # job id -> worker heartbeats in a row without it
+        self.submits_sent = 0  # Submits sent to the current worker; its heartbeats say how many it got
         self._ready: asyncio.Future | None = None
         self._watcher: asyncio.Task | None = None
         self._restart_task: asyncio.Task | None = None
@@ -104,6 +101,7 @@ class Replica:
         self.capacity = 0
         self.last_error = None
         self.unreachable = False
+        self.submits_sent = 0
         self._ready = asyncio.get_running_loop().create_future()
         self.transport.register(self.identity, self._on_message)
         env = {}
@@ -114,7 +112,7 @@ class Replica:
             "--backend", self.cfg.backend, "--options", json.dumps(self.cfg.options),
             "--target-inflight", str(self.cfg.target_inflight),
             "--heartbeat-s", str(self.server.heartbeat_s), "--liveness-s", str(self.server.liveness_s),
-            "--stop-timeout-s", str(self.cfg.stop_timeout_s),
+            "--stop-timeout-s", str(self.cfg.stop_timeout_s), "--cancel-grace-s", str(self.cfg.cancel_grace_s),
         ], self.log_path, env)
         self.started_at = time.time()
         self.last_heard = time.monotonic()
@@ -232,6 +230,8 @@ class Replica:
         job.attempts += 1
         self.inflight[job.id] = job
         if self.transport.send_frame(self.identity, job.frame):
+            self.submits_sent += 1
+            job.submit_seq = self.submits_sent
             return
         del self.inflight[job.id]
         job.attempts -= 1  # it never reached a worker
@@ -276,25 +276,23 @@ class Replica:
         job.finish(outcome)
         self.owner.replica_changed()
 
-    def _reconcile_jobs(self, running: list) -> None:
+    def _reconcile_jobs(self, beat: p.Heartbeat) -> None:
         """Compare the in-flight table with the jobs the worker's heartbeat lists
-        (a backstop for a lost message: events can be missed). A job the worker
-        has not listed in MISSED_BEATS heartbeats in a row will never get its Done:
-        it ends with 502 and its slot frees. A job the worker runs that this
-        side no longer has is cancelled there."""
-        listed = {j for j in running if isinstance(j, str)}
+        (a backstop for a lost message: events can be missed). Each direction of
+        the socket keeps its order, so a job whose Submit the worker had received
+        when it sent this heartbeat (`submits_seen`) and that it no longer runs
+        has sent its Done or Error before the heartbeat, or never will: it is
+        lost, so it ends with 502 and its slot frees. A job the worker runs that
+        this side no longer has is cancelled there."""
+        listed = {j for j in beat.jobs if isinstance(j, str)}
         for job_id in listed - self.inflight.keys():
             self.transport.send(self.identity, p.Cancel(job=job_id))
-        misses = {}
-        for job_id in self.inflight.keys() - listed:
-            misses[job_id] = self._missed_beats.get(job_id, 0) + 1
-            if misses[job_id] >= MISSED_BEATS:
-                del misses[job_id]
-                log.error("replica %s: job %s is in flight here but its worker has not run it for %d "
-                          "heartbeats; ending it and freeing its slot", self.name, job_id, MISSED_BEATS)
-                self._finish(job_id, PoolError(ErrorCode.RUNTIME_ERROR,
-                                               "the runtime worker lost track of the request"))
-        self._missed_beats = misses
+        lost = [job for job in self.inflight.values()
+                if job.submit_seq <= beat.submits_seen and job.id not in listed]
+        for job in lost:
+            log.error("replica %s: job %s is in flight here but its worker no longer runs it and sent no "
+                      "result; ending it and freeing its slot", self.name, job.id)
+            self._finish(job.id, PoolError(ErrorCode.RUNTIME_ERROR, "the runtime worker lost track of the request"))
 
     def _on_message(self, msg: p.Message | p.ProtocolError) -> None:
         self.last_heard = time.monotonic()
@@ -332,7 +330,7 @@ class Replica:
                     # which job's stream is corrupt is unknown: fail them all, restart the worker
                     self._fail_all(error.code, error.message)
                     self.proc.kill()
-            case p.Heartbeat(jobs=jobs):
-                self._reconcile_jobs(jobs)
+            case p.Heartbeat():
+                self._reconcile_jobs(msg)
             case p.Hello():
                 pass
