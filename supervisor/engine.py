@@ -75,6 +75,9 @@ class ModelRouterEngine:
         self.shutting_down = True
         if self._drain is None:
             executors = [e.executor for e in self.models.values() if e.executor]
+            for ex in executors:
+                for r in ex.replicas:
+                    r.drain()  # a crash now is final: no restart while the pool stops
             self._drain = asyncio.ensure_future(asyncio.gather(
                 *(ex.drain(grace_s) for ex in executors), return_exceptions=True))
         await asyncio.shield(self._drain)

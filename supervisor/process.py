@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -29,6 +30,7 @@ class WorkerProcess:
         self._proc = proc
         self.pid = proc.pid
         self._tree: dict[int, psutil.Process] = {}
+        self._snapshot_at = 0.0
         self.snapshot()
 
     @property
@@ -38,8 +40,14 @@ class WorkerProcess:
     async def wait(self) -> int:
         return await self._proc.wait()
 
-    def snapshot(self) -> None:
-        """Remember the worker's current descendants; forget those that ended."""
+    def snapshot(self, max_age_s: float = 0.0) -> None:
+        """Remember the worker's current descendants; forget those that ended.
+        With `max_age_s`, skip it when the last one is that recent: a scan reads
+        every process's /proc entry, too dear for every heartbeat on a busy host."""
+        now = time.monotonic()
+        if max_age_s and now - self._snapshot_at < max_age_s:
+            return
+        self._snapshot_at = now
         alive = {pid: p for pid, p in self._tree.items() if p.is_running()}
         if self._proc.returncode is None:
             for p in process_tree(self.pid)[1:]:

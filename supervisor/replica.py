@@ -24,6 +24,8 @@ from supervisor.transport import Transport
 
 log = logging.getLogger("llm_pool.replica")
 
+TREE_REFRESH_S = 5.0  # how often a heartbeat re-reads a worker's process tree (also at Ready and kills)
+
 
 class LoadFailed(Exception):
     pass
@@ -330,7 +332,7 @@ class Replica:
         if self.state not in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING):
             return
         if self.proc and self.proc.returncode is None:
-            self.proc.snapshot()  # its tree, remembered for a kill after it died
+            self.proc.snapshot(max_age_s=TREE_REFRESH_S)  # its tree, remembered for a kill after it died
             if now - self.last_heard > self.server.liveness_s:
                 log.error("replica %s silent for %.1fs: killing it", self.name, now - self.last_heard)
                 # SIGKILL of the tree: a stopped process ignores SIGTERM

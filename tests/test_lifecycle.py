@@ -13,8 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
+import pytest
 
-from tests.conftest import synthetic
+from tests.conftest import llama, synthetic
 from tests.pool import wait_for
 from tests.test_reliability import first_delta, gone, sse, stream_responses
 
@@ -133,6 +134,38 @@ def test_concurrent_restarts_keep_one_worker_per_replica(make_pool):
         assert pool.model("r")["state"] == "loaded" and pool.http.get("/ready").status_code == 200
         assert post(pool, "r").status_code == 200
         print(f"{n} restarts at once: codes {codes}, at most {most} worker processes")
+
+
+@pytest.mark.llama
+def test_concurrent_restarts_of_a_llama_server_model(make_pool, tiny_gguf, llama_server_bin):
+    """Ten restarts at once used to run ten workers and ten llama-servers."""
+    pool = make_pool([llama("tiny", tiny_gguf, llama_server_bin)])
+
+    def servers() -> list[int]:
+        return [p.pid for p in pool.descendants() if _name(p) == "llama-server"]
+
+    most = 0
+    with ThreadPoolExecutor(10) as ex:
+        calls = [ex.submit(admin, pool, "tiny", "restart") for _ in range(10)]
+        while not all(c.done() for c in calls):
+            most = max(most, len(worker_procs(pool)) + len(servers()))
+            time.sleep(0.02)
+    codes = sorted(c.result().status_code for c in calls)
+    assert set(codes) <= {200, 409} and 200 in codes, codes
+    assert most <= 4, f"{most} workers and llama-servers for one replica"
+    worker = pool.workers("tiny")[0]
+    wait_for(lambda: servers() == [c["pid"] for c in worker["children"]], 10, what="one llama-server")
+    assert [p.pid for p in worker_procs(pool)] == [worker["pid"]]
+    r = post(pool, "tiny", max_output_tokens=2)
+    assert r.status_code == 200, r.text
+    print(f"10 llama_server restarts at once: codes {codes}, at most {most} workers + llama-servers")
+
+
+def _name(proc: psutil.Process) -> str | None:
+    try:
+        return proc.name() if proc.status() != psutil.STATUS_ZOMBIE else None
+    except psutil.Error:
+        return None
 
 
 def test_sigstop_then_a_liveness_kill_with_jobs_queued(make_pool):

@@ -61,7 +61,7 @@ class FakeProcess:
             self.returncode = code
             self._exited.set()
 
-    def snapshot(self) -> None:
+    def snapshot(self, max_age_s: float = 0.0) -> None:
         pass
 
     def kill_tree(self) -> None:
