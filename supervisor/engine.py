@@ -15,7 +15,7 @@ from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ModelConfig, PoolConfig
 from supervisor.jobs import Job
 from supervisor.process import sweep_stale_workers
-from supervisor.replica import LoadFailed, Replica
+from supervisor.replica import Replica
 from supervisor.scheduler import Executor
 from supervisor.states import MODEL_TRANSITIONS, ModelState, ReplicaState, transition
 from supervisor.transport import Transport, sweep_stale_socket_dirs
@@ -193,18 +193,12 @@ class ModelRouterEngine:
     async def unload(self, name: str, drain_timeout_s: float | None = None) -> ModelEntry:
         """Drain and stop a model; waits for a load or restart of it under way first."""
         entry = self.entry(name)
-        executor = entry.executor
-        if executor is None and not entry.busy.locked():
-            if entry.state is ModelState.FAILED:
-                entry.set_state(ModelState.UNLOADING)
-                entry.set_state(ModelState.UNLOADED)
-            return entry
-        if executor is not None:
+        if entry.executor is not None:
             # Stop intake before taking the lock, so requests arriving meanwhile get 503.
-            executor.accepting_new_requests = False
+            entry.executor.accepting_new_requests = False
         async with entry.busy:
             executor = entry.executor
-            if executor is None:  # a load that held the lock failed, or another unload won
+            if executor is None:  # not loaded, its load failed, or another unload won
                 if entry.state is ModelState.FAILED:
                     entry.set_state(ModelState.UNLOADING)
                     entry.set_state(ModelState.UNLOADED)
