@@ -264,12 +264,16 @@ class Replica:
         if self._ready and not self._ready.done():
             self._ready.set_exception(LoadFailed(
                 self.last_error or f"worker exited with code {code} before it was ready; see {self.log_path}"))
+        stopped = not self.wanted and self.state is ReplicaState.STOPPING  # on purpose, not a crash
         lost = list(self.inflight.values())
         self.inflight.clear()
         for job in lost:
             if self.cfg.retry_unstarted_on_crash and job.first_token_at is None and job.attempts < 2 \
                     and not job.cancel_requested:
                 self.owner.requeue(job)  # nothing reached the client: safe to run once more
+            elif stopped:  # what a drain's grace did not let finish (unload, shutdown, restart)
+                job.finish(PoolError(ErrorCode.MODEL_UNLOADING, f"replica {self.name} was stopped "
+                                     "(unload, shutdown or restart) before the request finished"))
             else:
                 job.finish(PoolError(ErrorCode.RUNTIME_CRASHED, f"the runtime of replica {self.name} "
                                      f"exited (code {code}) during the request"))

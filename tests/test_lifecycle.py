@@ -111,6 +111,17 @@ def test_a_request_and_a_restart_during_a_load(make_pool):
     assert post(pool, "l").status_code == 200
 
 
+def test_an_unload_during_a_load_waits_for_it_and_leaves_no_worker(make_pool):
+    pool = make_pool([with_options(synthetic("w", replicas=2, load_on_start=False), load_ms=2000)])
+    with ThreadPoolExecutor(2) as ex:
+        load = ex.submit(admin, pool, "w", "load")
+        wait_for(lambda: pool.model("w")["state"] == "loading", 10, what="loading")
+        unload = ex.submit(admin, pool, "w", "unload")
+        assert load.result().status_code == 200
+        assert unload.result().json()["state"] == "unloaded"
+    assert pool.workers("w") == [] and worker_procs(pool) == []
+
+
 def test_concurrent_restarts_keep_one_worker_per_replica(make_pool):
     """Item 4: two, then ten restarts at once: one runs, the others get 409;
     never more workers than replicas plus those being stopped; all listed."""
@@ -268,6 +279,7 @@ def test_shutdown_with_a_job_that_never_ends(make_pool):
     pids = [w["pid"] for w in pool.workers()]
     took, last = _stop_timed(pool, 1, grace)
     assert last["type"] == "response.failed"  # told, never a silent close
+    assert last["response"]["error"]["code"] == "model_unloading"
     assert grace - 0.5 < took < grace + stop + 3, f"shutdown took {took:.1f}s (grace {grace}s)"
     assert all(gone(pid) for pid in pids)
     print(f"shutdown with a never-ending job: {took:.1f}s (grace {grace}s, stop timeout {stop}s)")

@@ -306,6 +306,19 @@ async def test_crash_in_stopping_ends_stopped():
 
 
 @scenario
+async def test_a_stop_ends_a_started_job_with_503_and_requeues_an_unstarted_one():
+    rig = Rig(target_inflight=2)
+    await rig.start()
+    started, unstarted = rig.job(started=True), rig.job(started=False)
+    rig.obey_shutdown = False
+    stop = asyncio.create_task(rig.replica.stop())
+    await settle(lambda: rig.replica.state is ReplicaState.STOPPING, "stopping")
+    rig.replica.proc.exit(0)
+    await stop
+    assert outcome(started).code is ErrorCode.MODEL_UNLOADING and rig.owner.requeued == [unstarted]
+
+
+@scenario
 async def test_stop_timeout_kills_the_tree():
     rig = Rig(stop_timeout_s=0.05)
     proc = await rig.start()
