@@ -273,7 +273,7 @@ def _stop_timed(pool, signals: int, grace_s: float) -> tuple[float, dict]:
 
 def test_shutdown_with_a_job_that_never_ends(make_pool):
     """Item 5: the grace is spent once: grace plus the stop timeout at most."""
-    grace, stop = 8.0, 1.0
+    grace, stop = 4.0, 1.0
     pool = make_pool([synthetic("n", tps=2, tokens=1_000_000, stop_timeout_s=stop)],
                      server={"shutdown_grace_s": grace})
     pids = [w["pid"] for w in pool.workers()]
