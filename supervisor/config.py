@@ -93,6 +93,7 @@ class SyntheticOptions(_Options):
     chaos: Literal["garbage", "wrong_types", "bad_version", "oversized", "unknown_job",
                    "lone_surrogate"] | None = None  # tests
     chaos_prompt: str | None = None  # chaos only for jobs whose last message is this
+    grandchild: bool = False  # tests: start a process in its own session that must die with the worker
 
 
 BACKEND_OPTIONS: dict[str, type[_Options]] = {
