@@ -9,6 +9,7 @@ import uvicorn
 
 from supervisor.api import create_app
 from supervisor.config import PoolConfig
+from supervisor.http_guard import guarded_protocol
 
 log = logging.getLogger("llm_pool.server")
 
@@ -45,6 +46,6 @@ def run(cfg: PoolConfig, log_level: str = "info") -> None:
     app = create_app(cfg)
     server = DrainingServer(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level=log_level, loop="uvloop",
-        http="httptools", access_log=False, timeout_graceful_shutdown=5),
+        http=guarded_protocol(cfg.server), access_log=False, timeout_graceful_shutdown=5),
         app.state.engine, cfg.server.shutdown_grace_s)
     server.run()
