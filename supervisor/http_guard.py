@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import hmac
+import ipaddress
 import json
 import logging
 import time
@@ -30,7 +31,6 @@ log = logging.getLogger("llm_pool.http")
 
 # The admin surface: operator actions, and the documents that describe them.
 ADMIN_PATHS = frozenset({"/admin", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
-LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "[::1]"})
 NO_RETRY = frozenset({ErrorCode.INVALID_REQUEST, ErrorCode.LOAD_FAILED, ErrorCode.MODEL_NOT_LOADED,
                       ErrorCode.RUNTIME_TIMEOUT})  # the openai SDK retries 409 and 5xx unless told not to
 
@@ -80,9 +80,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with bounds (see `guarded_protocol`):
     - at most `max_connections` open connections; more are closed at once;
     - a request's line and headers: at most `max_header_bytes` and `max_headers`
-      lines (else 431 and close), complete within `header_timeout_s` of their
-      first byte or of the connection opening (else the connection is closed);
+      lines (else 431 and close), complete within `header_timeout_s` of the read
+      that began them or of the connection opening (else the connection is closed);
     - its body complete within `body_timeout_s` of the headers (else closed).
+    A request read whole in one read costs no timer.
     Bytes are counted as they arrive, before the parser sees them; a read that
     holds the end of one request and the start of the next counts from the
     next read on (so a request's headers can exceed the cap by one read)."""
@@ -94,6 +95,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._phase = _Phase.IDLE
         self._header_bytes = 0
         self._header_lines = 0
+        self._completed = 0  # requests read whole
         self._timer: TimerHandle | None = None
         if self._refused:
             self.transport = transport
@@ -113,29 +115,37 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self._refused or self.transport.is_closing():
             return
         if self._phase is _Phase.BODY:
-            return super().data_received(data)
-        if self._timer is None:  # the first bytes of a request on an idle keep-alive connection
-            self._arm(self.limits.header_timeout_s, self._header_timeout)
+            return self._feed(data)
         room = self.limits.max_header_bytes - self._header_bytes
         if len(data) <= room:
             self._header_bytes += len(data)
-            return super().data_received(data)
+            return self._feed(data)
         # Feed what fits: if the headers end in it, the rest is body or the next request.
         self._header_bytes += room
-        super().data_received(data[:room])
+        self._feed(data[:room])
         if self.transport.is_closing():
             return
         if self._phase is not _Phase.BODY and self._header_bytes >= self.limits.max_header_bytes:
             return self._refuse_headers(f"request headers over {self.limits.max_header_bytes} bytes")
         self.data_received(data[room:])
 
+    def _feed(self, data: bytes) -> None:
+        """Parse, then start the deadline for what is left half-read. A request that came
+        whole in one read (the usual case) sets no timer."""
+        completed = self._completed
+        super().data_received(data)
+        if self._timer is not None or self.transport.is_closing():
+            return
+        if self._phase is _Phase.BODY:
+            self._arm(self.limits.body_timeout_s, self._body_timeout)
+        elif self._phase is _Phase.HEADERS or self._completed == completed:  # a partial request, or blank lines
+            self._arm(self.limits.header_timeout_s, self._header_timeout)
+
     # parser callbacks
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._phase = _Phase.HEADERS
         self._header_lines = 0
-        if self._timer is None:
-            self._arm(self.limits.header_timeout_s, self._header_timeout)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_lines += 1
@@ -147,12 +157,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm()
         self._phase = _Phase.BODY
         self._header_bytes = 0
-        self._arm(self.limits.body_timeout_s, self._body_timeout)
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         self._disarm()
         self._phase = _Phase.IDLE
+        self._completed += 1
         super().on_message_complete()
 
     def send_400_response(self, msg: str) -> None:
@@ -183,6 +193,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.abort()
 
     def _answer_and_close(self, err: PoolError) -> None:
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            if cycle.response_started:  # a pipelined request went wrong mid-answer: no room for a reply
+                return self.transport.abort()
+            cycle.disconnected = True  # the app's request is over: it must not answer after this
+            cycle.message_event.set()
         body = json.dumps(err.envelope()).encode()
         head = (f"HTTP/1.1 {err.status} {_REASONS.get(err.status, '')}\r\n"
                 f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
@@ -225,10 +241,10 @@ class AccessGate:
     admin key when any key is set; with only an inference key it is refused.
 
     Browser rules for the admin surface, keys or not (a web page must not drive
-    it, whether cross-site or by DNS rebinding): the Host must be a loopback
-    name, the configured host, the address the connection arrived on (each
-    with the pool's port) or one of `allowed_hosts`; an Origin must be that
-    same host and port; Sec-Fetch-Site, when sent, must be same-origin or none.
+    it, whether cross-site or by DNS rebinding): the Host must be localhost,
+    the configured host or an IP address (each with the pool's port), or one
+    of `allowed_hosts`; an Origin must be that same host and port;
+    Sec-Fetch-Site, when sent, must be same-origin or none.
     (An ASGI layer, not a FastAPI dependency: it is on every request's path.)"""
 
     def __init__(self, app, server: ServerConfig, api_key: str | None, admin_key: str | None) -> None:
@@ -239,7 +255,7 @@ class AccessGate:
         self.allowed_hosts = frozenset(h.lower() for h in server.allowed_hosts)
         host = server.host.lower()
         wildcard = host in ("0.0.0.0", "::", "")
-        self.local_names = LOOPBACK_NAMES | (set() if wildcard else {f"[{host}]" if ":" in host else host})
+        self.local_names = {"localhost"} | (set() if wildcard else {f"[{host}]" if ":" in host else host})
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
@@ -294,8 +310,7 @@ class AccessGate:
             return True
         if server is None or (port or 80) != server[1]:
             return False
-        arrived_on = f"[{server[0]}]" if ":" in server[0] else server[0]  # an IP literal: no rebinding
-        return name in self.local_names or name == arrived_on
+        return name in self.local_names or _is_ip_literal(name)  # a page at an IP has no name to rebind
 
 
 def _key_given(headers, wanted: list[bytes]) -> bool:
@@ -307,6 +322,14 @@ def _key_given(headers, wanted: list[bytes]) -> bool:
         if name == b"x-api-key":
             given = value
     return any(hmac.compare_digest(given, k) for k in wanted)
+
+
+def _is_ip_literal(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name[1:-1] if name.startswith("[") else name)
+    except ValueError:
+        return False
+    return True
 
 
 def _split_host(host: str) -> tuple[str | None, int | None]:

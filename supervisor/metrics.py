@@ -20,6 +20,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 ENDPOINTS = {"/v1/responses": "responses", "/v1/chat/completions": "chat_completions"}
 OTHER_ENDPOINT = "other"  # a request refused before it reached an inference route
 UNKNOWN_MODEL = "unknown"  # a model name that is not configured
+_ENDPOINT_LABELS = frozenset(ENDPOINTS.values())
 
 
 class Metrics:
@@ -37,7 +38,7 @@ class Metrics:
 
     def request(self, model: str | None, endpoint: str, status: int) -> None:
         """Count one request; `endpoint` is a label from ENDPOINTS or an inference path."""
-        if endpoint not in self._endpoint_labels:
+        if endpoint not in _ENDPOINT_LABELS:
             endpoint = ENDPOINTS.get(endpoint, OTHER_ENDPOINT)
         self.requests.labels(self._model(model), endpoint, str(status)).inc()
 
@@ -49,8 +50,6 @@ class Metrics:
             self.ttft.labels(model).observe(job.first_token_at - job.created_at)
         self.latency.labels(model).observe(now - job.created_at)
         self.tokens.labels(model).inc(int(done.usage.get("output_tokens", 0)))
-
-    _endpoint_labels = frozenset(ENDPOINTS.values())
 
     def _model(self, name: str | None) -> str:
         return name if name in self.engine.models else UNKNOWN_MODEL

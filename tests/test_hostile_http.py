@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import synthetic
 from tests.pool import Pool, wait_for
+from tests.test_cli import assert_one_line_error, cli
 
 RSS_SLACK = 64 * 2**20  # the supervisor may grow this much over the whole module, no more
 TIMEOUT_S = 1.0  # header_timeout_s and body_timeout_s of the shared pool
@@ -54,7 +55,8 @@ def hostile(pool):
     assert all(w["restarts"] == 0 for w in workers), workers
     wait_for(lambda: all(m["runtime_inflight"] == 0 and m["queue_depth"] == 0 for m in pool.models().values()),
              5, what="nothing in flight or queued")
-    assert "silent for" not in pool.log_path.read_text(errors="replace")
+    log = pool.log_path.read_text(errors="replace")
+    assert "silent for" not in log and "Traceback" not in log, log[-3000:]
 
 
 def assert_serves(pool) -> None:
@@ -280,6 +282,8 @@ def test_cross_site_and_rebinding_requests_to_admin_are_refused(hostile):
         ("GET", "/admin/models", {"Host": f"localhost:{port + 1}"}),
         ("GET", "/admin/models", {"Host": "localhost"}),
         ("GET", "/admin/models", {"Host": f"127.0.0.1.evil.example:{port}"}),
+        ("GET", "/admin/models", {"Host": f"127.0.0.1:{port + 1}"}),
+        ("GET", "/admin/models", {"Host": f"127.0.0.1:{port}:1"}),
         ("GET", "/docs", {"Host": f"evil.example:{port}"}),
         ("GET", "/openapi.json", {"Origin": "http://evil.example"}),
         ("GET", "/redoc", {"Sec-Fetch-Site": "cross-site"}),
@@ -294,6 +298,7 @@ def test_cross_site_and_rebinding_requests_to_admin_are_refused(hostile):
         {"Origin": f"http://127.0.0.1:{port}", "Sec-Fetch-Site": "same-origin"},  # the pool's own pages
         {"Host": f"localhost:{port}", "Origin": f"http://localhost:{port}"},
         {"Host": f"[::1]:{port}"},
+        {"Host": f"0.0.0.0:{port}"}, {"Host": f"192.0.2.7:{port}"},  # an IP: nothing to rebind
         {"Host": "pool.example"},  # server.allowed_hosts, any port (a proxy in front)
         {"Host": "pool.example", "Origin": "https://pool.example"},
         {"Sec-Fetch-Site": "none"},  # typed into the address bar
@@ -313,6 +318,8 @@ def test_admin_needs_the_admin_key_whenever_a_key_is_set(make_pool):
         assert r.status_code == 401 and "admin_key" in r.json()["error"]["message"], (path, r.text)
     assert pool.http.post("/admin/models/syn/unload").status_code == 401
     assert pool.http.get("/v1/models", headers=infer).status_code == 200
+    assert_one_line_error(cli("ps", url=pool.url, env={"LLM_POOL_ADMIN_KEY": "infer"}),
+                          "llm-pool: unauthorized: the admin endpoints are closed")
     pool.stop()
 
     pool = make_pool([synthetic("syn")], server={"api_key": "infer", "admin_key": "admin"})
