@@ -17,6 +17,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from supervisor.config import ConfigError, parse_config
 from tests.conftest import synthetic
 from tests.pool import Pool, wait_for
 from tests.test_cli import assert_one_line_error, cli
@@ -59,10 +60,13 @@ def hostile(pool):
     assert "silent for" not in log and "Traceback" not in log, log[-3000:]
 
 
+def chat(model: str) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+
+
 def assert_serves(pool) -> None:
     started = time.monotonic()
-    r = httpx.post(pool.url + "/v1/chat/completions", timeout=1.0,
-                   json={"model": "syn", "messages": [{"role": "user", "content": "hi"}]})
+    r = httpx.post(pool.url + "/v1/chat/completions", timeout=1.0, json=chat("syn"))
     assert r.status_code == 200, r.text
     assert time.monotonic() - started < 1.0
 
@@ -234,11 +238,11 @@ def test_connection_limit(hostile):
 
 
 def test_pipelined_requests_are_answered_in_order(hostile):
-    chat = json.dumps({"model": "syn", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    content = json.dumps(chat("syn")).encode()
     with connect(hostile) as s:
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
                   b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: " + str(len(chat)).encode() + b"\r\n\r\n" + chat +
+                  b"Content-Length: " + str(len(content)).encode() + b"\r\n\r\n" + content +
                   b"GET /nope HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         answer = read_all(s)
     statuses = [int(part.split(b" ", 1)[0]) for part in answer.split(b"HTTP/1.1 ")[1:]]
@@ -252,7 +256,7 @@ def test_metric_labels_come_only_from_configured_names(hostile):
     with httpx.Client(base_url=hostile.url, timeout=30) as http:
         for i in range(100):
             name = f"{i}-" + "m" * 256 * 1024
-            r = http.post("/v1/chat/completions", json={"model": name, "messages": [{"role": "user", "content": "x"}]})
+            r = http.post("/v1/chat/completions", json=chat(name))
             assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
             path = f"/admin/models/{i}-{'p' * 30_000}/restart"
             assert http.post(path, params={"replica": "x"}).status_code == 400  # a validation error
@@ -305,7 +309,7 @@ def test_cross_site_and_rebinding_requests_to_admin_are_refused(hostile):
     ]
     for headers in allowed:
         assert hostile.http.get("/admin/models", headers=headers).status_code == 200, headers
-    assert hostile.http.get("/openapi.json").status_code == 200
+    assert hostile.http.get("/openapi.json").status_code == 200 and hostile.http.get("/docs").status_code == 200
     # the inference surface is not the admin one
     assert hostile.http.get("/v1/models", headers={"Host": "evil.example", "Origin": "http://x"}).status_code == 200
 
@@ -371,10 +375,10 @@ def test_error_types_and_retry_hints(hostile):
         answer = read_all(s)  # the body timeout closes the connection after the 413
     assert status(answer) == 413 and body(answer)["error"]["type"] == "invalid_request_error"
 
-    r = hostile.http.post("/v1/chat/completions", json={"model": "cold", "messages": [{"role": "user", "content": "x"}]})
+    r = hostile.http.post("/v1/chat/completions", json=chat("cold"))
     assert r.status_code == 409 and r.json()["error"]["code"] == "model_not_loaded"
     assert r.headers["x-should-retry"] == "false"
-    r = hostile.http.post("/v1/chat/completions", json={"model": "stuck", "messages": [{"role": "user", "content": "x"}]})
+    r = hostile.http.post("/v1/chat/completions", json=chat("stuck"))
     assert r.status_code == 504 and r.json()["error"]["code"] == "runtime_timeout"
     assert r.headers["x-should-retry"] == "false"
 
@@ -400,3 +404,15 @@ def make_pool_with_keys(tmp_path_factory):
         assert pool.http.get("/admin/models", headers={"Authorization": "Bearer admin"}).status_code == 200
     finally:
         pool.stop()
+
+
+@pytest.mark.parametrize("server, key", [
+    ({"allowed_hosts": ["evil example"]}, "server.allowed_hosts"),
+    ({"allowed_hosts": ["http://x"]}, "server.allowed_hosts"),
+    ({"max_headers": 2}, "server.max_headers"), ({"max_header_bytes": 100}, "server.max_header_bytes"),
+    ({"header_timeout_s": 0}, "server.header_timeout_s"), ({"body_timeout_s": -1}, "server.body_timeout_s"),
+    ({"max_connections": 0}, "server.max_connections"),
+])
+def test_edge_settings_are_validated(server, key):
+    with pytest.raises(ConfigError, match=key):
+        parse_config({"server": server})
