@@ -252,8 +252,9 @@ def create_app(config: PoolConfig) -> FastAPI:
     def check_replica(name: str, replica: int) -> None:
         count = engine.entry(name).cfg.replicas
         if not 0 <= replica < count:
-            raise PoolError(ErrorCode.INVALID_REQUEST, f"replica: model {name!r} has replicas 0 to {count - 1}",
-                            param="replica")
+            shown = str(replica) if abs(replica) < 10**12 else "that big"
+            raise PoolError(ErrorCode.INVALID_REQUEST, f"model {name!r} has no replica {shown} "
+                            f"(it has 0 to {count - 1})", param="replica")
 
     return app
 
