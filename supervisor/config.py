@@ -34,6 +34,21 @@ class ServerConfig(_Strict):
     shutdown_grace_s: float = Field(30.0, ge=0)
     sse_ping_s: float = Field(15.0, gt=0)  # a stream quiet this long gets a ": ping" comment line
     state_dir: str | None = None  # replica logs; default: the user's state dir
+    # The HTTP edge (supervisor/http_guard.py): bounds on what a client may send before a route runs.
+    allowed_hosts: list[str] = Field(default_factory=list)  # more Host names for /admin ("name" or "name:port")
+    max_connections: int = Field(1000, ge=1, le=1_000_000)  # more are closed at once
+    max_header_bytes: int = Field(64 * 1024, ge=1024, le=16 * 1024 * 1024)  # request line + headers; else 431
+    max_headers: int = Field(100, ge=8, le=10_000)  # header lines per request; else 431
+    header_timeout_s: float = Field(15.0, gt=0)  # headers complete this long after their first byte
+    body_timeout_s: float = Field(60.0, gt=0)  # body complete this long after the headers
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_names(cls, hosts: list[str]) -> list[str]:
+        for h in hosts:
+            if not h or any(c.isspace() or c in "/@?#," for c in h):
+                raise ValueError(f"{h!r} is not a host name (expected 'name', 'name:port' or '*')")
+        return hosts
 
     @field_validator("liveness_s")
     @classmethod

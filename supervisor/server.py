@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 
 import uvicorn
 
 from supervisor.api import create_app
 from supervisor.config import PoolConfig
+from supervisor.http_guard import guarded_protocol
 
 log = logging.getLogger("llm_pool.server")
 
@@ -57,10 +59,26 @@ class DrainingServer(uvicorn.Server):
             super().handle_exit(sig, None)
 
 
+def _room_for_connections(connections: int) -> None:
+    """Raise the open-file soft limit so that max_connections fit (each is a file),
+    with room for the workers' sockets and logs."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = connections + 256
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    new = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    if new < need:
+        log.warning("open-file limit %d leaves room for about %d of server.max_connections = %d",
+                    new, new - 256, connections)
+
+
 def run(cfg: PoolConfig, log_level: str = "info") -> None:
     app = create_app(cfg)
+    _room_for_connections(cfg.server.max_connections)
     server = DrainingServer(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level=log_level, loop="uvloop",
-        http="httptools", access_log=False, timeout_graceful_shutdown=5),
+        http=guarded_protocol(cfg.server), ws="none",  # no WebSocket routes: no upgrade path to guard
+        access_log=False, timeout_graceful_shutdown=5),
         app.state.engine, cfg.server.shutdown_grace_s)
     server.run()
