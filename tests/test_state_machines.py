@@ -551,3 +551,42 @@ async def test_a_dead_driver_is_restarted_by_reconcile():
     await ex.close()
     ex.reconcile()
     assert not ex.driver_alive()  # a closed executor's driver stays down
+
+
+# -- the in-flight table against the worker's heartbeats, and a failed send --------------------
+
+@scenario
+async def test_a_job_the_worker_received_and_no_longer_runs_is_lost():
+    rig = Rig(target_inflight=2)
+    await rig.start()
+    lost, kept = rig.job(started=False), rig.job(started=False)
+    assert rig.replica.free_slots == 0 and (lost.submit_seq, kept.submit_seq) == (1, 2)
+    beat = lambda jobs, seen: rig.transport.deliver(  # noqa: E731
+        rig.replica.identity, p.Heartbeat(inflight=len(jobs), jobs=jobs, submits_seen=seen))
+    # beats the worker sent before it had the Submits (they waited in the socket while this
+    # side was busy) say nothing about them, however many there are
+    for _ in range(5):
+        beat([], 0)
+    beat([lost.id], 1)
+    assert lost.state is kept.state is JobState.SUBMITTED
+    # once the worker has had both, a job it no longer runs has sent its result or never will
+    beat([kept.id], 2)
+    error = outcome(lost)
+    assert isinstance(error, PoolError) and error.code is ErrorCode.RUNTIME_ERROR
+    assert kept.state is JobState.SUBMITTED and rig.replica.free_slots == 1
+    # a job only the worker still runs is cancelled there
+    beat([kept.id, "forgotten"], 2)
+    assert (rig.replica.identity, p.Cancel(job="forgotten")) in rig.transport.sent
+    await rig.replica.stop()
+
+
+@scenario
+async def test_a_submit_that_cannot_be_sent_is_requeued_and_its_worker_replaced():
+    rig = Rig(target_inflight=2)
+    proc = await rig.start()
+    rig.transport.unregister(rig.replica.identity)  # sends to it now fail, as to a gone peer
+    job = rig.job(started=False)
+    assert rig.owner.requeued == [job] and job.attempts == 0
+    assert rig.replica.state is not ReplicaState.READY and rig.replica.free_slots == 0  # out of rotation
+    assert proc.tree_killed
+    await rig.spawned(2)  # the crash path restarts it
