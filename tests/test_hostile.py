@@ -6,6 +6,7 @@ normal request answered within a second."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import random
 import socket
@@ -167,3 +168,57 @@ def test_a_runtime_still_busy_after_a_cancel_is_restarted(make_pool, tiny_gguf, 
     assert "still busy" in log and "does not honour" in log
     assert pool.http.post(CHAT, json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                                       "max_tokens": 2}).status_code == 200
+
+
+async def _drop_after_first_byte(url: str, n: int) -> int:
+    """`n` streams at once, each closed as soon as its first bytes arrive."""
+    async with httpx.AsyncClient(base_url=url, timeout=30,
+                                 limits=httpx.Limits(max_connections=n, max_keepalive_connections=0)) as client:
+        async def one(i: int) -> int:
+            async with client.stream("POST", CHAT, json=chat_body(f"drop {i}", stream=True)) as r:
+                async for _ in r.aiter_raw():
+                    return r.status_code
+            return r.status_code
+        return sum(code == 200 for code in await asyncio.gather(*(one(i) for i in range(n))))
+
+
+def test_streams_dropped_after_the_first_byte_free_their_slots_at_once(make_pool):
+    pool = make_pool([synthetic("syn", replicas=2, target_inflight=8, capacity=8, tps=20, tokens=200,
+                                max_queue=500)])
+    assert asyncio.run(_drop_after_first_byte(pool.url, 200)) == 200
+    # 200 jobs of 10 s each: only cancels can free the 16 slots this fast
+    wait_for(lambda: pool.model("syn")["runtime_inflight"] == 0 and pool.model("syn")["queue_depth"] == 0,
+             8, what="every slot back")
+    assert_settled(pool)
+
+
+async def _flood(url: str, n: int) -> list[httpx.Response]:
+    async with httpx.AsyncClient(base_url=url, timeout=60,
+                                 limits=httpx.Limits(max_connections=n)) as client:
+        return await asyncio.gather(*(client.post(CHAT, json=chat_body(f"flood {i}", max_tokens=4))
+                                      for i in range(n)))
+
+
+def test_a_flood_past_max_queue_gets_429_and_the_queue_drains(make_pool):
+    pool = make_pool([synthetic("syn", target_inflight=2, capacity=2, tps=200, max_queue=64)])
+    responses = asyncio.run(_flood(pool.url, 500))
+    codes = collections.Counter(r.status_code for r in responses)
+    assert set(codes) <= {200, 429} and codes[429] > 0 and codes[200] >= 64, codes
+    rejected = next(r for r in responses if r.status_code == 429)
+    assert rejected.json()["error"]["code"] == "queue_full" and rejected.headers["retry-after"] == "1"
+    assert_settled(pool)
+
+
+def test_a_slow_reader_of_a_fast_stream_costs_no_memory(make_pool):
+    # 200,000 tokens as fast as the worker makes them, read 16 KiB at a time with pauses
+    pool = make_pool([synthetic("syn", tokens=200_000)])
+    supervisor = psutil.Process(pool.proc.pid)
+    rss_before = supervisor.memory_info().rss
+    peak = rss_before
+    with pool.http.stream("POST", CHAT, json=chat_body("slow", stream=True)) as r:
+        for i, _ in enumerate(r.iter_raw(16 * 1024)):
+            if i % 50 == 0:
+                time.sleep(0.05)
+                peak = max(peak, supervisor.memory_info().rss)
+    assert peak - rss_before < 64 * 2**20, (rss_before, peak)
+    assert_settled(pool)
