@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from protocol import Done
+from protocol.errors import PoolError
 from supervisor.jobs import Job
 from supervisor.states import ReplicaState
 
@@ -18,7 +19,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 
 class Metrics:
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, on_finished=None) -> None:
+        self.on_finished = on_finished  # called with each finished request too (the request log)
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("llm_pool_requests", "Inference requests by model, endpoint and HTTP status",
                                 ["model", "endpoint", "status"], registry=self.registry)
@@ -29,11 +31,14 @@ class Metrics:
         self.tokens = Counter("llm_pool_generated_tokens", "Tokens generated", ["model"], registry=self.registry)
         self.registry.register(_EngineCollector(engine))
 
-    def request(self, model: str, endpoint: str, status: int) -> None:
+    def request(self, model: str, endpoint: str, status: int, job: Job | None = None, done: Done | None = None,
+                error: PoolError | None = None) -> None:
         self.requests.labels(model, endpoint, str(status)).inc()
+        if self.on_finished is not None:
+            self.on_finished(model, endpoint, status, job, done, error)
 
     def job_done(self, job: Job, done: Done, endpoint: str) -> None:
-        self.request(job.model, endpoint, 200)
+        self.request(job.model, endpoint, 200, job, done)
         now = time.monotonic()
         if job.first_token_at is not None:
             self.ttft.labels(job.model).observe(job.first_token_at - job.created_at)
