@@ -146,8 +146,7 @@ class RequestLog:
         args.append(limit)
         with self._connect() as db:
             rows = [dict(r) for r in db.execute(sql, args)]
-        for r in rows:
-            generating_s = ((r["duration_ms"] or 0) - (r["ttft_ms"] or 0)) / 1000
-            r["tokens_per_s"] = round(r["tokens_out"] / generating_s, 1) if r["tokens_out"] and generating_s > 0 \
-                else None
+        for r in rows:  # output tokens over the whole request (the time to the first one included)
+            seconds = (r["duration_ms"] or 0) / 1000
+            r["tokens_per_s"] = round(r["tokens_out"] / seconds, 1) if r["tokens_out"] and seconds > 0 else None
         return rows

@@ -78,7 +78,7 @@ def test_query_filters(tmp_path):
     assert [r["model"] for r in store.query(status="ok")] == ["b", "a"]
     assert [r["model"] for r in store.query(status="200", since=now - 10)] == ["b"]
     first = store.query(model="a", status="ok")[0]
-    assert first["tokens_per_s"] == 50.0  # 40 tokens over the 0.8 s after the first one
+    assert first["tokens_per_s"] == 40.0  # 40 tokens in 1 s
     assert [r["model"] for r in store.query(after_id=2)] == ["b"]
 
 
