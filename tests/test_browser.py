@@ -75,7 +75,7 @@ def open_page(browser, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory, llama_server_bin, tiny_gguf):
+def pool(browser, tmp_path_factory, llama_server_bin, tiny_gguf):  # browser first: skip before starting
     """One pool for the page's tests: a request to `syn` runs 2 s, long enough to be caught in flight."""
     pool = Pool(tmp_path_factory.mktemp("pool"),
                 [synthetic("syn", tokens=400, tps=200), llama("tiny", tiny_gguf, llama_server_bin)])
