@@ -24,10 +24,6 @@ SAMPLE_PERIOD_S = 1.0
 SAMPLES_KEPT = 600  # ten minutes, one a second
 
 
-def _ms(start: float | None, end: float | None) -> float | None:
-    return None if start is None or end is None else round((end - start) * 1000, 1)
-
-
 class Activity:
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -64,22 +60,28 @@ class Activity:
     # -- finished requests (from Metrics, on the event loop) ---------------------------------------
     def finished(self, model: str | None, endpoint: str, status: int, job: Job | None = None,
                  done: Done | None = None, error: PoolError | None = None) -> None:
-        now = time.monotonic()
-        usage = done.usage if done else {}
-        tokens_out = int(usage.get("output_tokens", 0)) if done else None
-        if tokens_out:
-            self._tokens[model] = self._tokens.get(model, 0) + tokens_out
-        row = {"ts": time.time(), "model": model or "", "endpoint": endpoint, "status": status,
-               "error_code": error.code.value if error else None,
-               "error_message": error.message if error else None,
-               "tokens_in": int(usage.get("input_tokens", 0)) if done else None, "tokens_out": tokens_out}
+        """One row for the request log (in COLUMNS order). On every request's path: kept cheap."""
+        queued = ttft = duration = tokens_in = tokens_out = prompt = output = None
+        if done is not None:
+            usage = done.usage
+            tokens_in, tokens_out = int(usage.get("input_tokens", 0)), int(usage.get("output_tokens", 0))
+            if tokens_out:
+                self._tokens[model] = self._tokens.get(model, 0) + tokens_out
         if job is not None:
-            row.update(queued_ms=_ms(job.created_at, job.submitted_at or (now if error else None)),
-                       ttft_ms=_ms(job.created_at, job.first_token_at), duration_ms=_ms(job.created_at, now))
+            now = time.monotonic()
+            start = job.created_at
+            duration = round((now - start) * 1000, 1)
+            if job.submitted_at is not None:
+                queued = round((job.submitted_at - start) * 1000, 1)
+            elif error is not None:  # it never left the queue
+                queued = duration
+            if job.first_token_at is not None:
+                ttft = round((job.first_token_at - start) * 1000, 1)
             if job.transcript is not None:  # the model has log_bodies = true
-                row.update(prompt=truncate(json.dumps(job.request.get("messages"), ensure_ascii=False)),
-                           output=truncate("".join(job.transcript)))
-        self.requests.record(**row)
+                prompt = truncate(json.dumps(job.request.get("messages"), ensure_ascii=False))
+                output = truncate("".join(job.transcript))
+        self.requests.append((time.time(), model or "", endpoint, status, error and error.code.value,
+                              error and error.message, queued, ttft, duration, tokens_in, tokens_out, prompt, output))
 
     # -- live samples ----------------------------------------------------------------------------
     def sample(self) -> dict:

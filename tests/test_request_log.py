@@ -34,7 +34,7 @@ def logged(pool: Pool, **params) -> list[dict]:
 # -- the store -------------------------------------------------------------------------------------
 
 def test_retention_keeps_the_newest_rows_and_no_old_ones(tmp_path):
-    store = RequestLog(tmp_path / "r.sqlite3", max_rows=5, days=1, batch_wait_s=0)
+    store = RequestLog(tmp_path / "r.sqlite3", max_rows=5, days=1, flush_s=0.01)
     store.start()
     now = time.time()
     for i in range(3):  # two days old: gone with the first batch written after them
@@ -48,7 +48,7 @@ def test_retention_keeps_the_newest_rows_and_no_old_ones(tmp_path):
 
 
 def test_writes_happen_off_the_caller_thread_in_batches(tmp_path):
-    store = RequestLog(tmp_path / "r.sqlite3", max_rows=1000, days=1, batch_wait_s=0.2)
+    store = RequestLog(tmp_path / "r.sqlite3", max_rows=1000, days=1, flush_s=0.2)
     store.start()
     caller = threading.get_ident()
     writers = set()
@@ -57,7 +57,7 @@ def test_writes_happen_off_the_caller_thread_in_batches(tmp_path):
     started = time.monotonic()
     for i in range(200):
         store.record(ts=time.time(), model="m", endpoint="responses", status=200)
-    assert time.monotonic() - started < 0.2  # record() never waits for the disk
+    assert time.monotonic() - started < 0.2  # record() never waits for the disk (the writer sleeps 0.2 s)
     store.close()
     assert writers and caller not in writers
     assert len(writers) == 1 and store.written == 200
@@ -65,7 +65,7 @@ def test_writes_happen_off_the_caller_thread_in_batches(tmp_path):
 
 
 def test_query_filters(tmp_path):
-    store = RequestLog(tmp_path / "r.sqlite3", max_rows=100, days=1, batch_wait_s=0)
+    store = RequestLog(tmp_path / "r.sqlite3", max_rows=100, days=1, flush_s=0.01)
     store.start()
     now = time.time()
     store.record(ts=now - 100, model="a", endpoint="responses", status=200, duration_ms=1000, ttft_ms=200,
