@@ -184,9 +184,10 @@ function duration(s) {
 
 const ms = (v) => (v == null ? "-" : v < 1000 ? `${Math.round(v)} ms` : `${(v / 1000).toFixed(2)} s`);
 
-function ago(unix) {
-  if (unix == null) return "-";
-  return duration(Date.now() / 1000 - unix) + " ago";
+function ago(when) { // unix seconds or an ISO 8601 time
+  if (when == null) return "-";
+  const unix = typeof when === "string" ? Date.parse(when) / 1000 : when;
+  return Number.isFinite(unix) ? duration(Math.max(0, Date.now() / 1000 - unix)) + " ago" : String(when);
 }
 
 function fill(table, rows) {
@@ -228,10 +229,11 @@ async function refreshWorkers() {
     num(w.gpu_memory_bytes == null ? "-" : bytes(w.gpu_memory_bytes)),
     el("td", {}, w.children.map((c) => `${c.name}:${c.pid} (${bytes(c.rss_bytes)})`).join(", ") || "-"))));
   const targets = workers.map((w) => `${w.model}/${w.replica}`);
+  if (state.logTarget && !targets.includes(state.logTarget)) targets.push(state.logTarget); // stopped: still readable
   const select = $("#log-target");
   if (targets.join() !== [...select.options].map((o) => o.value).join()) {
     select.replaceChildren(...targets.map((t) => el("option", {value: t}, t)));
-    if (targets.includes(state.logTarget)) select.value = state.logTarget;
+    if (state.logTarget) select.value = state.logTarget;
   }
   if (!state.logTarget && targets.length) tailLog(select.value);
 }
