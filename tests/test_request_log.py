@@ -214,3 +214,33 @@ def test_cli_requests(make_pool):
     finally:
         follower.terminate()
         follower.wait(10)
+
+
+def test_log_tail_reads_appends_and_starts_over_when_the_file_is_replaced(tmp_path):
+    from supervisor.admin_feeds import _read_new
+    path = tmp_path / "m-0.log"
+    assert _read_new(path, None, 2) == (b"", None, False)  # no log yet
+    path.write_text("one\ntwo\nthree\n")
+    data, pos, restarted = _read_new(path, None, 2)
+    assert data == b"two\nthree\n" and pos == path.stat().st_size and not restarted
+    with open(path, "a") as f:
+        f.write("four\n")
+    assert _read_new(path, pos, 2)[0] == b"four\n"
+    path.write_text("new\n")  # a new worker's log: shorter than where the tail was
+    data, pos, restarted = _read_new(path, pos + 5, 2)
+    assert (data, restarted) == (b"new\n", True)
+
+
+def test_ui_is_served_from_the_package_with_a_strict_policy(make_pool):
+    pool = make_pool([synthetic("u")])
+    page = pool.http.get("/ui")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    assert page.headers["x-frame-options"] == "DENY"
+    for name, kind in (("app.js", "text/javascript"), ("style.css", "text/css")):
+        asset = pool.http.get(f"/ui/{name}")
+        assert asset.status_code == 200 and asset.headers["content-type"].startswith(kind)
+        assert f"/ui/{name}" in page.text
+    assert "http" not in pool.http.get("/ui/app.js").text.replace("HTTP ", "")  # nothing fetched from elsewhere
+    assert pool.http.get("/ui/pool.toml").status_code == 404
+    assert pool.http.get("/ui/..%2Fconfig.py").status_code == 404
