@@ -125,8 +125,8 @@ def test_request_log_survives_a_restart_and_keeps_its_bound(tmp_path):
     try:
         for i in range(5):
             assert chat(first, "m", f"request {i}").status_code == 200
-        wait_for(lambda: len(logged(first)) == 3, 5, what="the newest three rows")
-        before = logged(first)
+        before = wait_for(lambda: (rows := logged(first)) and [r["id"] for r in rows] == [5, 4, 3] and rows, 5,
+                          what="the newest three of five rows")
     finally:
         first.stop()
     second = Pool(tmp_path, models, server).start()  # the same state dir
