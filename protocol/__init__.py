@@ -16,7 +16,7 @@ is the replica id. Every message is ONE frame holding one msgpack map:
     delta   job, text                       heartbeat
     done    job, finish_reason, usage{}     shutdown
     error   job|None, code, message
-    heartbeat inflight, jobs[]
+    heartbeat inflight, jobs[], submits_seen
 
   hello is sent on connect (before the runtime loads); ready follows once the
   runtime can take jobs, carrying its honest capacity; a load failure is an

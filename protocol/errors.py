@@ -14,8 +14,12 @@ class ErrorCode(StrEnum):
     INVALID_REQUEST = "invalid_request"
     REQUEST_TOO_LARGE = "request_too_large"
     UNAUTHORIZED = "unauthorized"
+    FORBIDDEN = "forbidden"  # a browser or Host the admin surface refuses
+    HEADERS_TOO_LARGE = "headers_too_large"
     MODEL_NOT_FOUND = "model_not_found"
     MODEL_NOT_LOADED = "model_not_loaded"
+    MODEL_BUSY = "model_busy"  # a load, unload or restart of the model is under way
+    MODEL_LOADING = "model_loading"
     QUEUE_FULL = "queue_full"
     MODEL_UNLOADING = "model_unloading"
     QUEUE_TIMEOUT = "queue_timeout"
@@ -32,8 +36,12 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_REQUEST: 400,
     ErrorCode.REQUEST_TOO_LARGE: 413,
     ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.FORBIDDEN: 403,
+    ErrorCode.HEADERS_TOO_LARGE: 431,
     ErrorCode.MODEL_NOT_FOUND: 404,
     ErrorCode.MODEL_NOT_LOADED: 409,
+    ErrorCode.MODEL_BUSY: 409,
+    ErrorCode.MODEL_LOADING: 503,
     ErrorCode.QUEUE_FULL: 429,
     ErrorCode.UPSTREAM_RATE_LIMITED: 429,
     ErrorCode.MODEL_UNLOADING: 503,
@@ -50,8 +58,11 @@ HTTP_STATUS: dict[ErrorCode, int] = {
 ERROR_TYPE: dict[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     409: "invalid_request_error",
+    413: "invalid_request_error",
+    431: "invalid_request_error",
     429: "rate_limit_error",
 }
 

@@ -61,6 +61,7 @@ class Heartbeat:
     TYPE: ClassVar[str] = "heartbeat"
     inflight: int = 0
     jobs: list = field(default_factory=list)  # worker -> supervisor: the ids of the jobs it runs
+    submits_seen: int = 0  # worker -> supervisor: Submits received so far
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +84,6 @@ FIELD_TYPES: dict[type, dict[str, Any]] = {
     Delta: {"job": str, "text": str},
     Done: {"job": str, "finish_reason": str, "usage": dict},
     Error: {"job": (str, type(None)), "code": str, "message": str},
-    Heartbeat: {"inflight": int, "jobs": list},
+    Heartbeat: {"inflight": int, "jobs": list, "submits_seen": int},
     Shutdown: {},
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ from protocol.errors import ErrorCode, WorkerExit
 from protocol.loop_socket import LoopSocket
 from runtime_worker.backends import backend_class
 from runtime_worker.backends.base import Backend, BackendLoadError, Finished, JobError, RawFrame, TextDelta
+from runtime_worker.cancel_watch import CancelWatch
 from runtime_worker.lifeline import die_with_parent
 from runtime_worker.outbox import Outbox
 
@@ -39,6 +41,8 @@ class Worker:
             json.loads(args.options), args.target_inflight, log, stop_timeout_s=args.stop_timeout_s)
         self.capacity = 0
         self.jobs: dict[str, asyncio.Task] = {}
+        self.cancel_watch = CancelWatch(args.cancel_grace_s)
+        self.submits_seen = 0  # told in heartbeats: the supervisor knows which jobs a beat covers
         self.last_heard = time.monotonic()
         self.stopping = asyncio.Event()
         self.exit_code = WorkerExit.OK
@@ -118,9 +122,11 @@ class Worker:
         self.last_heard = time.monotonic()
         match msg:
             case p.Submit(job=job, request=request):
+                self.submits_seen += 1
                 if len(self.jobs) >= self.capacity:
                     self.send(p.Error(job=job, code=ErrorCode.RUNTIME_ERROR, message="worker is at capacity"))
                 else:
+                    self.cancel_watch.disarm()
                     task = self.jobs[job] = asyncio.create_task(self.run_job(job, request))
                     task.add_done_callback(lambda t, job=job: self._job_ended(job))
             case p.Cancel(job=job):
@@ -160,7 +166,9 @@ class Worker:
 
     def cancel_job(self, job: str) -> None:
         if task := self.jobs.get(job):
+            log.info("cancelling job %s", job)
             task.cancel()
+            self.cancel_watch.arm(time.monotonic())
 
     def _job_ended(self, job: str) -> None:
         """run_job removes its job when it ends. A job still listed here was
@@ -182,7 +190,15 @@ class Worker:
                 log.error("no word from the supervisor for %.1fs; exiting", self.args.liveness_s)
                 self.stop(WorkerExit.SUPERVISOR_GONE)
                 return
-            self.send(p.Heartbeat(inflight=len(self.jobs), jobs=list(self.jobs)))
+            self.send(p.Heartbeat(inflight=len(self.jobs), jobs=list(self.jobs), submits_seen=self.submits_seen))
+            pid = self.backend.runtime_pid()
+            busy = self.cancel_watch.busy_for(pid, not self.jobs, time.monotonic())
+            if busy is not None:
+                log.error("the runtime is still busy %.0fs after a cancel left it no job (a cancel it "
+                          "does not honour): killing it, so that the worker is restarted", busy)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)  # busy, it would sit out a SIGTERM; it leads its group
+                self.cancel_watch.disarm()  # its death ends the worker (load() sees it) with code 1
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -196,6 +212,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--heartbeat-s", type=float, default=1.0)
     ap.add_argument("--liveness-s", type=float, default=10.0)
     ap.add_argument("--stop-timeout-s", type=float, default=10.0)
+    ap.add_argument("--cancel-grace-s", type=float, default=30.0,
+                    help="a runtime still busy this long after a cancel left it no job is restarted")
     return ap.parse_args(argv)
 
 

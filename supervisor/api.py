@@ -7,7 +7,6 @@ Queueing and scheduling live in the engine and its executors."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import time
@@ -19,18 +18,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from protocol import Delta, Done
-from protocol.errors import ErrorCode, PoolError
+from protocol.errors import ERROR_TYPE, ErrorCode, PoolError
 from supervisor import admin_feeds, ui
 from supervisor import openai_shapes as shapes
 from supervisor.config import PoolConfig
 from supervisor.engine import ModelRouterEngine
+from supervisor.http_guard import AccessGate, BodySizeLimit, error_response
 from supervisor.jobs import Job
 from supervisor.live import Activity
 from supervisor.metrics import Metrics
 from supervisor.observe import worker_views
 
 log = logging.getLogger("llm_pool.api")
-ENDPOINTS = {"/v1/responses": "responses", "/v1/chat/completions": "chat_completions"}  # metric labels
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -40,15 +39,6 @@ def sse_frame(event: dict) -> bytes:
     if "event" in event:
         return f"event: {event['event']}\ndata: {event['data']}\n\n".encode()
     return f"data: {event['data']}\n\n".encode()
-
-
-def _error_response(err: PoolError) -> JSONResponse:
-    headers = {}
-    if err.retry_after_s is not None:
-        headers["Retry-After"] = str(int(err.retry_after_s))
-    if err.code in (ErrorCode.LOAD_FAILED, ErrorCode.INVALID_REQUEST):
-        headers["x-should-retry"] = "false"
-    return JSONResponse(err.envelope(), status_code=err.status, headers=headers)
 
 
 class JobStream(StreamingResponse):
@@ -67,79 +57,6 @@ class JobStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.cancel(self.job)
-
-
-class BodySizeLimit:
-    """Refuse request bodies over `limit` bytes with 413: at once when the
-    Content-Length says so, else while reading (the body is buffered up to the
-    limit and then replayed to the app)."""
-
-    def __init__(self, app, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        def too_large() -> JSONResponse:
-            return _error_response(PoolError(ErrorCode.REQUEST_TOO_LARGE, f"request body over {self.limit} bytes"))
-
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
-                return await too_large()(scope, receive, send)
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left while sending
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.limit:
-                return await too_large()(scope, receive, send)
-            if not message.get("more_body"):
-                break
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()  # after the body: disconnect notices pass through
-
-        return await self.app(scope, replay, send)
-
-
-class KeyGate:
-    """API keys, checked before anything reads the request: /v1/* needs the
-    inference key or the admin key, /admin/* the admin key; a key that is not
-    configured leaves its paths open. (An ASGI layer, not a FastAPI
-    dependency: it is on every request's path, and costs less here.)"""
-
-    def __init__(self, app, api_key: str | None, admin_key: str | None) -> None:
-        self.app = app
-        self.inference = [k.encode() for k in (api_key, admin_key) if k] if api_key else []
-        self.admin = [admin_key.encode()] if admin_key else []
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            path = scope["path"]
-            wanted = self.inference if path.startswith("/v1/") else self.admin if path.startswith("/admin/") else []
-            if wanted and not self._allowed(scope["headers"], wanted):
-                denied = _error_response(PoolError(ErrorCode.UNAUTHORIZED, "missing or wrong API key"))
-                return await denied(scope, receive, send)
-        return await self.app(scope, receive, send)
-
-    @staticmethod
-    def _allowed(headers, wanted: list[bytes]) -> bool:
-        given = b""
-        for name, value in headers:
-            if name == b"authorization" and value[:7].lower() == b"bearer ":
-                given = value[7:]
-                break
-            if name == b"x-api-key":
-                given = value
-        return any(hmac.compare_digest(given, k) for k in wanted)
 
 
 def create_app(config: PoolConfig) -> FastAPI:
@@ -162,26 +79,35 @@ def create_app(config: PoolConfig) -> FastAPI:
     app.include_router(admin_feeds.router)
     app.include_router(ui.router)
     app.add_middleware(BodySizeLimit, limit=config.server.max_body_bytes)
-    app.add_middleware(KeyGate, api_key=api_key, admin_key=admin_key)  # outermost: runs first
+    app.add_middleware(AccessGate, server=config.server, api_key=api_key, admin_key=admin_key)  # runs first
 
     # -- errors -------------------------------------------------------------------------------
     @app.exception_handler(PoolError)
     async def _pool_error(request: Request, exc: PoolError):
-        return _error_response(exc)
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        metrics.request(None, request.url.path, 400)
+        if err.get("type") == "json_invalid":  # its loc is ("body", offset): name the body, not the offset
+            where = err.get("loc", ())[-1]
+            reason = (err.get("ctx") or {}).get("error", "")
+            return error_response(PoolError(ErrorCode.INVALID_REQUEST,
+                                            f"body: not valid JSON at offset {where}: {reason}", param="body"))
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         param = ".".join(loc) or None
-        metrics.request("", ENDPOINTS.get(request.url.path, request.url.path), 400)
-        return _error_response(PoolError(ErrorCode.INVALID_REQUEST,
-                                         f"{param or 'body'}: {err.get('msg')}", param=param))
+        return error_response(PoolError(ErrorCode.INVALID_REQUEST,
+                                        f"{param or 'body'}: {err.get('msg')}", param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        return JSONResponse({"error": {"message": str(exc.detail), "type": "invalid_request_error",
-                                       "param": None, "code": None}}, status_code=exc.status_code)
+        if exc.status_code == 400:  # FastAPI could not parse the body (e.g. JSON nested too deep)
+            metrics.request(None, request.url.path, 400)
+            return error_response(PoolError(ErrorCode.INVALID_REQUEST, f"body: {exc.detail}", param="body"))
+        return JSONResponse({"error": {"message": str(exc.detail), "type": ERROR_TYPE.get(exc.status_code,
+                                       "invalid_request_error"), "param": None, "code": None}},
+                            status_code=exc.status_code, headers=exc.headers)
 
     # -- running a job for a client ------------------------------------------------------------------
     async def collect(job: Job) -> tuple[str, Done]:
@@ -336,6 +262,8 @@ def create_app(config: PoolConfig) -> FastAPI:
 
     @app.post("/admin/models/{name}/restart")
     async def admin_restart(name: str, replica: int | None = None):
+        if replica is not None:
+            check_replica(name, replica)
         return engine.model_view(await engine.restart(name, replica))
 
     @app.get("/admin/workers")
@@ -346,12 +274,19 @@ def create_app(config: PoolConfig) -> FastAPI:
     @app.get("/admin/models/{name}/logs")
     async def admin_logs(name: str, replica: int = 0, lines: int = 200):
         """The tail of one replica's log (the worker's and its backend's output)."""
-        engine.entry(name)
+        check_replica(name, replica)
         path = engine.log_dir / f"{name}-{replica}.log"
         if not path.is_file():
             raise PoolError(ErrorCode.INVALID_REQUEST, f"no log for {name}/{replica} yet", param="replica")
         return {"model": name, "replica": replica, "path": str(path),
                 "lines": tail_lines(path, max(1, min(lines, 10000)))}
+
+    def check_replica(name: str, replica: int) -> None:
+        count = engine.entry(name).cfg.replicas
+        if not 0 <= replica < count:
+            shown = str(replica) if abs(replica) < 10**12 else "that big"
+            raise PoolError(ErrorCode.INVALID_REQUEST, f"model {name!r} has no replica {shown} "
+                            f"(it has 0 to {count - 1})", param="replica")
 
     return app
 

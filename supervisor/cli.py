@@ -114,6 +114,8 @@ def _call(url: str, method: str, path: str, *, params: dict | None = None,
         reason = re.sub(r"^\[Errno -?\d+\] ", "", str(exc)) or type(exc).__name__
         raise Failure(f"cannot reach {base} ({reason[:1].lower() + reason[1:]})") from None
     if r.status_code == 401:
+        if "admin_key" in r.text:  # the server has no admin key: a key here cannot help
+            raise Failure(f"unauthorized: {_error_message(r) or 'the server has no admin_key'}")
         refused = " (the one given was refused)" if key else ""
         raise Failure(f"unauthorized: set LLM_POOL_ADMIN_KEY{refused}")
     try:
@@ -126,6 +128,14 @@ def _call(url: str, method: str, path: str, *, params: dict | None = None,
     if isinstance(error, dict) and error.get("message"):
         raise Failure(str(error["message"]))
     raise Failure(f"{base}{path} answered HTTP {r.status_code}")
+
+
+def _error_message(r: httpx.Response) -> str | None:
+    try:
+        error = r.json().get("error")
+    except (ValueError, AttributeError):
+        return None
+    return str(error["message"]) if isinstance(error, dict) and error.get("message") else None
 
 
 def _model_path(name: str, action: str) -> str:

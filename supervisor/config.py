@@ -36,6 +36,21 @@ class ServerConfig(_Strict):
     state_dir: str | None = None  # replica logs and the request log; default: the user's state dir
     request_log_max_rows: int = Field(100_000, ge=1)  # the request log keeps the newest rows...
     request_log_days: float = Field(7.0, gt=0)  # ...and none older than this
+    # The HTTP edge (supervisor/http_guard.py): bounds on what a client may send before a route runs.
+    allowed_hosts: list[str] = Field(default_factory=list)  # more Host names for /admin ("name" or "name:port")
+    max_connections: int = Field(1000, ge=1, le=1_000_000)  # more are closed at once
+    max_header_bytes: int = Field(64 * 1024, ge=1024, le=16 * 1024 * 1024)  # request line + headers; else 431
+    max_headers: int = Field(100, ge=8, le=10_000)  # header lines per request; else 431
+    header_timeout_s: float = Field(15.0, gt=0)  # headers complete this long after their first byte
+    body_timeout_s: float = Field(60.0, gt=0)  # body complete this long after the headers
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_names(cls, hosts: list[str]) -> list[str]:
+        for h in hosts:
+            if not h or any(c.isspace() or c in "/@?#," for c in h):
+                raise ValueError(f"{h!r} is not a host name (expected 'name', 'name:port' or '*')")
+        return hosts
 
     @field_validator("liveness_s")
     @classmethod
@@ -95,6 +110,7 @@ class SyntheticOptions(_Options):
     chaos: Literal["garbage", "wrong_types", "bad_version", "oversized", "unknown_job",
                    "lone_surrogate"] | None = None  # tests
     chaos_prompt: str | None = None  # chaos only for jobs whose last message is this
+    grandchild: bool = False  # tests: start a process in its own session that must die with the worker
 
 
 BACKEND_OPTIONS: dict[str, type[_Options]] = {
@@ -120,6 +136,7 @@ class ModelConfig(_Strict):
     # cancelled, at a cost that grows faster than the message count (400 beyond them)
     max_messages: int = Field(2048, ge=1)
     max_prompt_chars: int = Field(2_000_000, ge=1)
+    cancel_grace_s: float = Field(30.0, gt=0)  # a runtime busy this long after a cancel left it idle: restart
     retry_unstarted_on_crash: bool = True  # a crash before the first token: run it once more elsewhere
     stop_timeout_s: float = Field(10.0, gt=0)  # drain-free stop: SIGTERM .. SIGKILL, worker and runtime
     replica_devices: list[str] | None = None  # CUDA_VISIBLE_DEVICES per replica

@@ -15,7 +15,7 @@ from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ModelConfig, PoolConfig
 from supervisor.jobs import Job
 from supervisor.process import sweep_stale_workers
-from supervisor.replica import LoadFailed, Replica
+from supervisor.replica import Replica
 from supervisor.scheduler import Executor
 from supervisor.states import MODEL_TRANSITIONS, ModelState, ReplicaState, transition
 from supervisor.transport import Transport, sweep_stale_socket_dirs
@@ -67,6 +67,8 @@ class ModelRouterEngine:
         self.transport: Transport | None = None
         self.log_dir = Path(config.server.state_dir or default_state_dir()) / "logs"
         self.shutting_down = False
+        self._drain: asyncio.Future | None = None  # the one drain of a graceful stop
+        self._closed = False
         self._tasks: set[asyncio.Task] = set()
 
     # -- process-wide lifecycle ----------------------------------------------------------
@@ -85,41 +87,82 @@ class ModelRouterEngine:
 
     async def drain_all(self, grace_s: float) -> None:
         """First step of a graceful stop: /ready turns 503, new and queued
-        requests get 503, submitted ones get up to `grace_s` to finish."""
+        requests get 503, submitted ones get up to `grace_s` to finish (or until
+        `stop_draining`). Called again, it waits for the same drain: the grace
+        is spent once."""
         self.shutting_down = True
-        executors = [e.executor for e in self.models.values() if e.executor]
-        await asyncio.gather(*(ex.drain(grace_s) for ex in executors), return_exceptions=True)
+        if self._drain is None:
+            executors = [e.executor for e in self.models.values() if e.executor]
+            for ex in executors:
+                for r in ex.replicas:
+                    r.drain()  # a crash now is final: no restart while the pool stops
+            self._drain = asyncio.ensure_future(asyncio.gather(
+                *(ex.drain(grace_s) for ex in executors), return_exceptions=True))
+        await asyncio.shield(self._drain)
+
+    def stop_draining(self) -> None:
+        """A second signal: submitted jobs get no more time."""
+        for entry in self.models.values():
+            if entry.executor:
+                entry.executor.stop_draining()
 
     async def shutdown(self, grace_s: float) -> None:
-        """Stop accepting everywhere, let submitted work finish within `grace_s`,
-        then stop every worker. Leaves no process behind."""
-        self.shutting_down = True
-        names = [n for n, e in self.models.items() if e.executor]
-        await asyncio.gather(*(self.unload(n, drain_timeout_s=grace_s) for n in names),
-                             return_exceptions=True)
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.transport:
-            await self.transport.close()
+        """Stop accepting everywhere, let submitted work finish within `grace_s`
+        (unless drain_all spent it already), then stop every worker, each within
+        its stop timeout. Leaves no process behind. Safe to call twice."""
+        await self.drain_all(grace_s)
+        if not self._closed:
+            self._closed = True
+            # stop every replica at once, starting ones included (a load or restart then fails fast)
+            replicas = [r for e in self.models.values() if e.executor for r in e.executor.replicas]
+            await asyncio.gather(*(r.stop() for r in replicas), return_exceptions=True)
+            names = [n for n, e in self.models.items() if e.executor]
+            await asyncio.gather(*(self.unload(n, drain_timeout_s=0) for n in names), return_exceptions=True)
+            for t in list(self._tasks):
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            if self.transport:
+                await self.transport.close()
+
+    def model_state(self, entry: ModelEntry) -> ModelState:
+        """The model's state as ops should see it: `loaded` only while some replica
+        lives (runs, starts, or will restart); with every one fatal or stopped it
+        serves nothing, and shows `failed`."""
+        if entry.state is ModelState.LOADED and entry.executor and not any(
+                r.live for r in entry.executor.replicas):
+            return ModelState.FAILED
+        return entry.state
 
     def ready(self) -> bool:
         return not self.shutting_down and all(
-            e.state is ModelState.LOADED for e in self.models.values() if e.cfg.load_on_start)
+            self.model_state(e) is ModelState.LOADED for e in self.models.values() if e.cfg.load_on_start)
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("engine task %s failed", task.get_name(), exc_info=task.exception())
 
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.server.heartbeat_s)
-            now = time.monotonic()
-            for entry in self.models.values():
-                if entry.executor:
-                    for r in entry.executor.replicas:
-                        r.heartbeat(now)
+            try:
+                self.tick(time.monotonic())
+            except Exception:  # one bad tick must not end the heartbeats
+                log.exception("heartbeat tick failed")
+
+    def tick(self, now: float) -> None:
+        """Every heartbeat period: ping (and liveness-check) every worker, then
+        reconcile each executor: re-derive what a missed event should have caused."""
+        for entry in self.models.values():
+            if entry.executor:
+                for r in entry.executor.replicas:
+                    r.heartbeat(now)
+                entry.executor.reconcile()
 
     # -- load / unload ----------------------------------------------------------------------
     def entry(self, name: str) -> ModelEntry:
@@ -135,6 +178,7 @@ class ModelRouterEngine:
             log.error("load of %s failed: %s", name, exc.message)
 
     async def load(self, name: str) -> ModelEntry:
+        """Load a model; waits for a load, unload or restart of it under way first."""
         entry = self.entry(name)
         async with entry.busy:
             if entry.state is ModelState.LOADED:
@@ -165,17 +209,17 @@ class ModelRouterEngine:
             return entry
 
     async def unload(self, name: str, drain_timeout_s: float | None = None) -> ModelEntry:
+        """Drain and stop a model; waits for a load or restart of it under way first."""
         entry = self.entry(name)
-        executor = entry.executor
-        if executor is None:
-            if entry.state is ModelState.FAILED:
-                entry.set_state(ModelState.UNLOADING)
-                entry.set_state(ModelState.UNLOADED)
-            return entry
-        # Stop intake before taking the lock, so requests arriving meanwhile get 503.
-        executor.accepting_new_requests = False
+        if entry.executor is not None:
+            # Stop intake before taking the lock, so requests arriving meanwhile get 503.
+            entry.executor.accepting_new_requests = False
         async with entry.busy:
-            if entry.executor is not executor:
+            executor = entry.executor
+            if executor is None:  # not loaded, its load failed, or another unload won
+                if entry.state is ModelState.FAILED:
+                    entry.set_state(ModelState.UNLOADING)
+                    entry.set_state(ModelState.UNLOADED)
                 return entry
             entry.set_state(ModelState.UNLOADING)
             for r in executor.replicas:
@@ -189,15 +233,27 @@ class ModelRouterEngine:
             return entry
 
     async def restart(self, name: str, replica: int | None = None) -> ModelEntry:
+        """Restart a model's replicas (one, or all), or load it when it is not
+        loaded. Refused (409) while a load, unload or restart of it is under way:
+        it would cut draining jobs or fight the other action."""
         entry = self.entry(name)
+        if entry.busy.locked():
+            doing = {ModelState.LOADING: "loading", ModelState.UNLOADING: "unloading"}.get(
+                entry.state, "being restarted")
+            raise PoolError(ErrorCode.MODEL_BUSY, f"model {name!r} is {doing}; restart refused "
+                            f"(try again when that is done)", param="model")
+        if self.shutting_down:
+            raise PoolError(ErrorCode.MODEL_UNLOADING, "the pool is shutting down")
         if entry.executor is None:
             return await self.load(name)
-        targets = entry.executor.replicas if replica is None else [
-            r for r in entry.executor.replicas if r.index == replica]
-        if not targets:
-            raise PoolError(ErrorCode.INVALID_REQUEST, f"model {name!r} has no replica {replica}")
-        results = await asyncio.gather(*(r.restart() for r in targets), return_exceptions=True)
-        failed = [f"{r.name}: {res}" for r, res in zip(targets, results) if isinstance(res, LoadFailed)]
+        async with entry.busy:  # free (checked above, no await since): taken at once
+            executor = entry.executor
+            targets = executor.replicas if replica is None else [
+                r for r in executor.replicas if r.index == replica]
+            if not targets:
+                raise PoolError(ErrorCode.INVALID_REQUEST, f"model {name!r} has no replica {replica}")
+            results = await asyncio.gather(*(r.restart() for r in targets), return_exceptions=True)
+        failed = [f"{r.name}: {res}" for r, res in zip(targets, results) if isinstance(res, BaseException)]
         if failed:
             raise PoolError(ErrorCode.LOAD_FAILED, "; ".join(failed))
         return entry
@@ -208,6 +264,9 @@ class ModelRouterEngine:
         if self.shutting_down:
             raise PoolError(ErrorCode.MODEL_UNLOADING, "the pool is shutting down")
         executor = entry.executor
+        if entry.state is ModelState.LOADING:  # (issue 14 makes it wait in the queue instead)
+            raise PoolError(ErrorCode.MODEL_LOADING, f"model {model!r} is loading; retry when it is loaded",
+                            param="model", retry_after_s=1)
         if entry.state is ModelState.UNLOADING or (executor and not executor.accepting_new_requests):
             raise PoolError(ErrorCode.MODEL_UNLOADING, f"model {model!r} is unloading", param="model")
         if entry.state is not ModelState.LOADED or executor is None:
@@ -233,7 +292,7 @@ class ModelRouterEngine:
         return {
             "name": entry.cfg.name,
             "backend": entry.cfg.backend,
-            "state": entry.state.value,
+            "state": self.model_state(entry).value,
             "replicas": entry.cfg.replicas,
             "replicas_ready": sum(r.state is ReplicaState.READY for r in ex.replicas) if ex else 0,
             "queue_depth": ex.queue_depth if ex else 0,
@@ -243,5 +302,11 @@ class ModelRouterEngine:
             "accepting_new_requests": bool(ex and ex.accepting_new_requests),
             "max_queue": entry.cfg.max_queue,
             "load_seconds": entry.load_seconds,
-            "error": entry.error,
+            "error": entry.error or self._replica_errors(entry),
         }
+
+    def _replica_errors(self, entry: ModelEntry) -> str | None:
+        if self.model_state(entry) is not ModelState.FAILED or entry.executor is None:
+            return None
+        return "no replica is running: " + "; ".join(
+            f"{r.name} {r.state.value}: {r.last_error or 'no error recorded'}" for r in entry.executor.replicas)

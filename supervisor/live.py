@@ -80,7 +80,7 @@ class Activity:
             if job.transcript is not None:  # the model has log_bodies = true
                 prompt = truncate(json.dumps(job.request.get("messages"), ensure_ascii=False))
                 output = truncate("".join(job.transcript))
-        self.requests.append((time.time(), model or "", endpoint, status, error and error.code.value,
+        self.requests.append((time.time(), (model or "")[:200], endpoint, status, error and error.code.value,
                               error and error.message, queued, ttft, duration, tokens_in, tokens_out, prompt, output))
 
     # -- live samples ----------------------------------------------------------------------------
@@ -88,7 +88,7 @@ class Activity:
         models = {}
         for name, entry in self.engine.models.items():
             ex = entry.executor
-            models[name] = {"state": entry.state.value, "queue": ex.queue_depth if ex else 0,
+            models[name] = {"state": self.engine.model_state(entry).value, "queue": ex.queue_depth if ex else 0,
                             "inflight": ex.runtime_inflight if ex else 0, "tokens": self._tokens.get(name, 0)}
         return {"t": round(time.time(), 3), "models": models}
 

@@ -16,10 +16,17 @@ from supervisor.jobs import Job
 from supervisor.states import ReplicaState
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# Label values come only from these and from the configured model names: never from what a
+# client sent, or /metrics would grow with every new name or path.
+ENDPOINTS = {"/v1/responses": "responses", "/v1/chat/completions": "chat_completions"}
+OTHER_ENDPOINT = "other"  # a request refused before it reached an inference route
+UNKNOWN_MODEL = "unknown"  # a model name that is not configured
+_ENDPOINT_LABELS = frozenset(ENDPOINTS.values())
 
 
 class Metrics:
     def __init__(self, engine, on_finished=None) -> None:
+        self.engine = engine
         self.on_finished = on_finished  # called with each finished request too (the request log)
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("llm_pool_requests", "Inference requests by model, endpoint and HTTP status",
@@ -31,19 +38,26 @@ class Metrics:
         self.tokens = Counter("llm_pool_generated_tokens", "Tokens generated", ["model"], registry=self.registry)
         self.registry.register(_EngineCollector(engine))
 
-    def request(self, model: str, endpoint: str, status: int, job: Job | None = None, done: Done | None = None,
-                error: PoolError | None = None) -> None:
-        self.requests.labels(model, endpoint, str(status)).inc()
+    def request(self, model: str | None, endpoint: str, status: int, job: Job | None = None,
+                done: Done | None = None, error: PoolError | None = None) -> None:
+        """Count one request; `endpoint` is a label from ENDPOINTS or an inference path."""
+        if endpoint not in _ENDPOINT_LABELS:
+            endpoint = ENDPOINTS.get(endpoint, OTHER_ENDPOINT)
+        self.requests.labels(self._model(model), endpoint, str(status)).inc()
         if self.on_finished is not None:
             self.on_finished(model, endpoint, status, job, done, error)
 
     def job_done(self, job: Job, done: Done, endpoint: str) -> None:
         self.request(job.model, endpoint, 200, job, done)
         now = time.monotonic()
+        model = self._model(job.model)
         if job.first_token_at is not None:
-            self.ttft.labels(job.model).observe(job.first_token_at - job.created_at)
-        self.latency.labels(job.model).observe(now - job.created_at)
-        self.tokens.labels(job.model).inc(int(done.usage.get("output_tokens", 0)))
+            self.ttft.labels(model).observe(job.first_token_at - job.created_at)
+        self.latency.labels(model).observe(now - job.created_at)
+        self.tokens.labels(model).inc(int(done.usage.get("output_tokens", 0)))
+
+    def _model(self, name: str | None) -> str:
+        return name if name in self.engine.models else UNKNOWN_MODEL
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,5 +1,5 @@
-"""Process lifecycle, in one place: spawn a worker, stop a process tree with a
-deadline, and sweep workers left behind by a supervisor that died."""
+"""Process lifecycle, in one place: spawn a worker, stop or kill its process
+tree, and sweep workers left behind by a supervisor that died."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -18,18 +19,95 @@ log = logging.getLogger("llm_pool.process")
 OWNER_ENV = "LLM_POOL_SUPERVISOR_PID"
 
 
-async def spawn_worker(args: list[str], log_path: Path, extra_env: dict[str, str]) -> asyncio.subprocess.Process:
+class WorkerProcess:
+    """A spawned worker and every process seen under it. The tree is remembered
+    (at spawn, at each `snapshot()`, before each kill) because native runtimes
+    run in their own session, out of the worker's process group, and their
+    children (vLLM's engine processes) outlive a worker that died: once it is
+    gone they can no longer be found from it."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self._proc = proc
+        self.pid = proc.pid
+        self._tree: dict[int, psutil.Process] = {}
+        self._snapshot_at = 0.0
+        self.snapshot()
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    async def wait(self) -> int:
+        return await self._proc.wait()
+
+    def snapshot(self, max_age_s: float = 0.0) -> None:
+        """Remember the worker's current descendants; forget those that ended.
+        With `max_age_s`, skip it when the last one is that recent: a scan reads
+        every process's /proc entry, too dear for every heartbeat on a busy host."""
+        now = time.monotonic()
+        if max_age_s and now - self._snapshot_at < max_age_s:
+            return
+        self._snapshot_at = now
+        alive = {pid: p for pid, p in self._tree.items() if p.is_running()}
+        if self._proc.returncode is None:
+            for p in process_tree(self.pid)[1:]:
+                alive.setdefault(p.pid, p)
+        self._tree = alive
+
+    def descendants(self) -> list[psutil.Process]:
+        self.snapshot()
+        return list(self._tree.values())
+
+    def kill_tree(self) -> None:
+        """SIGKILL the worker, its process group and every descendant seen.
+        psutil checks each process's identity first, so a reused pid is spared."""
+        self.snapshot()
+        if self._proc.returncode is None:  # not reaped: its pid, hence its group id, is still ours
+            try:
+                os.killpg(self.pid, signal.SIGKILL)  # the worker leads its own session
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                self._proc.kill()
+            except ProcessLookupError:
+                pass
+        for p in self._tree.values():
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+
+    async def stop(self, timeout_s: float) -> int:
+        """SIGTERM, wait up to `timeout_s`, then SIGKILL of the whole tree (a
+        native runtime can hang on SIGTERM)."""
+        if self._proc.returncode is None:
+            self.snapshot()
+            try:
+                self._proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                await asyncio.wait_for(asyncio.shield(self._proc.wait()), timeout_s)
+            except TimeoutError:
+                log.warning("pid %d ignored SIGTERM for %.1fs; killing its tree", self.pid, timeout_s)
+        self.kill_tree()
+        return await self._proc.wait()
+
+
+async def spawn_worker(args: list[str], log_path: Path, extra_env: dict[str, str]) -> WorkerProcess:
+    """Start `python -m runtime_worker ARGS`. Raises OSError when it cannot
+    (log directory not creatable, no such interpreter, out of pids)."""
     env = dict(os.environ)
     env.update(extra_env)
     env[OWNER_ENV] = str(os.getpid())
     env.setdefault("PYTHONUNBUFFERED", "1")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab", buffering=0) as log_file:
-        return await asyncio.create_subprocess_exec(
+        return WorkerProcess(await asyncio.create_subprocess_exec(
             sys.executable, "-m", "runtime_worker", *args,
             stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file, env=env,
             start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor only
-        )
+        ))
 
 
 def process_tree(pid: int) -> list[psutil.Process]:
@@ -47,29 +125,6 @@ def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
             proc.send_signal(sig)
         except psutil.NoSuchProcess:
             pass
-
-
-async def stop_process(proc: asyncio.subprocess.Process, timeout_s: float) -> int | None:
-    """SIGTERM, wait up to `timeout_s`, then SIGKILL of the whole tree (a native
-    runtime can hang on SIGTERM). Children are collected before signalling so
-    none is missed once the parent is gone."""
-    if proc.returncode is not None:
-        return proc.returncode
-    tree = process_tree(proc.pid)
-    try:
-        proc.send_signal(signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    try:
-        await asyncio.wait_for(proc.wait(), timeout_s)
-    except TimeoutError:
-        log.warning("pid %d ignored SIGTERM for %.1fs; killing its tree", proc.pid, timeout_s)
-    for p in reversed(tree):
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    return await proc.wait()
 
 
 def sweep_stale_workers() -> list[int]:

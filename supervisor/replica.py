@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -16,15 +17,14 @@ import protocol as p
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ModelConfig, ServerConfig
 from supervisor.jobs import Job, JobState
-from supervisor.process import spawn_worker, stop_process
+from supervisor.process import WorkerProcess, spawn_worker
 from supervisor.restart_policy import CrashHistory, RestartPolicy, restart_delay
 from supervisor.states import REPLICA_TRANSITIONS, ReplicaState, transition
 from supervisor.transport import Transport
 
 log = logging.getLogger("llm_pool.replica")
 
-
-MISSED_BEATS = 3  # worker heartbeats without a job in flight here before it is deemed lost
+TREE_REFRESH_S = 5.0  # how often a heartbeat re-reads a worker's process tree (also at Ready and kills)
 
 
 class LoadFailed(Exception):
@@ -39,6 +39,13 @@ class ReplicaOwner(Protocol):
     def requeue(self, job: Job) -> None: ...  # run this job again, ahead of the queue
 
 
+class Launcher(Protocol):
+    """Starts a worker (process.spawn_worker; a fake in the state-machine tests).
+    Raises OSError when it cannot."""
+
+    async def __call__(self, args: list[str], log_path: Path, env: dict[str, str]) -> WorkerProcess: ...
+
+
 def _error_code(value: str) -> ErrorCode:
     try:
         return ErrorCode(value)
@@ -46,9 +53,16 @@ def _error_code(value: str) -> ErrorCode:
         return ErrorCode.RUNTIME_ERROR
 
 
+def _log_failure(task: asyncio.Task) -> None:
+    """Done-callback of the replica's background tasks: none dies silently."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("task %s failed", task.get_name(), exc_info=task.exception())
+
+
 class Replica:
     def __init__(self, cfg: ModelConfig, server: ServerConfig, index: int, transport: Transport,
-                 log_dir: Path, owner: ReplicaOwner, policy: RestartPolicy | None = None) -> None:
+                 log_dir: Path, owner: ReplicaOwner, policy: RestartPolicy | None = None,
+                 launcher: Launcher = spawn_worker, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.server = server
         self.index = index
@@ -57,10 +71,12 @@ class Replica:
         self.log_path = log_dir / f"{cfg.name}-{index}.log"
         self.owner = owner
         self.policy = policy or RestartPolicy()
+        self.launcher = launcher
+        self.clock = clock  # monotonic seconds
         self.state = ReplicaState.STOPPED
         self.identity = ""
         self.generation = 0
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: WorkerProcess | None = None
         self.capacity = 0  # effective: min(configured, runtime capability)
         self.runtime_capacity: int | None = None
         self.info: dict = {}
@@ -74,8 +90,12 @@ class Replica:
         self.history = CrashHistory()
         self.unknown_job_replies = 0  # late or bogus replies, dropped by job id
         self.protocol_errors = 0
-        self.unreachable = False  # a Submit could not be sent: out of rotation until the next start
-        self._missed_beats: dict[str, int] = {}  # job id -> worker heartbeats in a row without it
+        self.submits_sent = 0  # Submits sent to the current worker; its heartbeats say how many it got
+        # False once the replica is drained or stopped: an exit then is final, never restarted
+        self.wanted = False
+        # One lifecycle action at a time (start, stop, operator or crash restart), so a
+        # replica never has two workers and a stop never races a start.
+        self._lock = asyncio.Lock()
         self._ready: asyncio.Future | None = None
         self._watcher: asyncio.Task | None = None
         self._restart_task: asyncio.Task | None = None
@@ -90,47 +110,105 @@ class Replica:
         return self.proc.pid if self.proc and self.proc.returncode is None else None
 
     @property
+    def live(self) -> bool:
+        """Running, or about to run again (a crash restart is pending)."""
+        return self.state in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING,
+                              ReplicaState.BACKOFF)
+
+    @property
     def free_slots(self) -> int:
-        if self.state is not ReplicaState.READY or self.unreachable:
-            return 0
-        return self.capacity - len(self.inflight)
+        return self.capacity - len(self.inflight) if self.state is ReplicaState.READY else 0
+
+    def _task(self, coro, name: str) -> asyncio.Task:
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(_log_failure)
+        return task
 
     # -- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
         """Spawn the worker and wait until its runtime is ready (or fails to load)."""
+        async with self._lock:
+            await self._start()
+
+    async def stop(self) -> None:
+        """Stop the worker now: a clean Shutdown, then SIGTERM/SIGKILL of its tree.
+        A start in progress is abandoned (its worker killed); no restart follows."""
+        self.wanted = False
+        await self._cancel_restart()
+        if self._ready and not self._ready.done():
+            self._ready.set_exception(LoadFailed("stopped before it was ready"))
+        async with self._lock:
+            await self._stop()
+
+    async def restart(self) -> None:
+        """Operator restart: stop whatever runs, clear fatal, start afresh. A
+        draining replica is left alone: its jobs must finish."""
+        if self.state is ReplicaState.DRAINING:
+            raise LoadFailed(f"replica {self.name} is draining; not restarted")
+        await self._cancel_restart()
+        async with self._lock:
+            if self.state is ReplicaState.DRAINING:
+                raise LoadFailed(f"replica {self.name} is draining; not restarted")
+            await self._stop()
+            self.history = CrashHistory()
+            self.restarts += 1
+            await self._start()
+
+    def drain(self) -> None:
+        """No new jobs (the executor stops sending them); running ones finish.
+        From now on an exit is final."""
+        self.wanted = False
+        if self.state is ReplicaState.READY:
+            self._set(ReplicaState.DRAINING)
+
+    async def _start(self) -> None:  # holds self._lock
         self._set(ReplicaState.STARTING)
+        self.wanted = True
         self.generation += 1
         self.identity = f"{self.name}#{self.generation}"
         self.capacity = 0
         self.last_error = None
-        self.unreachable = False
-        self._ready = asyncio.get_running_loop().create_future()
+        self.submits_sent = 0
+        self._ready = ready = asyncio.get_running_loop().create_future()
         self.transport.register(self.identity, self._on_message)
         env = {}
         if self.cfg.replica_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.cfg.replica_devices[self.index]
-        self.proc = await spawn_worker([
-            "--endpoint", self.transport.endpoint, "--replica", self.identity,
-            "--backend", self.cfg.backend, "--options", json.dumps(self.cfg.options),
-            "--target-inflight", str(self.cfg.target_inflight),
-            "--heartbeat-s", str(self.server.heartbeat_s), "--liveness-s", str(self.server.liveness_s),
-            "--stop-timeout-s", str(self.cfg.stop_timeout_s),
-        ], self.log_path, env)
-        self.started_at = time.time()
-        self.last_heard = time.monotonic()
-        self._watcher = asyncio.create_task(self._watch(self.proc), name=f"watch-{self.identity}")
         try:
-            await asyncio.wait_for(asyncio.shield(self._ready), self.cfg.load_timeout_s)
-        except TimeoutError:
-            self.last_error = f"runtime not ready within load_timeout_s={self.cfg.load_timeout_s}"
-            await self._kill()
+            self.proc = await self.launcher([
+                "--endpoint", self.transport.endpoint, "--replica", self.identity,
+                "--backend", self.cfg.backend, "--options", json.dumps(self.cfg.options),
+                "--target-inflight", str(self.cfg.target_inflight),
+                "--heartbeat-s", str(self.server.heartbeat_s), "--liveness-s", str(self.server.liveness_s),
+                "--stop-timeout-s", str(self.cfg.stop_timeout_s), "--cancel-grace-s", str(self.cfg.cancel_grace_s),
+            ], self.log_path, env)
+        except OSError as exc:  # nothing to wait for or restart: fatal until an operator acts
+            self.transport.unregister(self.identity)
+            self.proc = None
+            self.last_error = f"cannot spawn the worker: {exc}"
+            log.error("replica %s: %s", self.name, self.last_error)
+            self._set(ReplicaState.FATAL)
             raise LoadFailed(self.last_error) from None
-        except LoadFailed:
-            await self._kill()
+        self.started_at = time.time()
+        self.last_heard = self.clock()
+        self._watcher = self._task(self._watch(self.proc), f"watch-{self.identity}")
+        try:
+            await asyncio.wait_for(asyncio.shield(ready), self.cfg.load_timeout_s)
+        except (TimeoutError, LoadFailed, asyncio.CancelledError) as exc:
+            # failed to load, timed out, aborted by stop(), or a cancelled crash restart:
+            # leave no worker behind, whatever else is cancelled meanwhile
+            ready.cancel()
+            self._ready = None
+            if isinstance(exc, TimeoutError):
+                self.last_error = f"runtime not ready within load_timeout_s={self.cfg.load_timeout_s}"
+            await asyncio.shield(self._kill())
+            if isinstance(exc, TimeoutError):
+                raise LoadFailed(self.last_error) from None
             raise
+        self._ready = None
 
-    async def stop(self) -> None:
-        """Stop the worker now: a clean Shutdown, then SIGTERM/SIGKILL of its tree."""
+    async def _stop(self) -> None:  # holds self._lock
+        self.wanted = False
         if self._restart_task:
             self._restart_task.cancel()
         if self.state is ReplicaState.STOPPED:
@@ -138,88 +216,104 @@ class Replica:
         if self.state in (ReplicaState.BACKOFF, ReplicaState.FATAL):
             self._set(ReplicaState.STOPPED)
             return
-        self._set(ReplicaState.STOPPING)
+        if self.state is not ReplicaState.STOPPING:  # a kill may be under way already
+            self._set(ReplicaState.STOPPING)
         proc = self.proc
         if proc and proc.returncode is None:
             self.transport.send(self.identity, p.Shutdown())
             try:
                 await asyncio.wait_for(asyncio.shield(proc.wait()), self.cfg.stop_timeout_s)
             except TimeoutError:
-                await stop_process(proc, 2.0)
+                await proc.stop(2.0)
         if self._watcher:
             await asyncio.gather(self._watcher, return_exceptions=True)
 
     async def _kill(self) -> None:
+        """Stop a worker that failed to start: no restart follows."""
+        self.wanted = False
         if self.state is not ReplicaState.STOPPED:  # it may have exited already
             self._set(ReplicaState.STOPPING)
         if self.proc:
-            await stop_process(self.proc, 2.0)
+            await self.proc.stop(2.0)
         if self._watcher:
             await asyncio.gather(self._watcher, return_exceptions=True)
 
-    async def _watch(self, proc: asyncio.subprocess.Process) -> None:
+    async def _cancel_restart(self) -> None:
+        """Cancel a pending crash restart, and wait until a start it began has
+        killed its worker."""
+        task, self._restart_task = self._restart_task, None
+        if task and task is not asyncio.current_task():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    def _crash_kill(self, code: ErrorCode, message: str) -> None:
+        """The worker is hung or corrupt: fail its jobs, take it out of rotation,
+        kill its whole tree. Its exit then takes the crash path (a restart)."""
+        self._fail_all(code, message)
+        if self.state in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING):
+            self._set(ReplicaState.STOPPING)
+        if self.proc:
+            self.proc.kill_tree()
+
+    async def _watch(self, proc: WorkerProcess) -> None:
         code = await proc.wait()
+        proc.kill_tree()  # whatever it left behind (a native child, vLLM's engine processes)
         self.transport.unregister(self.identity)
         self.last_exit_code = code
         up_since = self.ready_at
         self.ready_at = None
         self.capacity = 0
-        expected = self.state is ReplicaState.STOPPING
         if self._ready and not self._ready.done():
             self._ready.set_exception(LoadFailed(
                 self.last_error or f"worker exited with code {code} before it was ready; see {self.log_path}"))
+        stopped = not self.wanted and self.state is ReplicaState.STOPPING  # on purpose, not a crash
         lost = list(self.inflight.values())
         self.inflight.clear()
         for job in lost:
             if self.cfg.retry_unstarted_on_crash and job.first_token_at is None and job.attempts < 2 \
                     and not job.cancel_requested:
                 self.owner.requeue(job)  # nothing reached the client: safe to run once more
+            elif stopped:  # what a drain's grace did not let finish (unload, shutdown, restart)
+                job.finish(PoolError(ErrorCode.MODEL_UNLOADING, f"replica {self.name} was stopped "
+                                     "(unload, shutdown or restart) before the request finished"))
             else:
                 job.finish(PoolError(ErrorCode.RUNTIME_CRASHED, f"the runtime of replica {self.name} "
                                      f"exited (code {code}) during the request"))
-        if expected:
+        if not self.wanted or up_since is None:
+            # stopped, drained (an unload: never restarted), or crashed while loading
+            # (start() reports that; no restart loop)
+            if self.wanted or self.state is not ReplicaState.STOPPING:
+                log.error("replica %s exited unexpectedly with code %s", self.name, code)
             self._set(ReplicaState.STOPPED)
             return
         log.error("replica %s exited unexpectedly with code %s", self.name, code)
-        if up_since is None:  # crashed while loading: start() reports it; no restart loop
-            self._set(ReplicaState.STOPPED)
-            return
-        delay = restart_delay(self.policy, self.history, now=time.monotonic(), up_since=up_since,
-                              exit_code=code)
+        self._crashed(up_since)
+
+    def _crashed(self, up_since: float | None) -> None:
+        """A crash of a wanted replica: back off and restart, or give up (fatal)."""
+        delay = restart_delay(self.policy, self.history, now=self.clock(), up_since=up_since,
+                              exit_code=self.last_exit_code)
         if delay is None:
-            self.last_error = self.last_error or f"too many crashes (last exit code {code})"
+            self.last_error = self.last_error or f"too many crashes (last exit code {self.last_exit_code})"
             self._set(ReplicaState.FATAL)
             return
         self._set(ReplicaState.BACKOFF)
-        self._restart_task = asyncio.create_task(self._restart_after(delay))
+        self._restart_task = self._task(self._restart_after(delay), f"restart-{self.name}")
 
     async def _restart_after(self, delay: float) -> None:
         await asyncio.sleep(delay)
-        self.restarts += 1
-        try:
-            await self.start()
-        except LoadFailed as exc:
-            log.error("restart of %s failed: %s", self.name, exc)
-            # a boot failure (bad model file) is final; anything else counts as one more crash
-            delay = restart_delay(self.policy, self.history, now=time.monotonic(), up_since=None,
-                                  exit_code=self.last_exit_code)
-            if delay is None:
-                self._set(ReplicaState.FATAL)
-                return
-            self._set(ReplicaState.BACKOFF)
-            self._restart_task = asyncio.create_task(self._restart_after(delay))
-
-    def drain(self) -> None:
-        """No new jobs (the executor stops sending them); running ones finish."""
-        if self.state is ReplicaState.READY:
-            self._set(ReplicaState.DRAINING)
-
-    async def restart(self) -> None:
-        """Operator restart: stop whatever runs, clear fatal, start afresh."""
-        await self.stop()
-        self.history = CrashHistory()
-        self.restarts += 1
-        await self.start()
+        async with self._lock:
+            if self.state is not ReplicaState.BACKOFF or self._restart_task is not asyncio.current_task():
+                return  # stopped, or restarted by the operator, meanwhile
+            self.restarts += 1
+            try:
+                await self._start()
+            except LoadFailed as exc:
+                log.error("restart of %s failed: %s", self.name, exc)
+                if self.state is ReplicaState.STOPPED and self._restart_task is asyncio.current_task():
+                    # a boot failure (bad model file) is final; anything else counts as one more crash
+                    self.wanted = True
+                    self._crashed(None)
 
     # -- jobs --------------------------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -233,15 +327,17 @@ class Replica:
         job.attempts += 1
         self.inflight[job.id] = job
         if self.transport.send_frame(self.identity, job.frame):
+            self.submits_sent += 1
+            job.submit_seq = self.submits_sent
             return
         del self.inflight[job.id]
         job.attempts -= 1  # it never reached a worker
         self.owner.requeue(job)
-        if not self.unreachable:
-            self.unreachable = True
-            log.error("replica %s is unreachable (gone, or not reading its socket): restarting it", self.name)
-            if self.proc and self.proc.returncode is None:
-                self.proc.kill()  # its exit takes the crash path: in-flight jobs end, a restart follows
+        log.error("replica %s is unreachable (gone, or not reading its socket): restarting it", self.name)
+        if self.state in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING):
+            self._set(ReplicaState.STOPPING)  # out of rotation before the kill
+        if self.proc:
+            self.proc.kill_tree()  # its exit takes the crash path: jobs end or run again, a restart follows
 
     def cancel(self, job: Job) -> None:
         """Ask the worker to stop the job. It stays inflight (its slot busy) until
@@ -255,11 +351,13 @@ class Replica:
         it if it has been silent past the liveness window (hung or stopped)."""
         if self.state not in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING):
             return
-        if now - self.last_heard > self.server.liveness_s and self.proc and self.proc.returncode is None:
-            log.error("replica %s silent for %.1fs: killing it", self.name, now - self.last_heard)
-            self._fail_all(ErrorCode.RUNTIME_TIMEOUT, f"replica {self.name} stopped responding")
-            self.proc.kill()  # SIGKILL: a stopped process ignores SIGTERM; its child has PDEATHSIG
-            return
+        if self.proc and self.proc.returncode is None:
+            self.proc.snapshot(max_age_s=TREE_REFRESH_S)  # its tree, remembered for a kill after it died
+            if now - self.last_heard > self.server.liveness_s:
+                log.error("replica %s silent for %.1fs: killing it", self.name, now - self.last_heard)
+                # SIGKILL of the tree: a stopped process ignores SIGTERM
+                self._crash_kill(ErrorCode.RUNTIME_TIMEOUT, f"replica {self.name} stopped responding")
+                return
         self.transport.send(self.identity, p.Heartbeat(inflight=len(self.inflight)))
 
     def _fail_all(self, code: ErrorCode, message: str) -> None:
@@ -277,28 +375,26 @@ class Replica:
         job.finish(outcome)
         self.owner.replica_changed()
 
-    def _reconcile_jobs(self, running: list) -> None:
+    def _reconcile_jobs(self, beat: p.Heartbeat) -> None:
         """Compare the in-flight table with the jobs the worker's heartbeat lists
-        (a backstop for a lost message: events can be missed). A job the worker
-        has not listed in MISSED_BEATS heartbeats in a row will never get its Done:
-        it ends with 502 and its slot frees. A job the worker runs that this
-        side no longer has is cancelled there."""
-        listed = {j for j in running if isinstance(j, str)}
+        (a backstop for a lost message: events can be missed). Each direction of
+        the socket keeps its order, so a job whose Submit the worker had received
+        when it sent this heartbeat (`submits_seen`) and that it no longer runs
+        has sent its Done or Error before the heartbeat, or never will: it is
+        lost, so it ends with 502 and its slot frees. A job the worker runs that
+        this side no longer has is cancelled there."""
+        listed = {j for j in beat.jobs if isinstance(j, str)}
         for job_id in listed - self.inflight.keys():
             self.transport.send(self.identity, p.Cancel(job=job_id))
-        misses = {}
-        for job_id in self.inflight.keys() - listed:
-            misses[job_id] = self._missed_beats.get(job_id, 0) + 1
-            if misses[job_id] >= MISSED_BEATS:
-                del misses[job_id]
-                log.error("replica %s: job %s is in flight here but its worker has not run it for %d "
-                          "heartbeats; ending it and freeing its slot", self.name, job_id, MISSED_BEATS)
-                self._finish(job_id, PoolError(ErrorCode.RUNTIME_ERROR,
-                                               "the runtime worker lost track of the request"))
-        self._missed_beats = misses
+        lost = [job for job in self.inflight.values()
+                if job.submit_seq <= beat.submits_seen and job.id not in listed]
+        for job in lost:
+            log.error("replica %s: job %s is in flight here but its worker no longer runs it and sent no "
+                      "result; ending it and freeing its slot", self.name, job.id)
+            self._finish(job.id, PoolError(ErrorCode.RUNTIME_ERROR, "the runtime worker lost track of the request"))
 
     def _on_message(self, msg: p.Message | p.ProtocolError) -> None:
-        self.last_heard = time.monotonic()
+        self.last_heard = self.clock()
         match msg:
             case p.Delta(job=job_id):
                 if job := self.inflight.get(job_id):
@@ -317,10 +413,13 @@ class Replica:
                 self.runtime_capacity = capacity
                 self.capacity = max(0, min(self.cfg.target_inflight, capacity))
                 self.info = info
-                self.ready_at = time.monotonic()
-                if self._ready and not self._ready.done():
+                self.ready_at = self.clock()
+                if self.proc:
+                    self.proc.snapshot()  # the runtime's processes exist by now
+                # only the start that waits for it makes the replica ready: not a start
+                # already aborted, timed out or killed
+                if self._ready and not self._ready.done() and self.state is ReplicaState.STARTING:
                     self._ready.set_result(None)
-                if self.state is ReplicaState.STARTING:
                     self._set(ReplicaState.READY)
             case p.ProtocolError(job=job_id, reason=reason):
                 self.protocol_errors += 1
@@ -331,9 +430,8 @@ class Replica:
                     self._finish(job_id, error)
                 elif job_id is None and self.proc and self.proc.returncode is None:
                     # which job's stream is corrupt is unknown: fail them all, restart the worker
-                    self._fail_all(error.code, error.message)
-                    self.proc.kill()
-            case p.Heartbeat(jobs=jobs):
-                self._reconcile_jobs(jobs)
+                    self._crash_kill(error.code, error.message)
+            case p.Heartbeat():
+                self._reconcile_jobs(msg)
             case p.Hello():
                 pass

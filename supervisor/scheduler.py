@@ -32,6 +32,8 @@ class Executor:
         self._idle.set()
         self._rr = 0
         self._driver: asyncio.Task | None = None
+        self._stop_draining = asyncio.Event()  # a drain ends now, whatever still runs
+        self._closed = False
 
     # -- figures for admin and metrics --------------------------------------------
     @property
@@ -63,14 +65,11 @@ class Executor:
     def _driver_ended(self, task: asyncio.Task) -> None:
         """The driver only ends when closed; any other end is a bug, said loudly,
         and the driver is started again so the queue keeps moving."""
-        if task.cancelled() or task is not self._driver:
+        if task.cancelled() or task is not self._driver or self._closed:
             return
         log.error("model %s: the dispatch loop ended (%r); starting it again", self.cfg.name, task.exception())
         self._start_driver()
         self._wake.set()
-
-    def driver_alive(self) -> bool:
-        return self._driver is not None and not self._driver.done()
 
     def enqueue(self, job: Job) -> None:
         if not self.accepting_new_requests:
@@ -107,6 +106,9 @@ class Executor:
     def requeue(self, job: Job) -> None:
         """A job lost with its crashed worker before producing anything: it goes
         back to the head of the queue (it was admitted first)."""
+        if not self.accepting_new_requests:  # unload or shutdown: the queue was failed, so is this
+            job.finish(self._unloading_error())
+            return
         job.state = JobState.QUEUED
         job.replica = None
         self.queue.appendleft(job)
@@ -164,20 +166,73 @@ class Executor:
     # -- unload ------------------------------------------------------------------------
     async def drain(self, timeout_s: float) -> None:
         """Stop accepting, fail every queued job with 503, wait for submitted
-        jobs to finish (their own deadlines bound this; `timeout_s` is the backstop)."""
+        jobs to finish (their own deadlines bound this; `timeout_s` is the
+        backstop, and `stop_draining` ends it at once)."""
         self.accepting_new_requests = False
         while self.queue:
-            self.queue.popleft().finish(PoolError(
-                ErrorCode.MODEL_UNLOADING,
-                f"model {self.cfg.name!r} stopped taking work (unload or shutdown) before this request ran"))
-        if self.runtime_inflight:
+            self.queue.popleft().finish(self._unloading_error())
+        if self.runtime_inflight and not self._stop_draining.is_set():
+            idle = asyncio.ensure_future(self._idle.wait())
+            stop = asyncio.ensure_future(self._stop_draining.wait())
             try:
-                await asyncio.wait_for(self._idle.wait(), timeout_s)
-            except TimeoutError:
-                log.error("model %s: %d jobs still running after %.0fs of drain; stopping anyway",
-                          self.cfg.name, self.runtime_inflight, timeout_s)
+                await asyncio.wait({idle, stop}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                idle.cancel()
+                stop.cancel()
+            if self.runtime_inflight:
+                log.error("model %s: %d jobs still running after the drain; stopping anyway",
+                          self.cfg.name, self.runtime_inflight)
+
+    def stop_draining(self) -> None:
+        self._stop_draining.set()
+
+    def _unloading_error(self) -> PoolError:
+        return PoolError(ErrorCode.MODEL_UNLOADING,
+                         f"model {self.cfg.name!r} stopped taking work (unload or shutdown) before this request ran")
+
+    # -- reconcile (every heartbeat tick) -----------------------------------------
+    def reconcile(self) -> None:
+        """Re-derive what missed events should have caused: a drain whose jobs
+        have all ended ends; a queue nothing will ever take is failed; a dead
+        driver is restarted; a queue with a free slot is looked at again."""
+        if self.runtime_inflight == 0:
+            self._idle.set()
+        if self.queue:
+            error = self._stranded_error()
+            if error is not None:
+                log.error("model %s: failing %d queued jobs: %s", self.cfg.name, len(self.queue), error.message)
+                while self.queue:
+                    self.queue.popleft().finish(error)
+        self.ensure_driver()
+        if self.queue:
+            self._wake.set()
+
+    def _stranded_error(self) -> PoolError | None:
+        """Why nothing will ever run the queued jobs; None while something may."""
+        if not self.accepting_new_requests:
+            return self._unloading_error()
+        if self._all_fatal():
+            return self._no_replica_error()
+        if self.replicas and not any(r.state in (ReplicaState.READY, ReplicaState.STARTING, ReplicaState.BACKOFF)
+                                     or (r.state is ReplicaState.STOPPING and r.wanted) for r in self.replicas):
+            return PoolError(ErrorCode.NO_HEALTHY_REPLICA, f"no replica of model {self.cfg.name!r} is running; "
+                             f"see /admin/workers and POST /admin/models/{self.cfg.name}/restart")
+        return None
+
+    def driver_alive(self) -> bool:
+        return self._driver is not None and not self._driver.done()
+
+    def ensure_driver(self) -> None:
+        """Restart the driver loop if it is gone (its done-callback restarts it at
+        once; this is the backstop on the reconcile tick)."""
+        if self._closed or self._driver is None or not self._driver.done():
+            return
+        exc = None if self._driver.cancelled() else self._driver.exception()
+        log.error("model %s: the driver loop had ended (%r); restarting it", self.cfg.name, exc)
+        self._start_driver()
 
     async def close(self) -> None:
+        self._closed = True
         driver, self._driver = self._driver, None  # None first: its end is not a failure
         if driver:
             driver.cancel()

@@ -4,47 +4,81 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 
 import uvicorn
 
 from supervisor.api import create_app
 from supervisor.config import PoolConfig
+from supervisor.http_guard import guarded_protocol
 
 log = logging.getLogger("llm_pool.server")
 
 
 class DrainingServer(uvicorn.Server):
     """First SIGTERM/SIGINT: drain (/ready 503, new work refused, submitted
-    jobs get `grace_s` to finish), then stop uvicorn and the workers.
-    A second signal stops at once."""
+    jobs get `grace_s` to finish), stop the workers (each within its stop
+    timeout), then stop uvicorn. A second signal ends the drain at once: the
+    workers are stopped right away. A third is uvicorn's own (force quit)."""
 
     def __init__(self, config: uvicorn.Config, engine, grace_s: float) -> None:
         super().__init__(config)
         self.engine = engine
         self.grace_s = grace_s
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._draining = False
+        self._signals = 0
+        self._drainer: asyncio.Task | None = None
 
     async def serve(self, sockets=None):
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
     def handle_exit(self, sig, frame) -> None:
-        if self._draining or self._loop is None:
+        self._signals += 1
+        if self._loop is None or self._signals > 2:
             return super().handle_exit(sig, frame)
-        self._draining = True
-        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain_then_exit(sig)))
+        if self._signals == 1:
+            self._loop.call_soon_threadsafe(self._start_drain, sig)
+        else:
+            log.warning("second signal: stopping now")
+            self._loop.call_soon_threadsafe(self.engine.stop_draining)
+
+    def _start_drain(self, sig) -> None:
+        self._drainer = asyncio.ensure_future(self._drain_then_exit(sig))
 
     async def _drain_then_exit(self, sig) -> None:
-        log.info("draining for up to %.0fs before exit", self.grace_s)
-        await self.engine.drain_all(self.grace_s)
-        super().handle_exit(sig, None)
+        try:
+            log.info("draining for up to %.0fs before exit", self.grace_s)
+            await self.engine.drain_all(self.grace_s)
+            # the workers go before uvicorn stops: what still runs ends with an error and its
+            # connection closes, so uvicorn has no connection left to wait for
+            await self.engine.shutdown(self.grace_s)
+        except Exception:
+            log.exception("graceful stop failed")
+        finally:
+            super().handle_exit(sig, None)
+
+
+def _room_for_connections(connections: int) -> None:
+    """Raise the open-file soft limit so that max_connections fit (each is a file),
+    with room for the workers' sockets and logs."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = connections + 256
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    new = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    if new < need:
+        log.warning("open-file limit %d leaves room for about %d of server.max_connections = %d",
+                    new, new - 256, connections)
 
 
 def run(cfg: PoolConfig, log_level: str = "info") -> None:
     app = create_app(cfg)
+    _room_for_connections(cfg.server.max_connections)
     server = DrainingServer(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level=log_level, loop="uvloop",
-        http="httptools", access_log=False, timeout_graceful_shutdown=5),
+        http=guarded_protocol(cfg.server), ws="none",  # no WebSocket routes: no upgrade path to guard
+        access_log=False, timeout_graceful_shutdown=5),
         app.state.engine, cfg.server.shutdown_grace_s)
     server.run()

@@ -40,7 +40,8 @@ REPLICA_TRANSITIONS: dict[ReplicaState, set[ReplicaState]] = {
     ReplicaState.READY: {ReplicaState.DRAINING, ReplicaState.STOPPING, ReplicaState.STOPPED,
                          ReplicaState.BACKOFF, ReplicaState.FATAL},
     ReplicaState.DRAINING: {ReplicaState.STOPPING, ReplicaState.STOPPED},
-    ReplicaState.STOPPING: {ReplicaState.STOPPED},
+    # a crash kill (hung or corrupt worker) passes through STOPPING, then backs off
+    ReplicaState.STOPPING: {ReplicaState.STOPPED, ReplicaState.BACKOFF, ReplicaState.FATAL},
     ReplicaState.STOPPED: {ReplicaState.STARTING, ReplicaState.BACKOFF, ReplicaState.FATAL},
     ReplicaState.BACKOFF: {ReplicaState.STARTING, ReplicaState.STOPPED},
     ReplicaState.FATAL: {ReplicaState.STARTING, ReplicaState.STOPPED},

@@ -150,7 +150,7 @@ def test_synthetic_pool_through_the_cli(make_pool):
         in_file = f.read().splitlines()
     assert 1 <= len(printed) <= 2 and all(line in in_file for line in printed)
     assert any("runtime ready" in line for line in printed), printed
-    assert_one_line_error(cli("logs", "syn/9", url=url), "no log for syn/9")
+    assert_one_line_error(cli("logs", "syn/9", url=url), "model 'syn' has no replica 9")
 
     done = cli("check", url=url)
     assert done.returncode == 0 and done.stdout == "ready\n"

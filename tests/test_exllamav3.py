@@ -111,6 +111,24 @@ def test_generator_thread_runs_jobs_together_and_cancels():
     asyncio.run(scenario())
 
 
+def test_a_dying_generator_thread_ends_the_worker():
+    """A CUDA error inside iterate() must not leave a worker that heartbeats while
+    every job waits for its deadline: wait_dead() returns, so the worker exits 1."""
+    class Failing(FakeGenerator):
+        def iterate(self) -> list[dict]:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    async def scenario():
+        thread = GeneratorThread(Failing(), asyncio.get_running_loop())
+        thread.start()
+        thread.submit("a", {"id": "a", "tokens": 5, "script": [streaming("x")]}, asyncio.Queue())
+        reason = await asyncio.wait_for(thread.died, 5)
+        assert "RuntimeError: CUDA error" in reason
+        thread.thread.join(5)
+        assert not thread.thread.is_alive()
+    asyncio.run(scenario())
+
+
 def test_exllamav3_without_cuda_fails_to_load_cleanly(make_pool, tmp_path):
     (tmp_path / "config.json").write_text("{}")
     pool = make_pool([{"name": "exl", "backend": "exllamav3", "load_on_start": False,

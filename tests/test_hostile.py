@@ -8,12 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import socket
 import time
 
 import httpx
 import psutil
 
-from tests.conftest import synthetic
+from tests.conftest import llama, synthetic
 from tests.pool import wait_for
 
 CHAT = "/v1/chat/completions"
@@ -135,3 +136,34 @@ def test_runtime_text_that_cannot_be_encoded_fails_that_job_only(make_pool):
         assert text.rstrip().endswith("data: [DONE]")
         assert other.post(CHAT, json=chat_body("after")).status_code == 200
     assert_settled(pool)
+
+
+def busy(proc: psutil.Process, window_s: float = 0.3) -> bool:
+    """The process used at least half a core over the next `window_s`."""
+    before = sum(proc.cpu_times()[:2])
+    time.sleep(window_s)
+    return sum(proc.cpu_times()[:2]) - before >= window_s / 2
+
+
+def test_a_runtime_still_busy_after_a_cancel_is_restarted(make_pool, tiny_gguf, llama_server_bin):
+    # llama-server applies the chat template in its HTTP thread, out of reach of a closed
+    # connection: 100,000 messages keep it busy for tens of seconds after the client left
+    pool = make_pool([llama("tiny", tiny_gguf, llama_server_bin, max_messages=100_000, cancel_grace_s=3)])
+    [child] = pool.workers("tiny")[0]["children"]
+    runtime = psutil.Process(child["pid"])
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}] * 100_000,
+                       "max_tokens": 1}).encode()
+    with socket.create_connection(("127.0.0.1", pool.port)) as client:
+        client.sendall(f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1:{pool.port}\r\nContent-Type: "
+                       f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        wait_for(lambda: pool.model("tiny")["runtime_inflight"] == 1, 60, what="the job reached its worker")
+        wait_for(lambda: busy(runtime), 60, interval=0, what="llama-server working on it")
+    # the client is gone; the slot frees at once, the runtime stays busy, and is restarted
+    wait_for(lambda: pool.model("tiny")["runtime_inflight"] == 0, 10, what="slot freed")
+    worker = wait_for(lambda: next((w for w in pool.workers("tiny") if w["restarts"] == 1
+                                    and w["state"] == "ready"), None), 60, what="the busy runtime restarted")
+    assert worker["last_exit_code"] == 1
+    log = "\n".join(pool.http.get("/admin/models/tiny/logs", params={"lines": 500}).json()["lines"])
+    assert "still busy" in log and "does not honour" in log
+    assert pool.http.post(CHAT, json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                      "max_tokens": 2}).status_code == 200

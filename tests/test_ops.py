@@ -40,7 +40,7 @@ def test_metrics_match_the_admin_view_under_load(make_pool):
     pool.http.post("/v1/responses", json={"model": "nope", "input": "x"})
     samples = scrape(pool)
     assert value(samples, "llm_pool_requests_total", model="m", endpoint="responses", status="200") == 5
-    assert value(samples, "llm_pool_requests_total", model="nope", endpoint="responses", status="404") == 1
+    assert value(samples, "llm_pool_requests_total", model="unknown", endpoint="responses", status="404") == 1
     assert value(samples, "llm_pool_generated_tokens_total", model="m") == 5 * 20
     assert value(samples, "llm_pool_time_to_first_token_seconds_count", model="m") == 5
     assert value(samples, "llm_pool_request_duration_seconds_count", model="m") == 5

@@ -80,6 +80,13 @@ class Backend(abc.ABC):
     async def stop(self) -> None:
         """Release the runtime. Must return within a few seconds."""
 
+    def runtime_pid(self) -> int | None:
+        """The pid of a native runtime child (kept as `self.server`), for the
+        cancel watch; None for runtimes inside the worker or remote."""
+        server = getattr(self, "server", None)
+        proc = getattr(server, "proc", None)
+        return proc.pid if proc is not None and proc.returncode is None else None
+
     async def wait_dead(self) -> str:
         """Return (with a reason) if the runtime dies on its own, e.g. a native
         server child crashed. The worker then exits so the supervisor restarts it."""

@@ -82,7 +82,10 @@ class GeneratorThread:
         self.loop = loop
         self.commands: queue.Queue = queue.Queue()
         self.jobs: dict[str, tuple[object, asyncio.Queue]] = {}  # id -> (Job, its event queue)
-        self.thread = threading.Thread(target=self._run, name="exl3-generator", daemon=True)
+        self.thread = threading.Thread(target=self._guarded_run, name="exl3-generator", daemon=True)
+        # resolves with the reason if the thread dies (a CUDA error, say): the worker then
+        # exits non-zero and is restarted, instead of heartbeating while every job waits
+        self.died: asyncio.Future = loop.create_future()
 
     def start(self) -> None:
         self.thread.start()
@@ -113,6 +116,13 @@ class GeneratorThread:
         elif kind == "cancel" and job_id in self.jobs:
             self.generator.cancel(self.jobs.pop(job_id)[0])
         return True
+
+    def _guarded_run(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:
+            reason = f"the generator thread died: {type(exc).__name__}: {exc}"
+            self.loop.call_soon_threadsafe(lambda: self.died.done() or self.died.set_result(reason))
 
     def _run(self) -> None:
         while True:
@@ -196,6 +206,9 @@ class ExLlamaV3Backend(Backend):
         finally:
             if not finished:
                 self.thread.cancel(job)  # the client left or the worker stops: free the pages
+
+    async def wait_dead(self) -> str:
+        return await self.thread.died
 
     async def stop(self) -> None:
         if getattr(self, "thread", None):

@@ -4,6 +4,10 @@ Options: tokens_per_second (0 = as fast as possible), ttft_ms, capacity,
 output_tokens (length of a full answer), load_ms. The text is a fixed
 function of the last message, so tests can compare runs.
 
+`grandchild` (for tests) starts a child process in its own session with no
+parent-death signal, the way vLLM's engine processes hang below its server:
+only the supervisor's tree kill can end it if the worker dies.
+
 `chaos` (fault injection for tests) makes every job's first event a bad
 frame instead of a token: "garbage" (not msgpack), "wrong_types", "bad_version",
 "oversized" (over the frame cap), "unknown_job" (a done for a job that does
@@ -16,6 +20,7 @@ message is that text get the chaos; the others run normally.
 from __future__ import annotations
 
 import asyncio
+import sys
 import zlib
 from collections.abc import AsyncIterator
 
@@ -49,11 +54,16 @@ def chaos_frame(kind: str, job: str) -> bytes:
 class SyntheticBackend(Backend):
     name = "synthetic"
 
+    child: asyncio.subprocess.Process | None = None
+
     async def start(self) -> tuple[int, dict]:
+        if self.options.get("grandchild"):
+            self.child = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", "import time; time.sleep(3600)", start_new_session=True)
         load_ms = float(self.options.get("load_ms", 0))
         if load_ms:
             await asyncio.sleep(load_ms / 1000)
-        return int(self.options.get("capacity", 1)), {}
+        return int(self.options.get("capacity", 1)), {"child_pid": self.child.pid} if self.child else {}
 
     async def run(self, job: str, request: dict) -> AsyncIterator[Event]:
         messages = request.get("messages") or []
@@ -84,4 +94,6 @@ class SyntheticBackend(Backend):
         yield Finished("length" if count < full else "stop", input_tokens, count)
 
     async def stop(self) -> None:
-        return None
+        if self.child and self.child.returncode is None:
+            self.child.kill()
+            await self.child.wait()

@@ -1,0 +1,406 @@
+"""The HTTP edge: what is refused before a request reaches a route.
+
+- `GuardedHttpToolsProtocol`: per-connection bounds under uvicorn's httptools
+  protocol. llhttp does not bound header size (httptools joins a header
+  value's pieces as it goes, so a huge one costs memory and quadratic time on
+  the event loop), and uvicorn has no header or body read timeout and no
+  connection cap; this subclass adds them and keeps the parser.
+- `AccessGate`: API keys, and the browser rules for the admin surface
+  (Host, Origin, Sec-Fetch-Site) against cross-site and DNS-rebinding requests.
+- `BodySizeLimit`: the request body cap.
+"""
+
+from __future__ import annotations
+
+import enum
+import hmac
+import ipaddress
+import json
+import logging
+import time
+from asyncio import TimerHandle
+from urllib.parse import urlsplit
+
+from fastapi.responses import JSONResponse
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from protocol.errors import ErrorCode, PoolError
+from supervisor.config import ServerConfig
+
+log = logging.getLogger("llm_pool.http")
+
+# The admin surface: operator actions, and the documents that describe them.
+ADMIN_PATHS = frozenset({"/admin", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+NO_RETRY = frozenset({ErrorCode.INVALID_REQUEST, ErrorCode.LOAD_FAILED, ErrorCode.MODEL_NOT_LOADED,
+                      ErrorCode.RUNTIME_TIMEOUT})  # the openai SDK retries 409 and 5xx unless told not to
+
+
+def is_admin_path(path: str) -> bool:
+    return path in ADMIN_PATHS or path.startswith("/admin/")
+
+
+def error_response(err: PoolError) -> JSONResponse:
+    headers = {}
+    if err.retry_after_s is not None:
+        headers["Retry-After"] = str(int(err.retry_after_s))
+    if err.code in NO_RETRY:
+        headers["x-should-retry"] = "false"
+    return JSONResponse(err.envelope(), status_code=err.status, headers=headers)
+
+
+class _Throttled:
+    """A warning at most once per `every_s` per kind, with how many were not logged."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self.every_s = every_s
+        self.last: dict[str, float] = {}
+        self.skipped: dict[str, int] = {}
+
+    def warn(self, kind: str, message: str, *args) -> None:
+        now = time.monotonic()
+        if now - self.last.get(kind, -self.every_s) < self.every_s:
+            self.skipped[kind] = self.skipped.get(kind, 0) + 1
+            return
+        skipped = self.skipped.pop(kind, 0)
+        self.last[kind] = now
+        log.warning(message + (f" ({skipped} more since the last such line)" if skipped else ""), *args)
+
+
+_warnings = _Throttled()
+
+
+# -- connections ------------------------------------------------------------------------------------
+class _Phase(enum.Enum):
+    IDLE = "idle"  # between requests (or before the first): the next bytes start a request
+    HEADERS = "headers"  # a request line has begun; its headers are not complete
+    BODY = "body"  # headers complete, body not yet
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with bounds (see `guarded_protocol`):
+    - at most `max_connections` open connections; more are closed at once;
+    - a request's line and headers: at most `max_header_bytes` and `max_headers`
+      lines (else 431 and close), complete within `header_timeout_s` of the read
+      that began them or of the connection opening (else the connection is closed);
+    - its body complete within `body_timeout_s` of the headers (else closed).
+    A request read whole in one read costs no timer.
+    Bytes are counted as they arrive, before the parser sees them; a read that
+    holds the end of one request and the start of the next counts from the
+    next read on (so a request's headers can exceed the cap by one read)."""
+
+    limits: ServerConfig  # set by guarded_protocol()
+
+    def connection_made(self, transport) -> None:
+        self._refused = len(self.connections) >= self.limits.max_connections
+        self._phase = _Phase.IDLE
+        self._header_bytes = 0
+        self._header_lines = 0
+        self._completed = 0  # requests read whole
+        self._timer: TimerHandle | None = None
+        if self._refused:
+            self.transport = transport
+            _warnings.warn("connections", "refusing a connection: %d open (server.max_connections)",
+                           len(self.connections))
+            transport.abort()
+            return
+        super().connection_made(transport)
+        self._arm(self.limits.header_timeout_s, self._header_timeout)
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        if not self._refused:
+            super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused or self.transport.is_closing():
+            return
+        if self._phase is _Phase.BODY:
+            return self._feed(data)
+        room = self.limits.max_header_bytes - self._header_bytes
+        if len(data) <= room:
+            self._header_bytes += len(data)
+            return self._feed(data)
+        # Feed what fits: if the headers end in it, the rest is body or the next request.
+        self._header_bytes += room
+        self._feed(data[:room])
+        if self.transport.is_closing():
+            return
+        if self._phase is not _Phase.BODY and self._header_bytes >= self.limits.max_header_bytes:
+            return self._refuse_headers(f"request headers over {self.limits.max_header_bytes} bytes")
+        self.data_received(data[room:])
+
+    def _feed(self, data: bytes) -> None:
+        """Parse, then start the deadline for what is left half-read. A request that came
+        whole in one read (the usual case) sets no timer."""
+        completed = self._completed
+        super().data_received(data)
+        if self._timer is not None or self.transport.is_closing():
+            return
+        if self._phase is _Phase.BODY:
+            self._arm(self.limits.body_timeout_s, self._body_timeout)
+        elif self._phase is _Phase.HEADERS or self._completed == completed:  # a partial request, or blank lines
+            self._arm(self.limits.header_timeout_s, self._header_timeout)
+
+    # parser callbacks
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._phase = _Phase.HEADERS
+        self._header_lines = 0
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_lines += 1
+        if self._header_lines > self.limits.max_headers:
+            raise _TooManyHeaders  # stops the parser; it reports a callback error to send_400_response
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        self._phase = _Phase.BODY
+        self._header_bytes = 0
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        self._phase = _Phase.IDLE
+        self._completed += 1
+        super().on_message_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request llhttp cannot parse, as the error envelope."""
+        if self._header_lines > self.limits.max_headers:
+            return self._refuse_headers(f"more than {self.limits.max_headers} request header lines")
+        self._answer_and_close(PoolError(ErrorCode.INVALID_REQUEST, msg.rstrip(".")))
+
+    # bounds
+    def _refuse_headers(self, why: str) -> None:
+        _warnings.warn("headers", "refused a request from %s: %s", self._peer(), why)
+        self._answer_and_close(PoolError(ErrorCode.HEADERS_TOO_LARGE, why))
+
+    def _header_timeout(self) -> None:
+        self._timer = None
+        if self.cycle is not None and not self.cycle.response_complete:
+            # A pipelined request waits while the one before it is answered (reading is paused).
+            return self._arm(self.limits.header_timeout_s, self._header_timeout)
+        if self._phase is _Phase.HEADERS:
+            _warnings.warn("header_timeout", "closed a connection from %s: headers not complete within %gs",
+                           self._peer(), self.limits.header_timeout_s)
+        self.transport.abort()  # abort, not close: a client that does not read would keep it open
+
+    def _body_timeout(self) -> None:
+        self._timer = None
+        _warnings.warn("body_timeout", "closed a connection from %s: body not complete within %gs",
+                       self._peer(), self.limits.body_timeout_s)
+        self.transport.abort()
+
+    def _answer_and_close(self, err: PoolError) -> None:
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            if cycle.response_started:  # a pipelined request went wrong mid-answer: no room for a reply
+                return self.transport.abort()
+            cycle.disconnected = True  # the app's request is over: it must not answer after this
+            cycle.message_event.set()
+        body = json.dumps(err.envelope()).encode()
+        head = (f"HTTP/1.1 {err.status} {_REASONS.get(err.status, '')}\r\n"
+                f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
+                "connection: close\r\n\r\n").encode()
+        self._disarm()
+        self.transport.write(head + body)
+        self.transport.close()
+
+    def _arm(self, delay: float, callback) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(delay, callback)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _peer(self) -> str:
+        return "%s:%d" % self.client if self.client else "?"
+
+
+class _TooManyHeaders(Exception):
+    pass
+
+
+_REASONS = {400: "Bad Request", 431: "Request Header Fields Too Large"}
+
+
+def guarded_protocol(server: ServerConfig) -> type[GuardedHttpToolsProtocol]:
+    """The protocol class for uvicorn.Config(http=...), bound to these limits."""
+    return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": server})
+
+
+# -- requests -----------------------------------------------------------------------------------------
+class AccessGate:
+    """Who may call what, checked before anything reads the request.
+
+    Keys: /v1/* needs the inference key or the admin key when an inference key
+    is set. The admin surface (/admin/*, /docs, /redoc, /openapi.json) needs the
+    admin key when any key is set; with only an inference key it is refused.
+
+    Browser rules for the admin surface, keys or not (a web page must not drive
+    it, whether cross-site or by DNS rebinding): the Host must be localhost,
+    the configured host or an IP address (each with the pool's port), or one
+    of `allowed_hosts`; an Origin must be that same host and port;
+    Sec-Fetch-Site, when sent, must be same-origin or none.
+    (An ASGI layer, not a FastAPI dependency: it is on every request's path.)"""
+
+    def __init__(self, app, server: ServerConfig, api_key: str | None, admin_key: str | None) -> None:
+        self.app = app
+        self.inference = [k.encode() for k in (api_key, admin_key) if k] if api_key else []
+        self.admin = [admin_key.encode()] if admin_key else []
+        self.admin_refused = bool(api_key) and not admin_key
+        self.allowed_hosts = frozenset(h.lower() for h in server.allowed_hosts)
+        host = server.host.lower()
+        wildcard = host in ("0.0.0.0", "::", "")
+        self.local_names = {"localhost"} | (set() if wildcard else {f"[{host}]" if ":" in host else host})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                return await error_response(refusal)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+    def _refusal(self, scope) -> PoolError | None:
+        path = scope["path"]
+        if path.startswith("/v1/"):
+            if self.inference and not _key_given(scope["headers"], self.inference):
+                return PoolError(ErrorCode.UNAUTHORIZED, "missing or wrong API key")
+            return None
+        if not is_admin_path(path):
+            return None
+        why = self._browser_refusal(scope)
+        if why:
+            return PoolError(ErrorCode.FORBIDDEN, why)
+        if self.admin_refused:
+            return PoolError(ErrorCode.UNAUTHORIZED, "the admin endpoints are closed: only api_key is set; "
+                                                     "set server.admin_key (or LLM_POOL_ADMIN_KEY) to use them")
+        if self.admin and not _key_given(scope["headers"], self.admin):
+            return PoolError(ErrorCode.UNAUTHORIZED, "missing or wrong admin key")
+        return None
+
+    def _browser_refusal(self, scope) -> str | None:
+        host = origin = site = None
+        for name, value in scope["headers"]:
+            if name == b"host":
+                host = value.decode("latin-1").lower()
+            elif name == b"origin":
+                origin = value.decode("latin-1").lower()
+            elif name == b"sec-fetch-site":
+                site = value.lower()
+        if host is not None and not self._host_allowed(host, scope.get("server")):
+            return (f"Host {host[:100]!r} is not a name this pool answers to on its admin endpoints "
+                    "(add it to server.allowed_hosts)")
+        if site is not None and site not in (b"same-origin", b"none"):
+            return "cross-site requests to the admin endpoints are refused"
+        if origin is not None and (host is None or not _same_origin(origin, host)):
+            return f"cross-origin requests to the admin endpoints are refused (Origin {origin[:100]!r})"
+        return None
+
+    def _host_allowed(self, host: str, server) -> bool:
+        if "*" in self.allowed_hosts or host in self.allowed_hosts:
+            return True
+        name, port = _split_host(host)
+        if name is None:
+            return False
+        if name in self.allowed_hosts:  # an entry without a port allows any port
+            return True
+        if server is None or (port or 80) != server[1]:
+            return False
+        return name in self.local_names or _is_ip_literal(name)  # a page at an IP has no name to rebind
+
+
+def _key_given(headers, wanted: list[bytes]) -> bool:
+    given = b""
+    for name, value in headers:
+        if name == b"authorization" and value[:7].lower() == b"bearer ":
+            given = value[7:]
+            break
+        if name == b"x-api-key":
+            given = value
+    return any(hmac.compare_digest(given, k) for k in wanted)
+
+
+def _is_ip_literal(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name[1:-1] if name.startswith("[") else name)
+    except ValueError:
+        return False
+    return True
+
+
+def _split_host(host: str) -> tuple[str | None, int | None]:
+    """'name', 'name:port', '[v6]' or '[v6]:port' -> (name, port or None); (None, None) if malformed."""
+    if host.startswith("["):
+        end = host.find("]")
+        name, rest = host[:end + 1], host[end + 1:]
+        if end < 0 or (rest and not rest.startswith(":")):
+            return None, None
+        port = rest[1:] if rest else None
+    else:
+        name, colon, port = host.partition(":")
+        port = port if colon else None
+    if not name or (port is not None and not (port.isdigit() and len(port) <= 5)):
+        return None, None
+    return name, int(port) if port is not None else None
+
+
+def _same_origin(origin: str, host: str) -> bool:
+    """Whether an Origin ('scheme://name[:port]') names the host and port of the Host header.
+    A Host without a port (behind a proxy) takes the Origin scheme's default."""
+    try:
+        parts = urlsplit(origin)
+        origin_port = parts.port
+    except ValueError:
+        return False
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query:
+        return False
+    default = 443 if parts.scheme == "https" else 80
+    name, port = _split_host(host)
+    origin_name = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return name == origin_name and (port or default) == (origin_port or default)
+
+
+class BodySizeLimit:
+    """Refuse request bodies over `limit` bytes with 413: at once when the
+    Content-Length says so, else while reading (the body is buffered up to the
+    limit and then replayed to the app)."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        def too_large() -> JSONResponse:
+            return error_response(PoolError(ErrorCode.REQUEST_TOO_LARGE, f"request body over {self.limit} bytes"))
+
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
+                return await too_large()(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left while sending
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await too_large()(scope, receive, send)
+            if not message.get("more_body"):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # after the body: disconnect notices pass through
+
+        return await self.app(scope, replay, send)

@@ -1,0 +1,553 @@
+"""The Replica and Executor state machines, edge by edge, with the launcher,
+the clock and the transport injected: no processes, no sockets. Each test is
+one scenario on a fresh event loop; waits are bounded by `settle`."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+import protocol as p
+from protocol.errors import ErrorCode, PoolError
+from supervisor.config import ModelConfig, ServerConfig
+from supervisor.jobs import Job, JobState
+from supervisor.replica import LoadFailed, Replica
+from supervisor.restart_policy import RestartPolicy
+from supervisor.scheduler import Executor
+from supervisor.states import ReplicaState
+
+
+class FakeTransport:
+    endpoint = "ipc://fake"
+
+    def __init__(self) -> None:
+        self.handlers = {}
+        self.sent: list[tuple[str, p.Message]] = []
+        self.on_send = lambda identity, msg: None
+
+    def register(self, identity, handler) -> None:
+        self.handlers[identity] = handler
+
+    def unregister(self, identity) -> None:
+        self.handlers.pop(identity, None)
+
+    def send(self, identity, msg) -> bool:
+        self.sent.append((identity, msg))
+        self.on_send(identity, msg)
+        return identity in self.handlers
+
+    def send_frame(self, identity, frame: bytes) -> bool:
+        return self.send(identity, p.decode(frame))
+
+    def deliver(self, identity, msg) -> None:
+        self.handlers[identity](msg)
+
+
+class FakeProcess:
+    """What a replica needs of a worker process (process.WorkerProcess)."""
+
+    def __init__(self, pid: int, identity: str) -> None:
+        self.pid = pid
+        self.identity = identity
+        self.returncode = None
+        self.tree_killed = False
+        self._exited = asyncio.Event()
+
+    async def wait(self) -> int:
+        await self._exited.wait()
+        return self.returncode
+
+    def exit(self, code: int) -> None:
+        if self.returncode is None:
+            self.returncode = code
+            self._exited.set()
+
+    def snapshot(self, max_age_s: float = 0.0) -> None:
+        pass
+
+    def kill_tree(self) -> None:
+        self.tree_killed = True
+        self.exit(-9)
+
+    async def stop(self, timeout_s: float) -> int:
+        self.exit(-15)
+        return self.returncode
+
+
+class FakeLauncher:
+    def __init__(self) -> None:
+        self.procs: list[FakeProcess] = []
+        self.error: OSError | None = None
+        self.most_alive = 0  # the most worker processes alive at once
+
+    async def __call__(self, args, log_path, env) -> FakeProcess:
+        await asyncio.sleep(0)  # a real spawn yields to the loop
+        if self.error:
+            raise self.error
+        proc = FakeProcess(1000 + len(self.procs), args[args.index("--replica") + 1])
+        self.procs.append(proc)
+        self.most_alive = max(self.most_alive, len(self.alive()))
+        return proc
+
+    def alive(self) -> list[FakeProcess]:
+        return [proc for proc in self.procs if proc.returncode is None]
+
+
+class FakeOwner:
+    def __init__(self) -> None:
+        self.requeued: list[Job] = []
+
+    def replica_changed(self) -> None:
+        pass
+
+    def requeue(self, job: Job) -> None:
+        self.requeued.append(job)
+
+
+class Rig:
+    """One replica wired to fakes. Workers exit on Shutdown unless `obey_shutdown` is off."""
+
+    def __init__(self, policy: RestartPolicy | None = None, **cfg) -> None:
+        self.transport = FakeTransport()
+        self.launcher = FakeLauncher()
+        self.now = 100.0
+        self.owner = FakeOwner()
+        self.obey_shutdown = True
+        self.server = ServerConfig(heartbeat_s=1.0, liveness_s=5.0)
+        self.cfg = ModelConfig(name="m", backend="synthetic", **cfg)
+        self.replica = Replica(self.cfg, self.server, 0, self.transport, Path("/nonexistent"), self.owner,
+                               policy=policy or RestartPolicy(), launcher=self.launcher, clock=lambda: self.now)
+        self.transport.on_send = self._on_send
+
+    def _on_send(self, identity, msg) -> None:
+        if isinstance(msg, p.Shutdown) and self.obey_shutdown:
+            for proc in self.launcher.alive():
+                if proc.identity == identity:
+                    asyncio.get_running_loop().call_soon(proc.exit, 0)
+
+    async def spawned(self, count: int) -> FakeProcess:
+        await settle(lambda: len(self.launcher.procs) >= count, f"{count} spawns")
+        return self.launcher.procs[count - 1]
+
+    def ready(self, proc: FakeProcess, capacity: int = 2) -> None:
+        self.transport.deliver(proc.identity, p.Ready(capacity=capacity, info={}))
+
+    async def start(self) -> FakeProcess:
+        task = asyncio.create_task(self.replica.start())
+        proc = await self.spawned(len(self.launcher.procs) + 1)
+        self.ready(proc)
+        await task
+        assert self.replica.state is ReplicaState.READY
+        return proc
+
+    def job(self, *, started: bool) -> Job:
+        job = Job("m", {}, 60)
+        self.replica.submit(job)
+        if started:
+            self.transport.deliver(self.replica.identity, p.Delta(job=job.id, text="x"))
+        return job
+
+
+async def settle(condition, what: str = "condition", timeout: float = 2.0) -> None:
+    """Let the loop run until `condition()` holds; fail after `timeout` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.001)
+
+
+def outcome(job: Job):
+    assert job.state is JobState.FINISHED, job.state
+    return job.events[-1]
+
+
+def scenario(fn):
+    """Run an async test on a fresh loop."""
+    def run():
+        asyncio.run(asyncio.wait_for(fn(), 10))
+    run.__name__ = fn.__name__
+    return run
+
+
+# -- Replica ------------------------------------------------------------------------------------
+
+@scenario
+async def test_start_ready_stop():
+    rig = Rig()
+    proc = await rig.start()
+    assert rig.replica.capacity == 1 and rig.replica.wanted  # min(target_inflight 1, runtime 2)
+    await rig.replica.stop()
+    assert rig.replica.state is ReplicaState.STOPPED and proc.returncode == 0
+    assert any(isinstance(m, p.Shutdown) for _, m in rig.transport.sent)
+    assert not rig.transport.handlers
+
+
+@scenario
+async def test_crash_in_starting_fails_the_start_and_is_not_restarted():
+    rig = Rig()
+    task = asyncio.create_task(rig.replica.start())
+    proc = await rig.spawned(1)
+    rig.transport.deliver(proc.identity, p.Error(job=None, code="load_failed", message="no such model file"))
+    proc.exit(3)
+    with pytest.raises(LoadFailed, match="no such model file"):
+        await task
+    await asyncio.sleep(0.05)
+    assert rig.replica.state is ReplicaState.STOPPED and len(rig.launcher.procs) == 1
+
+
+@scenario
+async def test_spawn_error_is_fatal_with_the_reason():
+    rig = Rig()
+    rig.launcher.error = PermissionError(13, "Permission denied", "/state/logs/m-0.log")
+    with pytest.raises(LoadFailed, match="Permission denied"):
+        await rig.replica.start()
+    assert rig.replica.state is ReplicaState.FATAL
+    assert "cannot spawn the worker" in rig.replica.last_error and not rig.transport.handlers
+
+
+@scenario
+async def test_spawn_error_in_a_crash_restart_is_fatal_not_starting_forever():
+    rig = Rig()
+    proc = await rig.start()
+    rig.launcher.error = OSError(24, "Too many open files")
+    proc.exit(-9)
+    await settle(lambda: rig.replica.state is ReplicaState.FATAL, "fatal")
+    assert "Too many open files" in rig.replica.last_error
+
+
+@scenario
+async def test_load_timeout_kills_the_worker():
+    rig = Rig(load_timeout_s=0.05)
+    with pytest.raises(LoadFailed, match="load_timeout_s"):
+        await rig.replica.start()
+    assert rig.replica.state is ReplicaState.STOPPED and not rig.launcher.alive()
+
+
+@scenario
+async def test_ready_after_an_aborted_start_does_not_make_it_ready():
+    rig = Rig()
+    task = asyncio.create_task(rig.replica.start())
+    proc = await rig.spawned(1)
+    rig.obey_shutdown = False
+    await rig.replica.stop()  # aborts the start: its worker is killed
+    with pytest.raises(LoadFailed, match="stopped before it was ready"):
+        await task
+    assert proc.returncode is not None and rig.replica.state is ReplicaState.STOPPED
+    assert proc.identity not in rig.transport.handlers  # a late Ready cannot even reach it
+
+
+@scenario
+async def test_crash_in_ready_fails_started_jobs_requeues_unstarted_and_restarts():
+    rig = Rig(target_inflight=2)
+    proc = await rig.start()
+    started, unstarted = rig.job(started=True), rig.job(started=False)
+    proc.exit(-9)
+    await settle(lambda: rig.replica.state is not ReplicaState.READY, "crash seen")
+    error = outcome(started)
+    assert isinstance(error, PoolError) and error.code is ErrorCode.RUNTIME_CRASHED
+    assert rig.owner.requeued == [unstarted]
+    fresh = await rig.spawned(2)  # first restart at once
+    assert rig.replica.state is ReplicaState.STARTING
+    rig.ready(fresh)
+    await settle(lambda: rig.replica.state is ReplicaState.READY, "ready again")
+    assert rig.replica.restarts == 1 and rig.replica.last_exit_code == -9
+    await rig.replica.stop()
+
+
+@scenario
+async def test_crash_in_ready_past_the_limit_is_fatal():
+    rig = Rig(policy=RestartPolicy(max_crashes=0))
+    proc = await rig.start()
+    proc.exit(-9)
+    await settle(lambda: rig.replica.state is ReplicaState.FATAL, "fatal")
+    assert "too many crashes" in rig.replica.last_error and len(rig.launcher.procs) == 1
+
+
+@scenario
+async def test_crash_in_draining_is_final():
+    rig = Rig(target_inflight=2)
+    proc = await rig.start()
+    started, unstarted = rig.job(started=True), rig.job(started=False)
+    rig.replica.drain()
+    assert rig.replica.state is ReplicaState.DRAINING and rig.replica.free_slots == 0
+    proc.exit(-9)
+    await settle(lambda: rig.replica.state is ReplicaState.STOPPED, "stopped")
+    assert outcome(started).code is ErrorCode.RUNTIME_CRASHED
+    assert rig.owner.requeued == [unstarted]  # the executor answers it (503 when unloading)
+    await asyncio.sleep(0.05)
+    assert len(rig.launcher.procs) == 1  # never restarted
+    await rig.replica.stop()
+    assert rig.replica.state is ReplicaState.STOPPED
+
+
+@scenario
+async def test_restart_is_refused_while_draining():
+    rig = Rig()
+    await rig.start()
+    rig.replica.drain()
+    with pytest.raises(LoadFailed, match="draining"):
+        await rig.replica.restart()
+    assert rig.replica.state is ReplicaState.DRAINING and len(rig.launcher.alive()) == 1
+    await rig.replica.stop()
+
+
+@scenario
+async def test_crash_in_stopping_ends_stopped():
+    rig = Rig()
+    proc = await rig.start()
+    rig.obey_shutdown = False
+    stop = asyncio.create_task(rig.replica.stop())
+    await settle(lambda: rig.replica.state is ReplicaState.STOPPING, "stopping")
+    proc.exit(-11)
+    await stop
+    await asyncio.sleep(0.05)
+    assert rig.replica.state is ReplicaState.STOPPED and len(rig.launcher.procs) == 1
+
+
+@scenario
+async def test_a_stop_ends_a_started_job_with_503_and_requeues_an_unstarted_one():
+    rig = Rig(target_inflight=2)
+    await rig.start()
+    started, unstarted = rig.job(started=True), rig.job(started=False)
+    rig.obey_shutdown = False
+    stop = asyncio.create_task(rig.replica.stop())
+    await settle(lambda: rig.replica.state is ReplicaState.STOPPING, "stopping")
+    rig.replica.proc.exit(0)
+    await stop
+    assert outcome(started).code is ErrorCode.MODEL_UNLOADING and rig.owner.requeued == [unstarted]
+
+
+@scenario
+async def test_stop_timeout_kills_the_tree():
+    rig = Rig(stop_timeout_s=0.05)
+    proc = await rig.start()
+    rig.obey_shutdown = False
+    await rig.replica.stop()
+    assert proc.returncode == -15 and rig.replica.state is ReplicaState.STOPPED
+
+
+async def _in_backoff(rig: Rig) -> None:
+    """Ready, then a second crash in a row: a long backoff."""
+    proc = await rig.start()
+    rig.replica.history.streak = 1
+    proc.exit(-9)
+    await settle(lambda: rig.replica.state is ReplicaState.BACKOFF, "backoff")
+
+
+@scenario
+async def test_stop_in_backoff_cancels_the_restart():
+    rig = Rig(policy=RestartPolicy(base_s=60))
+    await _in_backoff(rig)
+    await rig.replica.stop()
+    assert rig.replica.state is ReplicaState.STOPPED
+    assert rig.replica._restart_task is None or rig.replica._restart_task.done()
+    assert len(rig.launcher.procs) == 1
+
+
+@scenario
+async def test_operator_restart_in_backoff_starts_one_worker():
+    rig = Rig(policy=RestartPolicy(base_s=60))
+    await _in_backoff(rig)
+    task = asyncio.create_task(rig.replica.restart())
+    rig.ready(await rig.spawned(2))
+    await task
+    assert rig.replica.state is ReplicaState.READY and len(rig.launcher.alive()) == 1
+    assert rig.replica.history.streak == 0  # the operator cleared it
+    await rig.replica.stop()
+
+
+@scenario
+async def test_crash_while_restarting_from_backoff_backs_off_again():
+    rig = Rig(policy=RestartPolicy(base_s=0.02))
+    proc = await rig.start()
+    proc.exit(-9)  # first crash: restarted at once
+    again = await rig.spawned(2)
+    again.exit(1)  # dies while loading: one more crash
+    await settle(lambda: rig.replica.state is ReplicaState.BACKOFF or len(rig.launcher.procs) > 2, "backoff")
+    third = await rig.spawned(3)  # after the backoff
+    rig.ready(third)
+    await settle(lambda: rig.replica.state is ReplicaState.READY, "ready")
+    assert rig.replica.restarts == 2 and len(rig.launcher.alive()) == 1
+    await rig.replica.stop()
+
+
+@scenario
+async def test_stop_during_a_crash_restart_leaves_no_worker():
+    rig = Rig()
+    proc = await rig.start()
+    proc.exit(-9)
+    restarting = await rig.spawned(2)  # the restart waits for Ready
+    await rig.replica.stop()
+    assert restarting.returncode is not None and rig.replica.state is ReplicaState.STOPPED
+    await asyncio.sleep(0.05)
+    assert not rig.launcher.alive() and len(rig.launcher.procs) == 2
+
+
+@scenario
+async def test_concurrent_operator_restarts_never_run_two_workers():
+    rig = Rig()
+    await rig.start()
+    restarts = [asyncio.create_task(rig.replica.restart()) for _ in range(5)]
+    for n in range(2, 7):
+        rig.ready(await rig.spawned(n))
+    await asyncio.gather(*restarts)
+    assert rig.launcher.most_alive == 1 and len(rig.launcher.alive()) == 1
+    assert rig.replica.state is ReplicaState.READY and rig.replica.restarts == 5
+    await rig.replica.stop()
+
+
+@scenario
+async def test_liveness_kill_takes_it_out_of_rotation_and_restarts():
+    rig = Rig()
+    proc = await rig.start()
+    job = rig.job(started=True)
+    rig.replica.heartbeat(rig.now + 1)
+    assert isinstance(rig.transport.sent[-1][1], p.Heartbeat) and not proc.tree_killed
+    rig.now += rig.server.liveness_s + 1
+    rig.obey_shutdown = False
+    rig.replica.heartbeat(rig.now)
+    assert proc.tree_killed and rig.replica.free_slots == 0
+    assert outcome(job).code is ErrorCode.RUNTIME_TIMEOUT
+    rig.ready(await rig.spawned(2))
+    await settle(lambda: rig.replica.state is ReplicaState.READY, "restarted")
+    rig.obey_shutdown = True
+    await rig.replica.stop()
+
+
+@scenario
+async def test_liveness_kill_while_draining_is_final():
+    rig = Rig()
+    proc = await rig.start()
+    rig.replica.drain()
+    rig.now += rig.server.liveness_s + 1
+    rig.replica.heartbeat(rig.now)
+    assert proc.tree_killed
+    await settle(lambda: rig.replica.state is ReplicaState.STOPPED, "stopped")
+    await asyncio.sleep(0.05)
+    assert len(rig.launcher.procs) == 1
+
+
+# -- Executor -------------------------------------------------------------------------------------
+
+class StubReplica:
+    def __init__(self, index: int, state: ReplicaState = ReplicaState.READY, capacity: int = 1) -> None:
+        self.index = index
+        self.state = state
+        self.capacity = capacity
+        self.inflight: dict[str, Job] = {}
+        self.wanted = state is not ReplicaState.STOPPED
+        self.submitted: list[Job] = []
+
+    @property
+    def free_slots(self) -> int:
+        return self.capacity - len(self.inflight) if self.state is ReplicaState.READY else 0
+
+    def submit(self, job: Job) -> None:
+        job.state = JobState.SUBMITTED
+        self.inflight[job.id] = job
+        self.submitted.append(job)
+
+
+def executor(*replicas: StubReplica) -> Executor:
+    ex = Executor(ModelConfig(name="m", backend="synthetic"))
+    ex.replicas = list(replicas)
+    ex.start()
+    return ex
+
+
+@scenario
+async def test_requeue_while_unloading_answers_503():
+    ex = executor(StubReplica(0))
+    ex.accepting_new_requests = False
+    job = Job("m", {}, 60)
+    ex.requeue(job)
+    assert outcome(job).code is ErrorCode.MODEL_UNLOADING and not ex.queue
+    await ex.close()
+
+
+@scenario
+async def test_reconcile_fails_a_queue_nothing_will_take():
+    stuck = StubReplica(0, ReplicaState.STOPPED)
+    ex = executor(stuck)
+    job = Job("m", {}, 60)
+    ex.queue.append(job)
+    ex.reconcile()
+    assert outcome(job).code is ErrorCode.NO_HEALTHY_REPLICA
+    stuck.state = ReplicaState.FATAL
+    job = Job("m", {}, 60)
+    ex.queue.append(job)
+    ex.reconcile()
+    assert outcome(job).code is ErrorCode.NO_HEALTHY_REPLICA and "fatal" in outcome(job).message
+    await ex.close()
+
+
+@scenario
+async def test_reconcile_keeps_a_queue_a_restart_will_take():
+    ex = executor(StubReplica(0, ReplicaState.BACKOFF))
+    job = Job("m", {}, 60)
+    ex.queue.append(job)
+    ex.reconcile()
+    assert job.state is JobState.QUEUED and list(ex.queue) == [job]
+    await ex.close()
+
+
+@scenario
+async def test_reconcile_fails_a_queue_left_by_an_unload():
+    ex = executor(StubReplica(0, ReplicaState.DRAINING))
+    ex.accepting_new_requests = False
+    job = Job("m", {}, 60)
+    ex.queue.append(job)
+    ex.reconcile()
+    assert outcome(job).code is ErrorCode.MODEL_UNLOADING
+    await ex.close()
+
+
+@scenario
+async def test_reconcile_ends_a_drain_whose_jobs_ended_unseen():
+    replica = StubReplica(0)
+    ex = executor(replica)
+    job = Job("m", {}, 60)
+    ex.enqueue(job)
+    assert replica.submitted == [job]
+    drain = asyncio.create_task(ex.drain(60))
+    await asyncio.sleep(0.01)
+    replica.inflight.clear()  # the worker is gone, and nobody told the executor
+    replica.state = ReplicaState.STOPPED
+    assert not drain.done()
+    ex.reconcile()
+    await asyncio.wait_for(drain, 1)
+    await ex.close()
+
+
+@scenario
+async def test_stop_draining_ends_a_drain_at_once():
+    replica = StubReplica(0)
+    ex = executor(replica)
+    ex.enqueue(Job("m", {}, 60))
+    drain = asyncio.create_task(ex.drain(60))
+    await asyncio.sleep(0.01)
+    assert not drain.done()
+    ex.stop_draining()
+    await asyncio.wait_for(drain, 1)
+    await ex.close()
+
+
+@scenario
+async def test_a_dead_driver_is_restarted_by_reconcile():
+    replica = StubReplica(0)
+    ex = executor(replica)
+    ex._driver.cancel()
+    await asyncio.sleep(0)
+    assert not ex.driver_alive()
+    ex.reconcile()
+    assert ex.driver_alive()
+    ex.queue.append(Job("m", {}, 60))
+    ex.replica_changed()  # the driver wakes and dispatches
+    await settle(lambda: replica.submitted, "dispatched by the new driver")
+    await ex.close()
+    ex.reconcile()
+    assert not ex.driver_alive()  # a closed executor's driver stays down
