@@ -19,11 +19,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from protocol import Delta, Done
 from protocol.errors import ERROR_TYPE, ErrorCode, PoolError
+from supervisor import admin_feeds, ui
 from supervisor import openai_shapes as shapes
 from supervisor.config import PoolConfig
 from supervisor.engine import ModelRouterEngine
 from supervisor.http_guard import AccessGate, BodySizeLimit, error_response
 from supervisor.jobs import Job
+from supervisor.live import Activity
 from supervisor.metrics import Metrics
 from supervisor.observe import worker_views
 
@@ -65,12 +67,17 @@ def create_app(config: PoolConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()
+        activity.start()
         yield
         await engine.shutdown(config.server.shutdown_grace_s)
+        await activity.close()
 
     app = FastAPI(title="llm-pool", version="0.1.0", lifespan=lifespan)
     app.state.engine = engine
-    metrics = Metrics(engine)
+    app.state.activity = activity = Activity(engine)  # the request log and the live samples
+    metrics = Metrics(engine, on_finished=activity.finished)
+    app.include_router(admin_feeds.router)
+    app.include_router(ui.router)
     app.add_middleware(BodySizeLimit, limit=config.server.max_body_bytes)
     app.add_middleware(AccessGate, server=config.server, api_key=api_key, admin_key=admin_key)  # runs first
 
@@ -145,7 +152,7 @@ def create_app(config: PoolConfig) -> FastAPI:
         try:
             job = engine.submit(model, job_request)
         except PoolError as err:
-            metrics.request(model, endpoint, err.status)
+            metrics.request(model, endpoint, err.status, error=err)
             raise
         streaming = None
         try:
@@ -162,7 +169,7 @@ def create_app(config: PoolConfig) -> FastAPI:
             metrics.job_done(job, done, endpoint)
             return JSONResponse(to_json(text, done))  # a Response skips FastAPI's generic encoder
         except PoolError as err:
-            metrics.request(model, endpoint, err.status)
+            metrics.request(model, endpoint, err.status, job, error=err)
             raise
         finally:
             if streaming is None:  # else the stream owns the job until its last write
@@ -195,7 +202,7 @@ def create_app(config: PoolConfig) -> FastAPI:
                 ready = []
                 event = await job.next_event(engine.cancel, idle_s=config.server.sse_ping_s)
         except PoolError as err:
-            metrics.request(job.model, endpoint, err.status)
+            metrics.request(job.model, endpoint, err.status, job, error=err)
             yield b"".join([*ready, *(sse_frame(e) for e in shape.failed(err))])
 
     @app.post("/v1/responses")

@@ -326,5 +326,74 @@ def logs(target: Target,
         typer.echo(line)
 
 
+def _since_param(text: str | None) -> str | None:
+    """'10m', '2h', '3d', '45s' (before now), or what the server takes (unix seconds, ISO 8601)."""
+    if text is None:
+        return None
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", text.strip())
+    if match:
+        return str(time.time() - float(match[1]) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[match[2]])
+    return text
+
+
+def _ms(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.0f}ms" if value < 1000 else f"{value / 1000:.2f}s"
+
+
+def _request_rows(rows: list[dict]) -> list[tuple[str, ...]]:
+    return [(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["ts"])), r["model"] or "-", r["endpoint"],
+             str(r["status"]), r["error_code"] or "-", _ms(r["queued_ms"]), _ms(r["ttft_ms"]),
+             _ms(r["duration_ms"]), _dash(r["tokens_in"]), _dash(r["tokens_out"]), _dash(r["tokens_per_s"]))
+            for r in rows]
+
+
+REQUEST_HEADERS = ["TIME", "MODEL", "ENDPOINT", "STATUS", "ERROR", "QUEUED", "TTFT", "DURATION", "IN", "OUT",
+                   "TOK/S"]
+
+
+@_client
+def requests(url: Url = DEFAULT_URL, as_json: AsJson = False,
+             model: Annotated[str | None, typer.Option("--model", "-m", help="only this model")] = None,
+             status: Annotated[str | None, typer.Option(help="an HTTP status, 'ok' or 'error'")] = None,
+             since: Annotated[str | None, typer.Option(help="e.g. 10m, 2h, 1d, or an ISO 8601 time")] = None,
+             limit: Annotated[int, typer.Option("-n", "--limit", min=1, max=10_000,
+                                                help="how many (the newest)")] = 50,
+             follow: Annotated[bool, typer.Option("--follow", "-f", help="then print new ones as they finish")]
+             = False) -> None:
+    """Recent requests from the request log, oldest first: status, error, queue wait, TTFT,
+    duration, tokens. --follow keeps printing until Ctrl-C (one JSON object a line with --json)."""
+    params = {k: v for k, v in {"model": model, "status": status, "since": _since_param(since),
+                                "limit": limit}.items() if v is not None}
+    rows = _call(url, "GET", "/admin/requests", params=params)["requests"][::-1]
+    if as_json and not follow:
+        return _print_json(rows)
+    last = max((r["id"] for r in rows), default=0)
+    if not follow:
+        return _table(REQUEST_HEADERS, _request_rows(rows))
+    # following: fixed-width lines (a table cannot grow), widths from the header and the first rows
+    widths = [max([len(h), 8, *(len(row[i]) for row in _request_rows(rows))])
+              for i, h in enumerate(REQUEST_HEADERS)]
+
+    def emit(batch: list[dict]) -> None:
+        for r, row in zip(batch, _request_rows(batch)):
+            typer.echo(json.dumps(r) if as_json else "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+
+    if not as_json:
+        typer.echo("  ".join(h.ljust(w) for h, w in zip(REQUEST_HEADERS, widths)).rstrip())
+    emit(rows)
+    try:
+        while True:
+            time.sleep(1.0)
+            fresh = _call(url, "GET", "/admin/requests", params={**params, "after_id": last,
+                                                                "limit": 10_000})["requests"][::-1]
+            if fresh:
+                last = fresh[-1]["id"]
+                emit(fresh)
+    except KeyboardInterrupt:
+        pass
+
+
 if __name__ == "__main__":
     app()

@@ -33,7 +33,9 @@ class ServerConfig(_Strict):
     liveness_s: float = Field(10.0, gt=0)  # no heartbeat this long: the peer is gone
     shutdown_grace_s: float = Field(30.0, ge=0)
     sse_ping_s: float = Field(15.0, gt=0)  # a stream quiet this long gets a ": ping" comment line
-    state_dir: str | None = None  # replica logs; default: the user's state dir
+    state_dir: str | None = None  # replica logs and the request log; default: the user's state dir
+    request_log_max_rows: int = Field(100_000, ge=1)  # the request log keeps the newest rows...
+    request_log_days: float = Field(7.0, gt=0)  # ...and none older than this
     # The HTTP edge (supervisor/http_guard.py): bounds on what a client may send before a route runs.
     allowed_hosts: list[str] = Field(default_factory=list)  # more Host names for /admin ("name" or "name:port")
     max_connections: int = Field(1000, ge=1, le=1_000_000)  # more are closed at once
@@ -138,6 +140,7 @@ class ModelConfig(_Strict):
     retry_unstarted_on_crash: bool = True  # a crash before the first token: run it once more elsewhere
     stop_timeout_s: float = Field(10.0, gt=0)  # drain-free stop: SIGTERM .. SIGKILL, worker and runtime
     replica_devices: list[str] | None = None  # CUDA_VISIBLE_DEVICES per replica
+    log_bodies: bool = False  # the request log keeps prompts and outputs (truncated): debugging only
     options: dict = Field(default_factory=dict)  # checked against BACKEND_OPTIONS by parse_config
 
     @model_validator(mode="before")

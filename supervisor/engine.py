@@ -274,6 +274,8 @@ class ModelRouterEngine:
                             f"model {model!r} is {entry.state.value}; load it first", param="model")
         check_prompt_bounds(entry.cfg, request)
         job = Job(model, request, entry.cfg.request_timeout_s, entry.cfg.queue_timeout_s)
+        if entry.cfg.log_bodies:
+            job.transcript = []
         executor.enqueue(job)
         return job
 

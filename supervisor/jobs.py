@@ -45,7 +45,8 @@ def encode_submit(job_id: str, request: dict) -> bytes:
 
 class Job:
     __slots__ = ("id", "model", "request", "frame", "state", "replica", "events", "created_at",
-                 "deadline", "queue_deadline", "cancel_requested", "first_token_at", "attempts", "submit_seq", "_waiter")
+                 "deadline", "queue_deadline", "cancel_requested", "first_token_at", "attempts", "submit_seq",
+                 "_waiter", "submitted_at", "transcript")
 
     def __init__(self, model: str, request: dict, timeout_s: float, queue_timeout_s: float | None = None) -> None:
         self.id = os.urandom(16).hex()  # as unique as uuid4, and cheaper
@@ -65,10 +66,14 @@ class Job:
         self.first_token_at: float | None = None  # monotonic; None: nothing reached the client yet
         self.attempts = 0  # submissions to a worker
         self.submit_seq = 0  # its Submit's number among those sent to its current worker
+        self.submitted_at: float | None = None  # monotonic; first hand-over to a worker
+        self.transcript: list[str] | None = None  # the output, kept only for a model with log_bodies
 
     def push(self, event: Delta) -> None:
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
+        if self.transcript is not None:
+            self.transcript.append(event.text)
         self._put(event)
 
     def finish(self, outcome: Done | PoolError) -> None:

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from protocol import Done
+from protocol.errors import PoolError
 from supervisor.jobs import Job
 from supervisor.states import ReplicaState
 
@@ -24,8 +25,9 @@ _ENDPOINT_LABELS = frozenset(ENDPOINTS.values())
 
 
 class Metrics:
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, on_finished=None) -> None:
         self.engine = engine
+        self.on_finished = on_finished  # called with each finished request too (the request log)
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("llm_pool_requests", "Inference requests by model, endpoint and HTTP status",
                                 ["model", "endpoint", "status"], registry=self.registry)
@@ -36,14 +38,17 @@ class Metrics:
         self.tokens = Counter("llm_pool_generated_tokens", "Tokens generated", ["model"], registry=self.registry)
         self.registry.register(_EngineCollector(engine))
 
-    def request(self, model: str | None, endpoint: str, status: int) -> None:
+    def request(self, model: str | None, endpoint: str, status: int, job: Job | None = None,
+                done: Done | None = None, error: PoolError | None = None) -> None:
         """Count one request; `endpoint` is a label from ENDPOINTS or an inference path."""
         if endpoint not in _ENDPOINT_LABELS:
             endpoint = ENDPOINTS.get(endpoint, OTHER_ENDPOINT)
         self.requests.labels(self._model(model), endpoint, str(status)).inc()
+        if self.on_finished is not None:
+            self.on_finished(model, endpoint, status, job, done, error)
 
     def job_done(self, job: Job, done: Done, endpoint: str) -> None:
-        self.request(job.model, endpoint, 200)
+        self.request(job.model, endpoint, 200, job, done)
         now = time.monotonic()
         model = self._model(job.model)
         if job.first_token_at is not None:

@@ -323,6 +323,7 @@ class Replica:
         worker must not fail a whole queue."""
         job.state = JobState.SUBMITTED
         job.replica = self
+        job.submitted_at = job.submitted_at or time.monotonic()
         job.attempts += 1
         self.inflight[job.id] = job
         if self.transport.send_frame(self.identity, job.frame):

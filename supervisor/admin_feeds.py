@@ -1,0 +1,138 @@
+"""Admin routes for watching the pool: the request log (JSON), and two SSE
+feeds, the live samples and the live tail of one replica's log. Under
+/admin/, so the admin key and the cross-site checks apply to them as to the
+other admin routes. The engine and the Activity come from app.state."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from datetime import datetime, timezone
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
+
+from protocol.errors import ErrorCode, PoolError
+
+router = APIRouter()
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+TAIL_POLL_S = 0.25  # how often the log tail looks for new lines
+TAIL_FIRST_LINES = 200
+TAIL_READ_MAX = 256 * 1024  # bytes read per look: a log that floods is skipped ahead, not buffered
+QUIET_PING_S = 5.0  # a comment line when nothing was sent for this long (also finds a client gone)
+
+
+def _event(name: str, data) -> bytes:
+    return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def _since(value: str | None) -> float | None:
+    """Unix seconds, or an ISO 8601 time (UTC when it names no zone)."""
+    if value is None or value == "":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        raise PoolError(ErrorCode.INVALID_REQUEST, "since: unix seconds or an ISO 8601 time",
+                        param="since") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.timestamp()
+
+
+@router.get("/admin/requests")
+async def admin_requests(request: Request, model: str | None = None, status: str | None = None,
+                         since: str | None = None, after_id: int | None = None,
+                         limit: int = Query(100, ge=1, le=10_000)):
+    """The newest finished requests first, from the request log."""
+    if status not in (None, "", "ok", "error") and not (status.isdigit() and 100 <= int(status) <= 599):
+        raise PoolError(ErrorCode.INVALID_REQUEST, "status: an HTTP status, 'ok' or 'error'", param="status")
+    log = request.app.state.activity.requests
+    rows = await asyncio.to_thread(log.query, model=model, status=status or None, since=_since(since),
+                                   after_id=after_id, limit=limit)
+    return {"requests": rows, "dropped": log.dropped}
+
+
+@router.get("/admin/live")
+async def admin_live(request: Request):
+    """SSE: `history` (the samples of the last ten minutes), then one `sample` a second."""
+    activity, engine = request.app.state.activity, request.app.state.engine
+
+    async def body():
+        watcher = activity.watch()
+        try:
+            yield _event("history", list(activity.samples))
+            while not engine.shutting_down:
+                try:
+                    sample = await asyncio.wait_for(watcher.get(), QUIET_PING_S)
+                except TimeoutError:
+                    yield b": ping\n\n"
+                    continue
+                yield _event("sample", sample)
+        finally:
+            activity.unwatch(watcher)
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+@router.get("/admin/models/{name}/logs/live")
+async def admin_log_live(request: Request, name: str, replica: int = 0,
+                         lines: int = Query(TAIL_FIRST_LINES, ge=0, le=10_000)):
+    """SSE: `lines` events, first the log's last `lines` lines, then each new line as
+    it is written (the file is followed across a restart that truncates it)."""
+    engine = request.app.state.engine
+    entry = engine.entry(name)
+    if not 0 <= replica < entry.cfg.replicas:
+        raise PoolError(ErrorCode.INVALID_REQUEST, f"replica: model {name!r} has replicas 0 to "
+                        f"{entry.cfg.replicas - 1}", param="replica")
+    path = engine.log_dir / f"{name}-{replica}.log"
+
+    async def body():
+        position, partial, quiet = None, b"", 0.0
+        while not engine.shutting_down:
+            chunk, position, restarted = _read_new(path, position, lines)
+            if restarted:
+                partial = b""
+            *complete, partial = (partial + chunk).split(b"\n")
+            if complete:
+                yield _event("lines", [c.decode(errors="replace").rstrip("\r") for c in complete])
+                quiet = 0.0
+            elif quiet >= QUIET_PING_S:
+                yield b": ping\n\n"
+                quiet = 0.0
+            await asyncio.sleep(TAIL_POLL_S)
+            quiet += TAIL_POLL_S
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def _read_new(path, position: int | None, first_lines: int) -> tuple[bytes, int | None, bool]:
+    """What was appended to `path` since `position` (None: the first look, which
+    returns about the last `first_lines` lines). A file that shrank was started
+    again: read it from its start."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            restarted = position is not None and size < position
+            if position is None:
+                start = max(0, size - 256 * first_lines) if first_lines else size
+                f.seek(start)
+                data = f.read(size - start)
+                if start > 0:  # begin at a whole line
+                    data = data[data.find(b"\n") + 1:]
+                data = b"\n".join(data.split(b"\n")[-first_lines - 1:]) if first_lines else b""
+                return data, size, False
+            start = 0 if restarted else position
+            if size - start > TAIL_READ_MAX:
+                start = size - TAIL_READ_MAX
+            f.seek(start)
+            data = f.read(size - start)
+            return data, start + len(data), restarted
+    except FileNotFoundError:
+        return b"", position, False

@@ -1,0 +1,120 @@
+"""What the pool has been doing, for the operator's page and `llm-pool requests`:
+finished requests go to the request log (SQLite), and once a second a sample
+of every model's queue depth, in-flight count and tokens/s goes into a ring
+buffer of the last ten minutes, pushed to whoever is watching."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from pathlib import Path
+
+from protocol import Done
+from protocol.errors import PoolError
+from supervisor.engine import default_state_dir
+from supervisor.jobs import Job
+from supervisor.request_log import RequestLog, truncate
+
+log = logging.getLogger("llm_pool.live")
+
+SAMPLE_PERIOD_S = 1.0
+SAMPLES_KEPT = 600  # ten minutes, one a second
+
+
+class Activity:
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        server = engine.config.server
+        state_dir = Path(server.state_dir or default_state_dir())
+        self.requests = RequestLog(state_dir / "requests.sqlite3", server.request_log_max_rows,
+                                   server.request_log_days)
+        self.samples: deque[dict] = deque(maxlen=SAMPLES_KEPT)
+        self._tokens: dict[str, int] = {}  # output tokens of finished requests, per model, since start
+        self._watchers: set[asyncio.Queue] = set()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.requests.start()
+        self._start_sampler()
+
+    def _start_sampler(self) -> None:
+        self._task = asyncio.create_task(self._sample_loop(), name="live-samples")
+        self._task.add_done_callback(self._sampler_ended)
+
+    def _sampler_ended(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:  # a bug: say so, and sample on
+            log.error("live samples failed; restarting them", exc_info=task.exception())
+            self._start_sampler()
+
+    async def close(self) -> None:
+        if self._task:
+            task, self._task = self._task, None
+            task.remove_done_callback(self._sampler_ended)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await asyncio.to_thread(self.requests.close)
+
+    # -- finished requests (from Metrics, on the event loop) ---------------------------------------
+    def finished(self, model: str | None, endpoint: str, status: int, job: Job | None = None,
+                 done: Done | None = None, error: PoolError | None = None) -> None:
+        """One row for the request log (in COLUMNS order). On every request's path: kept cheap."""
+        queued = ttft = duration = tokens_in = tokens_out = prompt = output = None
+        if done is not None:
+            usage = done.usage
+            tokens_in, tokens_out = int(usage.get("input_tokens", 0)), int(usage.get("output_tokens", 0))
+            if tokens_out:
+                self._tokens[model] = self._tokens.get(model, 0) + tokens_out
+        if job is not None:
+            now = time.monotonic()
+            start = job.created_at
+            duration = round((now - start) * 1000, 1)
+            if job.submitted_at is not None:
+                queued = round((job.submitted_at - start) * 1000, 1)
+            elif error is not None:  # it never left the queue
+                queued = duration
+            if job.first_token_at is not None:
+                ttft = round((job.first_token_at - start) * 1000, 1)
+            if job.transcript is not None:  # the model has log_bodies = true
+                prompt = truncate(json.dumps(job.request.get("messages"), ensure_ascii=False))
+                output = truncate("".join(job.transcript))
+        self.requests.append((time.time(), (model or "")[:200], endpoint, status, error and error.code.value,
+                              error and error.message, queued, ttft, duration, tokens_in, tokens_out, prompt, output))
+
+    # -- live samples ----------------------------------------------------------------------------
+    def sample(self) -> dict:
+        models = {}
+        for name, entry in self.engine.models.items():
+            ex = entry.executor
+            models[name] = {"state": self.engine.model_state(entry).value, "queue": ex.queue_depth if ex else 0,
+                            "inflight": ex.runtime_inflight if ex else 0, "tokens": self._tokens.get(name, 0)}
+        return {"t": round(time.time(), 3), "models": models}
+
+    async def _sample_loop(self) -> None:
+        previous = None
+        next_at = time.monotonic()
+        while True:
+            next_at += SAMPLE_PERIOD_S
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            current = self.sample()
+            for name, m in current["models"].items():  # tokens/s over the last period
+                before = previous["models"].get(name) if previous else None
+                elapsed = current["t"] - previous["t"] if previous else 0
+                m["tps"] = round((m["tokens"] - before["tokens"]) / elapsed, 1) if before and elapsed > 0 else 0.0
+            previous = current
+            self.samples.append(current)
+            for q in self._watchers:
+                if q.full():  # a watcher that fell behind skips samples, never holds the loop
+                    q.get_nowait()
+                q.put_nowait(current)
+
+    def watch(self) -> asyncio.Queue:
+        q: asyncio.Queue = asyncio.Queue(maxsize=SAMPLES_KEPT)
+        self._watchers.add(q)
+        return q
+
+    def unwatch(self, q: asyncio.Queue) -> None:
+        self._watchers.discard(q)
+

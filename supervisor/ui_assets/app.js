@@ -1,0 +1,340 @@
+// The operator's page: plain JS over the admin API. The admin key, when the
+// pool has one, is asked for once, kept in sessionStorage and sent as a
+// header (never in a URL); the SSE feeds are read with fetch() streaming,
+// since EventSource cannot send headers.
+"use strict";
+
+const KEY = "llm-pool-admin-key";
+const WINDOW_S = 600; // the charts show the last ten minutes
+const COLORS = ["#3b6fd4", "#d4593b", "#2f9e6b", "#9b59b6", "#c9a227", "#16a2b8", "#e0569b", "#6b7385"];
+const $ = (sel) => document.querySelector(sel);
+
+class Unauthorized extends Error {}
+
+const state = {running: false, samples: [], logTarget: null, logAbort: null, liveAbort: null,
+               selected: null, timers: []};
+
+// -- talking to the pool ------------------------------------------------------------------
+function authHeaders() {
+  const key = sessionStorage.getItem(KEY);
+  return key ? {"Authorization": "Bearer " + key} : {};
+}
+
+async function api(path, options = {}) {
+  const r = await fetch(path, {...options, cache: "no-store", headers: authHeaders()});
+  if (r.status === 401) throw new Unauthorized();
+  const body = await r.json().catch(() => null);
+  if (!r.ok) throw new Error((body && body.error && body.error.message) || `HTTP ${r.status}`);
+  return body;
+}
+
+// Read an SSE response with fetch: calls onEvent(name, data) per event until the stream ends.
+async function readEvents(path, onEvent, signal) {
+  const r = await fetch(path, {cache: "no-store", headers: authHeaders(), signal});
+  if (r.status === 401) throw new Unauthorized();
+  if (!r.ok) throw new Error(`HTTP ${r.status}`);
+  const reader = r.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const {value, done} = await reader.read();
+    if (done) return;
+    buffer += value;
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      let name = "message";
+      const data = [];
+      for (const line of block.split("\n")) {
+        if (line.startsWith("event:")) name = line.slice(6).trim();
+        else if (line.startsWith("data:")) data.push(line.slice(5).trimStart());
+      }
+      if (data.length) onEvent(name, JSON.parse(data.join("\n")));
+    }
+  }
+}
+
+// Keep an SSE feed open: reconnect after a pause when it ends or fails, until aborted.
+async function follow(path, onEvent, controller) {
+  while (state.running && !controller.signal.aborted) {
+    try {
+      await readEvents(path, onEvent, controller.signal);
+    } catch (err) {
+      if (controller.signal.aborted) return;
+      if (err instanceof Unauthorized) return lockOut();
+    }
+    await sleep(2000);
+  }
+}
+
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+// -- the key ---------------------------------------------------------------------------------
+async function start() {
+  try {
+    await api("/admin/models");
+  } catch (err) {
+    if (err instanceof Unauthorized) return askKey(sessionStorage.getItem(KEY) !== null);
+    setConn("cannot reach the pool: " + err.message, false);
+    state.timers.push(setTimeout(start, 2000));
+    return;
+  }
+  begin();
+}
+
+function askKey(refused) {
+  sessionStorage.removeItem(KEY);
+  $("#key-error").hidden = !refused;
+  $("#key-input").value = "";
+  const dialog = $("#key-dialog");
+  if (!dialog.open) dialog.showModal();
+}
+
+function lockOut() {
+  stop();
+  $("#main").hidden = true;
+  askKey(true);
+}
+
+$("#key-form").addEventListener("submit", () => {
+  sessionStorage.setItem(KEY, $("#key-input").value);
+  start();
+});
+
+$("#forget-key").addEventListener("click", () => {
+  sessionStorage.removeItem(KEY);
+  lockOut();
+  $("#key-error").hidden = true;
+});
+
+// -- running the page ------------------------------------------------------------------------
+function begin() {
+  if (state.running) return;
+  state.running = true;
+  $("#main").hidden = false;
+  $("#forget-key").hidden = sessionStorage.getItem(KEY) === null;
+  every(1000, refreshModels);
+  every(2000, refreshWorkers);
+  every(1000, refreshActivity);
+  state.liveAbort = new AbortController();
+  follow("/admin/live", onSample, state.liveAbort);
+}
+
+function stop() {
+  state.running = false;
+  state.timers.forEach(clearTimeout);
+  state.timers = [];
+  for (const c of [state.liveAbort, state.logAbort]) if (c) c.abort();
+  state.logTarget = null;
+}
+
+// Run `work` now and then `ms` after each run ends, while the page runs.
+function every(ms, work) {
+  const run = async () => {
+    if (!state.running) return;
+    try {
+      await work();
+      setConn("live", true);
+    } catch (err) {
+      if (err instanceof Unauthorized) return lockOut();
+      setConn("offline: " + err.message, false);
+    }
+    if (state.running) state.timers.push(setTimeout(run, ms));
+  };
+  run();
+}
+
+function setConn(text, ok) {
+  const conn = $("#conn");
+  conn.textContent = text;
+  conn.className = ok ? "conn live" : "conn";
+}
+
+// -- building rows ---------------------------------------------------------------------------
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "class") node.className = v;
+    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+    else node.setAttribute(k, v);
+  }
+  for (const child of children) node.append(child instanceof Node ? child : String(child ?? "-"));
+  return node;
+}
+
+const num = (value) => el("td", {class: "num"}, value ?? "-");
+const stateCell = (s) => el("td", {}, el("span", {class: `state state-${s}`}, s));
+
+function bytes(n) {
+  if (n == null) return "-";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return i ? `${n.toFixed(1)} ${units[i]}` : `${n} B`;
+}
+
+function duration(s) {
+  if (s == null) return "-";
+  s = Math.round(s);
+  if (s < 60) return `${s}s`;
+  if (s < 3600) return `${Math.floor(s / 60)}m${String(s % 60).padStart(2, "0")}s`;
+  if (s < 86400) return `${Math.floor(s / 3600)}h${String(Math.floor(s % 3600 / 60)).padStart(2, "0")}m`;
+  return `${Math.floor(s / 86400)}d${Math.floor(s % 86400 / 3600)}h`;
+}
+
+const ms = (v) => (v == null ? "-" : v < 1000 ? `${Math.round(v)} ms` : `${(v / 1000).toFixed(2)} s`);
+
+function ago(when) { // unix seconds or an ISO 8601 time
+  if (when == null) return "-";
+  const unix = typeof when === "string" ? Date.parse(when) / 1000 : when;
+  return Number.isFinite(unix) ? duration(Math.max(0, Date.now() / 1000 - unix)) + " ago" : String(when);
+}
+
+function fill(table, rows) {
+  $(table + " tbody").replaceChildren(...rows);
+}
+
+// -- models ------------------------------------------------------------------------------------
+async function refreshModels() {
+  const {models} = await api("/admin/models");
+  fill("#models", models.map((m) => el("tr", {"data-model": m.name},
+    el("td", {class: "name"}, m.name), el("td", {}, m.backend), stateCell(m.state),
+    num(`${m.replicas_ready}/${m.replicas}`), num(m.queue_depth),
+    num(`${m.runtime_inflight} / ${m.configured_target_inflight}/${m.effective_target_inflight}`),
+    el("td", {}, ago(m.last_used_at)),
+    el("td", {}, m.idle_unload_in_s == null ? "-" : duration(m.idle_unload_in_s)),
+    el("td", {}, m.memory_mb == null ? "-" : `${m.memory_mb} MB${m.memory_source ? " (" + m.memory_source + ")" : ""}`),
+    el("td", {}, ...["load", "unload", "restart"].map((action) =>
+      el("button", {class: action, "data-action": action, onclick: () => act(m.name, action)}, action))))));
+}
+
+async function act(name, action) {
+  if (!confirm(`${action} ${name}?`)) return;
+  try {
+    await api(`/admin/models/${encodeURIComponent(name)}/${action}`, {method: "POST"});
+  } catch (err) {
+    if (err instanceof Unauthorized) return lockOut();
+    alert(`${action} ${name}: ${err.message}`);
+  }
+  refreshModels().catch(() => {});
+}
+
+// -- workers ------------------------------------------------------------------------------------
+async function refreshWorkers() {
+  const {workers} = await api("/admin/workers");
+  fill("#workers", workers.map((w) => el("tr", {"data-worker": `${w.model}/${w.replica}`},
+    el("td", {}, `${w.model}/${w.replica}`), el("td", {class: "pid num"}, w.pid ?? "-"), stateCell(w.state),
+    num(duration(w.uptime_s)), num(w.restarts), num(w.last_exit_code), num(`${w.inflight}/${w.capacity}`),
+    num(bytes(w.rss_bytes)), num(w.cpu_percent == null ? "-" : w.cpu_percent.toFixed(1) + "%"),
+    num(w.gpu_memory_bytes == null ? "-" : bytes(w.gpu_memory_bytes)),
+    el("td", {}, w.children.map((c) => `${c.name}:${c.pid} (${bytes(c.rss_bytes)})`).join(", ") || "-"))));
+  const targets = workers.map((w) => `${w.model}/${w.replica}`);
+  if (state.logTarget && !targets.includes(state.logTarget)) targets.push(state.logTarget); // stopped: still readable
+  const select = $("#log-target");
+  if (targets.join() !== [...select.options].map((o) => o.value).join()) {
+    select.replaceChildren(...targets.map((t) => el("option", {value: t}, t)));
+    if (state.logTarget) select.value = state.logTarget;
+  }
+  if (!state.logTarget && targets.length) tailLog(select.value);
+}
+
+// -- activity -----------------------------------------------------------------------------------
+async function refreshActivity() {
+  const {requests} = await api("/admin/requests?limit=50");
+  fill("#activity", requests.map((r) => el("tr", {"data-id": r.id, class: r.status >= 400 ? "err" : "",
+                                                onclick: () => showRequest(r)},
+    el("td", {}, new Date(r.ts * 1000).toLocaleTimeString()), el("td", {class: "model"}, r.model || "-"),
+    el("td", {}, r.endpoint), el("td", {class: "status num"}, r.status), el("td", {class: "code"}, r.error_code || ""),
+    num(ms(r.queued_ms)), num(ms(r.ttft_ms)), num(ms(r.duration_ms)),
+    el("td", {class: "tokens-in num"}, r.tokens_in ?? "-"), el("td", {class: "tokens-out num"}, r.tokens_out ?? "-"),
+    num(r.tokens_per_s ?? "-"))));
+  if (state.selected !== null && !requests.some((r) => r.id === state.selected)) $("#request-detail").hidden = true;
+}
+
+function showRequest(r) {
+  const detail = $("#request-detail");
+  state.selected = r.id;
+  const parts = [`#${r.id} ${r.model} ${r.endpoint}: HTTP ${r.status}` + (r.error_code ? ` ${r.error_code}` : "")];
+  if (r.error_message) parts.push(r.error_message);
+  if (r.prompt) parts.push("prompt: " + r.prompt);
+  if (r.output) parts.push("output: " + r.output);
+  detail.textContent = parts.join("\n\n");
+  detail.hidden = false;
+}
+
+// -- the log tail --------------------------------------------------------------------------------
+$("#log-target").addEventListener("change", (e) => tailLog(e.target.value));
+
+function tailLog(target) {
+  if (state.logAbort) state.logAbort.abort();
+  state.logTarget = target;
+  const out = $("#log-lines");
+  out.textContent = "";
+  const slash = target.lastIndexOf("/");
+  const path = `/admin/models/${encodeURIComponent(target.slice(0, slash))}/logs/live?replica=${target.slice(slash + 1)}`;
+  state.logAbort = new AbortController();
+  let first = true;
+  follow(path, (name, lines) => {
+    if (first) { out.textContent = ""; first = false; } // a reconnect sends the tail again
+    const atBottom = out.scrollTop + out.clientHeight >= out.scrollHeight - 4;
+    out.append(lines.join("\n") + "\n");
+    while (out.childNodes.length > 2000) out.firstChild.remove();
+    if (atBottom) out.scrollTop = out.scrollHeight;
+  }, state.logAbort);
+}
+
+// -- charts --------------------------------------------------------------------------------------
+function onSample(name, data) {
+  if (name === "history") state.samples = data;
+  else if (name === "sample") state.samples.push(data);
+  const cutoff = Date.now() / 1000 - WINDOW_S;
+  while (state.samples.length && state.samples[0].t < cutoff) state.samples.shift();
+  draw();
+}
+
+function draw() {
+  const names = [...new Set(state.samples.flatMap((s) => Object.keys(s.models)))].sort();
+  const color = (n) => COLORS[names.indexOf(n) % COLORS.length];
+  chart("#chart-queue", names, color, (m) => m.queue);
+  chart("#chart-inflight", names, color, (m) => m.inflight);
+  chart("#chart-tps", names, color, (m) => m.tps || 0);
+  $("#legend").replaceChildren(...names.map((n) => {
+    const swatch = el("i");
+    swatch.style.background = color(n); // CSSOM, not a style attribute: the page's CSP allows no inline style
+    return el("span", {}, swatch, n);
+  }));
+}
+
+function chart(sel, names, color, value) {
+  const canvas = $(sel);
+  const g = canvas.getContext("2d");
+  const w = canvas.width, h = canvas.height, pad = 18;
+  g.clearRect(0, 0, w, h);
+  const now = Date.now() / 1000;
+  let max = 1;
+  for (const s of state.samples) for (const n of names) if (s.models[n]) max = Math.max(max, value(s.models[n]));
+  const x = (t) => pad + (w - 2 * pad) * (1 - (now - t) / WINDOW_S);
+  const y = (v) => h - pad - (h - 2 * pad) * (v / max);
+  g.fillStyle = "#6b7385";
+  g.font = "10px system-ui, sans-serif";
+  g.fillText(String(Math.round(max * 10) / 10), 2, pad - 6);
+  g.fillText("-10 min", pad, h - 4);
+  g.fillText("now", w - pad - 16, h - 4);
+  g.strokeStyle = "#dde1ea";
+  g.beginPath(); g.moveTo(pad, h - pad); g.lineTo(w - pad, h - pad); g.stroke();
+  for (const n of names) {
+    g.strokeStyle = color(n);
+    g.lineWidth = 1.5;
+    g.beginPath();
+    let started = false;
+    for (const s of state.samples) {
+      const m = s.models[n];
+      if (!m) { started = false; continue; }
+      if (started) g.lineTo(x(s.t), y(value(m))); else g.moveTo(x(s.t), y(value(m)));
+      started = true;
+    }
+    g.stroke();
+  }
+}
+
+start();

@@ -1,0 +1,246 @@
+"""The request log (SQLite in the state dir) and the admin feeds the operator's
+page reads: /admin/requests, the live samples and the live log tail over SSE,
+`llm-pool requests`. Unit tests of the store, then real pools."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+from supervisor.request_log import BODY_CHARS, RequestLog
+from tests.conftest import synthetic
+from tests.pool import ROOT, Pool, wait_for
+from tests.test_cli import cli, table_rows
+
+CHAT = "/v1/chat/completions"
+
+
+def chat(pool: Pool, model: str, text: str = "hello there", **extra) -> httpx.Response:
+    return pool.http.post(CHAT, json={"model": model, "messages": [{"role": "user", "content": text}], **extra})
+
+
+def logged(pool: Pool, **params) -> list[dict]:
+    r = pool.http.get("/admin/requests", params=params)
+    assert r.status_code == 200, r.text
+    return r.json()["requests"]
+
+
+# -- the store -------------------------------------------------------------------------------------
+
+def test_retention_keeps_the_newest_rows_and_no_old_ones(tmp_path):
+    store = RequestLog(tmp_path / "r.sqlite3", max_rows=5, days=1, flush_s=0.01)
+    store.start()
+    now = time.time()
+    for i in range(3):  # two days old: gone with the first batch written after them
+        store.record(ts=now - 2 * 86400, model="old", endpoint="chat_completions", status=200)
+    for i in range(12):
+        store.record(ts=now, model=f"m{i}", endpoint="chat_completions", status=200, tokens_out=i)
+    store.close()
+    rows = store.query(limit=100)
+    assert [r["model"] for r in rows] == ["m11", "m10", "m9", "m8", "m7"]
+    assert store.written == 15
+
+
+def test_writes_happen_off_the_caller_thread_in_batches(tmp_path):
+    store = RequestLog(tmp_path / "r.sqlite3", max_rows=1000, days=1, flush_s=0.2)
+    store.start()
+    caller = threading.get_ident()
+    writers = set()
+    real_trim = store._trim
+    store._trim = lambda db: (writers.add(threading.get_ident()), real_trim(db))
+    started = time.monotonic()
+    for i in range(200):
+        store.record(ts=time.time(), model="m", endpoint="responses", status=200)
+    assert time.monotonic() - started < 0.2  # record() never waits for the disk (the writer sleeps 0.2 s)
+    store.close()
+    assert writers and caller not in writers
+    assert len(writers) == 1 and store.written == 200
+    assert len(store.query(limit=1000)) == 200
+
+
+def test_query_filters(tmp_path):
+    store = RequestLog(tmp_path / "r.sqlite3", max_rows=100, days=1, flush_s=0.01)
+    store.start()
+    now = time.time()
+    store.record(ts=now - 100, model="a", endpoint="responses", status=200, duration_ms=1000, ttft_ms=200,
+                 tokens_out=40)
+    store.record(ts=now, model="a", endpoint="responses", status=503, error_code="queue_timeout")
+    store.record(ts=now, model="b", endpoint="chat_completions", status=200)
+    store.close()
+    assert [r["status"] for r in store.query(model="a")] == [503, 200]
+    assert [r["model"] for r in store.query(status="error")] == ["a"]
+    assert [r["model"] for r in store.query(status="ok")] == ["b", "a"]
+    assert [r["model"] for r in store.query(status="200", since=now - 10)] == ["b"]
+    first = store.query(model="a", status="ok")[0]
+    assert first["tokens_per_s"] == 40.0  # 40 tokens in 1 s
+    assert [r["model"] for r in store.query(after_id=2)] == ["b"]
+
+
+# -- real pools --------------------------------------------------------------------------------------
+
+def test_finished_requests_are_logged_with_their_timings(make_pool):
+    pool = make_pool([synthetic("fast", tokens=7, ttft_ms=30), synthetic("slow", tokens=4, tps=40)])
+    assert chat(pool, "fast").status_code == 200
+    assert chat(pool, "missing").status_code == 404
+    with pool.http.stream("POST", CHAT, json={"model": "slow", "stream": True,
+                                              "messages": [{"role": "user", "content": "a b c"}]}) as r:
+        assert r.status_code == 200
+        r.read()
+    rows = wait_for(lambda: (rows := logged(pool)) and len(rows) == 3 and rows, 5, what="three rows")
+    slow, missing, fast = rows
+    assert (fast["model"], fast["endpoint"], fast["status"], fast["error_code"]) == (
+        "fast", "chat_completions", 200, None)
+    assert fast["tokens_out"] == 7 and fast["tokens_in"] == 2
+    assert 30 <= fast["ttft_ms"] <= fast["duration_ms"] < 5000 and 0 <= fast["queued_ms"] <= fast["ttft_ms"]
+    assert (missing["status"], missing["error_code"]) == (404, "model_not_found")
+    assert "missing" in missing["error_message"] and missing["duration_ms"] is None
+    assert slow["tokens_out"] == 4 and slow["duration_ms"] >= 3 / 40 * 1000  # streamed: 4 tokens at 40/s
+    assert fast["prompt"] is None and fast["output"] is None  # bodies are not kept by default
+    assert [r["model"] for r in logged(pool, model="fast")] == ["fast"]
+    assert [r["status"] for r in logged(pool, status="error")] == [404]
+    assert pool.http.get("/admin/requests", params={"status": "bad"}).status_code == 400
+    assert pool.http.get("/admin/requests", params={"since": "yesterday"}).status_code == 400
+
+
+def test_log_bodies_keeps_prompts_and_outputs_truncated(make_pool):
+    pool = make_pool([synthetic("debug", tokens=3, log_bodies=True)])
+    long_prompt = "word " * 2000
+    assert chat(pool, "debug", long_prompt).status_code == 200
+    row = wait_for(lambda: logged(pool), 5, what="a row")[0]
+    assert row["prompt"].startswith('[{"role": "user", "content": "word word')
+    assert len(row["prompt"]) < BODY_CHARS + 100 and "more characters]" in row["prompt"]
+    assert len(row["output"].split()) == 3
+
+
+def test_request_log_survives_a_restart_and_keeps_its_bound(tmp_path):
+    models = [synthetic("m", tokens=2)]
+    server = {"request_log_max_rows": 3}
+    first = Pool(tmp_path, models, server).start()
+    try:
+        for i in range(5):
+            assert chat(first, "m", f"request {i}").status_code == 200
+        before = wait_for(lambda: (rows := logged(first)) and [r["id"] for r in rows] == [5, 4, 3] and rows, 5,
+                          what="the newest three of five rows")
+    finally:
+        first.stop()
+    second = Pool(tmp_path, models, server).start()  # the same state dir
+    try:
+        assert logged(second) == before
+        assert chat(second, "m").status_code == 200
+        after = wait_for(lambda: (rows := logged(second)) and rows[0]["id"] > before[0]["id"] and rows, 5,
+                         what="the new row")
+        assert len(after) == 3 and after[1:] == before[:2]
+    finally:
+        second.stop()
+
+
+def test_live_samples_over_sse(make_pool):
+    pool = make_pool([synthetic("s", tokens=20, tps=100)])
+    events = []
+    with pool.http.stream("GET", "/admin/live") as stream:
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        name = None
+        for line in stream.iter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                events.append((name, json.loads(line[6:])))
+                if name == "sample":
+                    if len(events) == 2:  # the first sample: now make some tokens
+                        assert chat(pool, "s").status_code == 200
+                    if events[-1][1]["models"]["s"]["tokens"] >= 20:
+                        break
+    assert events[0][0] == "history"
+    last = events[-1][1]["models"]["s"]
+    assert last["state"] == "loaded" and last["queue"] == 0 and last["tps"] > 0
+    times = [data["t"] for name, data in events[1:]]
+    assert all(0.2 < b - a < 2.5 for a, b in zip(times, times[1:]))  # once a second (a busy machine may delay one)
+    with pool.http.stream("GET", "/admin/live") as stream:  # a new watcher gets the history
+        for line in stream.iter_lines():
+            if line.startswith("data: "):
+                assert len(json.loads(line[6:])) >= len(times)
+                break
+
+
+def test_log_tail_over_sse_follows_new_lines(make_pool):
+    pool = make_pool([synthetic("t")])
+    path = pool.config_path.parent / "state" / "logs" / "t-0.log"
+    with pool.http.stream("GET", "/admin/models/t/logs/live", params={"replica": 0, "lines": 5}) as stream:
+        lines = stream.iter_lines()
+        got = []
+        for line in lines:
+            if line.startswith("data: "):
+                got = json.loads(line[6:])
+                break
+        assert 0 < len(got) <= 5 and got[-1] == path.read_text().splitlines()[-1]
+        with open(path, "a") as f:
+            f.write("a line written by the test\n")
+        for line in lines:
+            if line.startswith("data: "):
+                assert json.loads(line[6:]) == ["a line written by the test"]
+                break
+    assert pool.http.get("/admin/models/t/logs/live", params={"replica": 3}).status_code == 400
+    assert pool.http.get("/admin/models/nope/logs/live").status_code == 404
+
+
+def test_cli_requests(make_pool):
+    pool = make_pool([synthetic("c", tokens=5)])
+    for _ in range(2):
+        assert chat(pool, "c").status_code == 200
+    wait_for(lambda: len(logged(pool, model="c")) >= 2, 5, what="two rows")
+    done = cli("requests", "--model", "c", "--status", "ok", url=pool.url)
+    assert done.returncode == 0, done.stderr
+    rows = table_rows(done.stdout)
+    assert len(rows) == 2 and all(r["MODEL"] == "c" and r["STATUS"] == "200" and r["OUT"] == "5" for r in rows)
+    as_json = json.loads(cli("requests", "--json", "--since", "10m", "-n", "1", url=pool.url).stdout)
+    assert len(as_json) == 1 and as_json[0]["id"] == logged(pool)[0]["id"]
+
+    # --follow prints what finishes after it started
+    env = {k: v for k, v in os.environ.items() if k != "LLM_POOL_ADMIN_KEY"}
+    follower = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "requests", "--follow", "--json",
+                                 "--url", pool.url, "-n", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                text=True)
+    try:
+        first = json.loads(follower.stdout.readline())
+        assert chat(pool, "c", "after").status_code == 200
+        fresh = json.loads(follower.stdout.readline())
+        assert fresh["id"] > first["id"] and fresh["model"] == "c"
+    finally:
+        follower.terminate()
+        follower.wait(10)
+
+
+def test_log_tail_reads_appends_and_starts_over_when_the_file_is_replaced(tmp_path):
+    from supervisor.admin_feeds import _read_new
+    path = tmp_path / "m-0.log"
+    assert _read_new(path, None, 2) == (b"", None, False)  # no log yet
+    path.write_text("one\ntwo\nthree\n")
+    data, pos, restarted = _read_new(path, None, 2)
+    assert data == b"two\nthree\n" and pos == path.stat().st_size and not restarted
+    with open(path, "a") as f:
+        f.write("four\n")
+    assert _read_new(path, pos, 2)[0] == b"four\n"
+    path.write_text("new\n")  # a new worker's log: shorter than where the tail was
+    data, pos, restarted = _read_new(path, pos + 5, 2)
+    assert (data, restarted) == (b"new\n", True)
+
+
+def test_ui_is_served_from_the_package_with_a_strict_policy(make_pool):
+    pool = make_pool([synthetic("u")])
+    page = pool.http.get("/ui")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    assert page.headers["x-frame-options"] == "DENY"
+    for name, kind in (("app.js", "text/javascript"), ("style.css", "text/css")):
+        asset = pool.http.get(f"/ui/{name}")
+        assert asset.status_code == 200 and asset.headers["content-type"].startswith(kind)
+        assert f"/ui/{name}" in page.text
+    assert "http" not in pool.http.get("/ui/app.js").text.replace("HTTP ", "")  # nothing fetched from elsewhere
+    assert pool.http.get("/ui/pool.toml").status_code == 404
+    assert pool.http.get("/ui/..%2Fconfig.py").status_code == 404
