@@ -24,7 +24,8 @@ def remote(name: str, upstream, model: str, **extra) -> dict:
 def test_openai_remote_streams_and_maps_upstream_errors(make_pool, tiny_gguf, llama_server_bin):
     upstream = make_pool([llama("tiny", tiny_gguf, llama_server_bin, slots=2),
                           synthetic("busy", tps=20, tokens=60, max_queue=0)],
-                         server={"api_key": "upstream-secret"})
+                         server={"api_key": "upstream-secret", "admin_key": "upstream-admin"})
+    upstream.http.headers["Authorization"] = "Bearer upstream-admin"  # the test watches it as its operator
     pool = make_pool([remote("remote", upstream, "tiny"), remote("remote-missing", upstream, "nope"),
                       remote("remote-busy", upstream, "busy")],
                      env={"UPSTREAM_KEY": "upstream-secret"})
