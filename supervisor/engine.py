@@ -42,8 +42,23 @@ class ModelEntry:
         self.state = transition(MODEL_TRANSITIONS, self.state, new)
 
 
+def _chars(value) -> int:
+    """Characters of text in a prompt value: a string, or a list of strings,
+    of token ids or of token-id lists (a token counts as one)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(len(v) if isinstance(v, (str, list)) else 1 for v in value)
+    return 0
+
+
 def check_prompt_bounds(cfg: ModelConfig, request: dict) -> None:
-    """400 for a prompt over the model's max_messages or max_prompt_chars."""
+    """400 for a prompt over the model's max_messages or max_prompt_chars
+    (chat messages, a legacy completion's prompt, embeddings' input)."""
+    for field in ("prompt", "input"):
+        if field in request and (chars := _chars(request[field])) > cfg.max_prompt_chars:
+            raise PoolError(ErrorCode.INVALID_REQUEST, f"the {field} has {chars} characters, over model "
+                            f"{cfg.name!r}'s max_prompt_chars ({cfg.max_prompt_chars})", param=field)
     messages = request.get("messages") or []
     if len(messages) > cfg.max_messages:
         raise PoolError(ErrorCode.INVALID_REQUEST, f"{len(messages)} messages, over model {cfg.name!r}'s "
@@ -203,7 +218,7 @@ class ModelRouterEngine:
         return entry
 
     # -- jobs -------------------------------------------------------------------------------------
-    def submit(self, model: str, request: dict) -> Job:
+    def submit(self, model: str, request: dict, endpoint: str = "chat") -> Job:
         entry = self.entry(model)
         if self.shutting_down:
             raise PoolError(ErrorCode.MODEL_UNLOADING, "the pool is shutting down")
@@ -214,7 +229,7 @@ class ModelRouterEngine:
             raise PoolError(ErrorCode.MODEL_NOT_LOADED,
                             f"model {model!r} is {entry.state.value}; load it first", param="model")
         check_prompt_bounds(entry.cfg, request)
-        job = Job(model, request, entry.cfg.request_timeout_s, entry.cfg.queue_timeout_s)
+        job = Job(model, request, entry.cfg.request_timeout_s, entry.cfg.queue_timeout_s, endpoint)
         executor.enqueue(job)
         return job
 
