@@ -52,6 +52,8 @@ _unpackb = functools.partial(msgpack.unpackb, raw=False, strict_map_key=True)
 
 
 def encode(msg: Message) -> bytes:
+    if type(msg) is Delta and not msg.parts:  # the token path: one map, no loops
+        return _packb({"v": PROTOCOL_VERSION, "t": "delta", "job": msg.job, "text": msg.text})
     payload = {"v": PROTOCOL_VERSION, "t": msg.TYPE}
     required, optional = _ENCODE[type(msg)]
     for name in required:
