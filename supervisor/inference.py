@@ -7,7 +7,6 @@ the shapes in openai_shapes."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -15,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from protocol import Delta, Done
 from protocol.errors import ErrorCode, PoolError
 from supervisor import openai_shapes as shapes
+from supervisor import responses_shapes as rshapes
 from supervisor.jobs import Job
 
 # metric labels by path
@@ -151,16 +151,10 @@ def add_inference_routes(app: FastAPI, engine, metrics, config) -> None:
         return bool(body.stream_options and body.stream_options.include_usage)
 
     @app.post("/v1/responses")
-    async def create_response(body: shapes.ResponsesRequest, request: Request):
-        def to_json(choices: shapes.Choices, done: Done) -> dict:
-            status = shapes.response_status(done.finish_reason)
-            item = shapes.message_item(shapes.new_id("msg"), "".join(choices.get(0).text),
-                                       "completed" if status == "completed" else "incomplete")
-            return shapes.response_object(body, shapes.new_id("resp"), int(time.time()), status=status,
-                                          output=[item], usage=done.usage)
-
-        return await serve_job(request, "responses", body.model, shapes.job_request_from_responses(body),
-                               shapes.ResponsesStream(body) if body.stream else None, to_json)
+    async def create_response(body: rshapes.ResponsesRequest, request: Request):
+        return await serve_job(request, "responses", body.model, rshapes.job_request_from_responses(body),
+                               rshapes.ResponsesStream(body) if body.stream else None,
+                               lambda choices, done: rshapes.response_json(body, choices, done))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: shapes.ChatRequest, request: Request):

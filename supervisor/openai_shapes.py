@@ -1,7 +1,7 @@
-"""OpenAI wire shapes: request models for /v1/responses, /v1/chat/completions,
-/v1/completions and /v1/embeddings, their translation to the job request (for
-the last three: the client's body less what the pool owns), and the response
-objects and SSE events built from a job's deltas. No I/O here."""
+"""OpenAI wire shapes: request models for /v1/chat/completions,
+/v1/completions and /v1/embeddings (whose job request is the client's body
+less what the pool owns), and the response objects and SSE events built from
+a job's deltas. (/v1/responses: responses_shapes.) No I/O here."""
 
 from __future__ import annotations
 
@@ -12,37 +12,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-import protocol as p
 from protocol import Delta, Done
-from protocol.errors import ErrorCode, PoolError
+from protocol.errors import PoolError
 
 
 class _Req(BaseModel):
     # strict: "5" is not an int and "yes" is not a bool; unknown fields are ignored
     model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class ContentPart(_Req):
-    type: str
-    text: str | None = None
-
-
-class InputMessage(_Req):
-    type: Literal["message"] | None = None
-    role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[ContentPart]
-
-
-class ResponsesRequest(_Req):
-    model: str = Field(min_length=1)
-    input: str | list[InputMessage]
-    instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    stream: bool = False
-    metadata: dict[str, str] | None = None
-    previous_response_id: str | None = None
 
 
 class StreamOptions(_Req):
@@ -83,142 +59,8 @@ class EmbeddingRequest(_PassThrough):
     stream: Literal[False] = False  # embeddings are never streamed
 
 
-def _text(content: str | list[ContentPart] | None) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    parts = []
-    for part in content:
-        if part.type not in ("input_text", "output_text", "text"):
-            raise PoolError(ErrorCode.INVALID_REQUEST, f"content part type {part.type!r} is not supported",
-                            param="input")
-        parts.append(part.text or "")
-    return "".join(parts)
-
-
-def _role(role: str) -> str:
-    return "system" if role == "developer" else role
-
-
-def job_request_from_responses(req: ResponsesRequest) -> dict:
-    if req.previous_response_id is not None:
-        raise PoolError(ErrorCode.INVALID_REQUEST, "previous_response_id is not supported: send the "
-                        "conversation in `input`", param="previous_response_id")
-    messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    if isinstance(req.input, str):
-        messages.append({"role": "user", "content": req.input})
-    else:
-        messages += [{"role": _role(m.role), "content": _text(m.content)} for m in req.input]
-    if not messages:
-        raise PoolError(ErrorCode.INVALID_REQUEST, "input is empty", param="input")
-    request = {"messages": messages}
-    for key, value in (("max_tokens", req.max_output_tokens), ("temperature", req.temperature),
-                       ("top_p", req.top_p)):
-        if value is not None:
-            request[key] = value
-    return request
-
-
-
-
-# -- Responses objects ----------------------------------------------------------------------------
-
 def new_id(prefix: str) -> str:
     return f"{prefix}_{os.urandom(16).hex()}"
-
-
-def _usage(usage: dict | None) -> dict | None:
-    if usage is None:
-        return None
-    i, o = int(usage.get("input_tokens", 0)), int(usage.get("output_tokens", 0))
-    return {"input_tokens": i, "output_tokens": o, "total_tokens": i + o,
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-            "output_tokens_details": {"reasoning_tokens": 0}}
-
-
-def message_item(msg_id: str, text: str | None, status: str) -> dict:
-    content = [] if text is None else [
-        {"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
-    return {"type": "message", "id": msg_id, "role": "assistant", "status": status, "content": content}
-
-
-def response_object(req: ResponsesRequest, resp_id: str, created_at: int, *, status: str,
-                    output: list, usage: dict | None = None, error: dict | None = None) -> dict:
-    return {
-        "id": resp_id, "object": "response", "created_at": created_at, "status": status,
-        "completed_at": int(time.time()) if status in ("completed", "incomplete") else None,
-        "model": req.model, "output": output, "error": error,
-        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "instructions": req.instructions, "metadata": req.metadata or {},
-        "previous_response_id": None, "max_output_tokens": req.max_output_tokens,
-        "temperature": req.temperature if req.temperature is not None else 1.0,
-        "top_p": req.top_p if req.top_p is not None else 1.0,
-        "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
-        "text": {"format": {"type": "text"}}, "truncation": "disabled", "store": False,
-        "usage": _usage(usage),
-    }
-
-
-def response_status(finish_reason: str) -> str:
-    return "incomplete" if finish_reason == "length" else "completed"
-
-
-class ResponsesStream:
-    """Builds the SSE events of one streamed response, numbering them."""
-
-    def __init__(self, req: ResponsesRequest) -> None:
-        self.req = req
-        self.resp_id = new_id("resp")
-        self.msg_id = new_id("msg")
-        self.created_at = int(time.time())
-        self.seq = 0
-        self.parts: list[str] = []
-
-    def _event(self, type_: str, **fields: Any) -> dict:
-        event = {"event": type_, "data": json.dumps(
-            {"type": type_, "sequence_number": self.seq, **fields}, separators=(",", ":"))}
-        self.seq += 1
-        return event
-
-    def opening(self) -> list[dict]:
-        obj = response_object(self.req, self.resp_id, self.created_at, status="in_progress", output=[])
-        return [
-            self._event("response.created", response=obj),
-            self._event("response.in_progress", response=obj),
-            self._event("response.output_item.added", output_index=0,
-                        item=message_item(self.msg_id, None, "in_progress")),
-            self._event("response.content_part.added", item_id=self.msg_id, output_index=0,
-                        content_index=0, part={"type": "output_text", "text": "", "annotations": []}),
-        ]
-
-    def delta(self, event: Delta) -> list[dict]:
-        text = event.text if not event.parts else "".join(
-            part.get("t", "") for part in p.delta_parts(event) if part["k"] == "text" and part.get("i", 0) == 0)
-        if not text:
-            return []
-        self.parts.append(text)
-        return [self._event("response.output_text.delta", item_id=self.msg_id, output_index=0,
-                            content_index=0, delta=text, logprobs=[])]
-
-    def closing(self, done: Done) -> list[dict]:
-        text = "".join(self.parts)
-        usage = done.usage
-        status = response_status(done.finish_reason)
-        item = message_item(self.msg_id, text, "completed" if status == "completed" else "incomplete")
-        final = response_object(self.req, self.resp_id, self.created_at, status=status,
-                                output=[item], usage=usage)
-        return [
-            self._event("response.output_text.done", item_id=self.msg_id, output_index=0,
-                        content_index=0, text=text, logprobs=[]),
-            self._event("response.content_part.done", item_id=self.msg_id, output_index=0,
-                        content_index=0, part=item["content"][0]),
-            self._event("response.output_item.done", output_index=0, item=item),
-            self._event(f"response.{status}", response=final),
-        ]
-
-    def failed(self, err: PoolError) -> list[dict]:
-        obj = response_object(self.req, self.resp_id, self.created_at, status="failed", output=[],
-                              error={"code": err.code.value, "message": err.message})
-        return [self._event("response.failed", response=obj)]
 
 
 # -- output accumulated per choice ---------------------------------------------------------------

@@ -323,3 +323,85 @@ def test_the_pool_still_checks_the_fields_it_reads(pool):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     r = pool.http.post("/v1/embeddings", json={"model": "syn", "input": "x", "stream": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+
+
+# -- the Responses API mapped onto chat runtimes ---------------------------------------------------------
+RESPONSES_TOOLS = [{"type": "function", "name": "get_weather", "description": "weather of a city",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+TURN = [{"role": "user", "content": "weather?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
+        {"type": "function_call", "call_id": "call_0", "name": "get_weather", "arguments": '{"city":"Oslo"}'},
+        {"type": "function_call_output", "call_id": "call_0", "output": "rain"}]
+
+
+def items_of(response) -> list[tuple]:
+    out = []
+    for item in response.output:
+        if item.type == "function_call":
+            out.append(("function_call", item.call_id, item.name, item.arguments))
+        elif item.type == "reasoning":
+            out.append(("reasoning", "".join(c.text for c in item.content or [])))
+        else:
+            out.append(("message", "".join(c.text for c in item.content)))
+    return out
+
+
+RESPONSE_ITEMS = [("reasoning", "think more"), ("message", "Calling"),
+                  ("function_call", "call_1", "get_weather", '{"city":"Paris"}'),
+                  ("function_call", "call_2", "get_time", "{}")]
+
+
+def test_responses_function_tools_map_both_ways(client, scripted):
+    scripted.bodies.clear()
+    r = client.responses.create(model="scripted", instructions="be brief", input=TURN, tools=RESPONSES_TOOLS,
+                                tool_choice={"type": "function", "name": "get_weather"},
+                                reasoning={"effort": "low"}, max_output_tokens=50, parallel_tool_calls=False,
+                                text={"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}})
+    assert items_of(r) == RESPONSE_ITEMS and r.status == "completed"
+    assert r.usage.input_tokens == 7 and r.usage.output_tokens == 11
+    sent = scripted.bodies[-1]
+    assert sent["messages"] == [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "reasoning_content": "hm", "tool_calls": [
+            {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "rain"}]
+    assert sent["tools"] == [{"type": "function", "function": {
+        "name": "get_weather", "description": "weather of a city", "parameters": RESPONSES_TOOLS[0]["parameters"]}}]
+    assert sent["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert sent["response_format"] == {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}}
+    assert sent["reasoning_effort"] == "low" and sent["max_tokens"] == 50 and sent["parallel_tool_calls"] is False
+
+    kinds = []
+    with client.responses.stream(model="scripted", input="weather?", tools=RESPONSES_TOOLS) as stream:
+        for event in stream:
+            kinds.append(event.type)
+        final = stream.get_final_response()
+    assert items_of(final) == RESPONSE_ITEMS
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 4
+    assert kinds.count("response.function_call_arguments.done") == 2
+    assert "response.function_call_arguments.delta" in kinds and "response.reasoning_text.delta" in kinds
+    # each item closes before the next opens
+    opened = [k for k in kinds if k.startswith("response.output_item.")]
+    assert opened == ["response.output_item.added", "response.output_item.done"] * 4
+
+
+def test_responses_structured_output_matches_chat_direct(direct, client):
+    want = direct.chat.completions.parse(model="x", messages=HI, max_tokens=120, temperature=0,
+                                         response_format=Person)
+    got = client.responses.parse(model="tiny", input="hi", max_output_tokens=120, temperature=0,
+                                 text_format=Person)
+    assert got.output_text == want.choices[0].message.content
+    assert isinstance(got.output_parsed, Person)
+
+
+def test_responses_refuse_what_they_cannot_map(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="scripted", input="x", tools=[{"type": "web_search"}])
+    assert err.value.code == "unsupported_parameter" and err.value.param == "tools.0.type"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="scripted", input="x", previous_response_id="resp_1")
+    assert err.value.param == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as err:  # a backend that cannot honour tools says so
+        client.responses.create(model="syn", input="x", tools=RESPONSES_TOOLS)
+    assert err.value.code == "unsupported_parameter" and err.value.param == "tools"
