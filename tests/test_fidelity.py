@@ -21,6 +21,8 @@ import pytest
 from tests.conftest import llama, synthetic
 from tests.pool import Pool, free_port, wait_for
 
+pytestmark = pytest.mark.llama
+
 LLAMA_FLAGS = ["--embeddings", "--pooling", "mean"]
 SLOTS, CTX = 2, 8192
 HI = [{"role": "user", "content": "hi"}]
@@ -176,8 +178,6 @@ def streamed_choices(chunks) -> tuple[list[dict], object]:
 
 
 # -- equivalence with a real llama-server ---------------------------------------------------------------------
-pytestmark = pytest.mark.llama
-
 
 def test_chat_text_logprobs_and_two_choices_match_direct(direct, client):
     ask = dict(messages=HI, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2, n=2)

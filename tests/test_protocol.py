@@ -179,3 +179,22 @@ def test_merging_keeps_each_parts_order_and_never_joins_across_choices_or_kinds(
     for d in batch:
         job.push(d)
     assert asyncio.run(job.next_event(lambda j: None)) == merged
+
+
+def test_a_runtimes_streamed_choices_become_typed_parts():
+    from runtime_worker.backends.base import PartsDelta, TextDelta
+    from runtime_worker.native_server import choice_event
+    assert choice_event({"index": 0, "delta": {"content": "hi", "reasoning_content": None}}, chat=True) == \
+        TextDelta("hi")  # the cheap common case
+    assert choice_event({"index": 0, "delta": {"role": "assistant", "content": None}}, chat=True) is None
+    lp = [{"token": "a", "logprob": -1.0}]
+    assert choice_event({"index": 1, "delta": {"content": "a"}, "logprobs": {"content": lp}}, chat=True) == \
+        PartsDelta([{"k": "text", "i": 1, "t": "a", "lp": lp}])
+    assert choice_event({"index": 0, "delta": {"reasoning": "r", "tool_calls": [
+        {"index": 1, "id": "c", "type": "function", "function": {"name": "f", "arguments": "{"}}]}}, chat=True) == \
+        PartsDelta([{"k": "reasoning", "i": 0, "t": "r"},
+                    {"k": "tool", "i": 0, "n": 1, "args": "{", "id": "c", "name": "f"}])
+    assert choice_event({"index": 0, "delta": {"refusal": "no"}}, chat=True) == \
+        PartsDelta([{"k": "refusal", "i": 0, "t": "no"}])
+    assert choice_event({"index": 0, "text": "x", "logprobs": None}, chat=False) == TextDelta("x")
+    assert choice_event({"index": 1, "text": "y"}, chat=False) == PartsDelta([{"k": "text", "i": 1, "t": "y"}])
