@@ -40,9 +40,9 @@ class OpenAIClient:
     """Talks to an OpenAI-compatible server: chat and legacy completions
     streamed, embeddings whole. `base_url` ends before /chat/completions (e.g.
     http://127.0.0.1:8080/v1). Every request body is the client's, with the
-    model name the server knows (`model`, if it needs one) and the model's
-    options.extra_body under it (the client's fields win); streaming to the
-    server is the pool's: always on, with usage.
+    model name the server knows (`model`, if it needs one) and, for chat and
+    legacy completions, the model's options.extra_body under it (the client's
+    fields win); streaming to the server is the pool's: always on, with usage.
 
     aiohttp, not httpx, on this path: its C parsers cost a fraction of httpx's
     per request and per streamed chunk (scripts/bench, section 1).
@@ -70,7 +70,8 @@ class OpenAIClient:
         return self._session
 
     def body(self, request: dict, stream: bool) -> dict:
-        body = {**self.extra, **request}
+        # extra_body holds generation settings (ignore_eos, top_k, ...): not for embeddings
+        body = {**self.extra, **request} if stream else dict(request)
         if self.model:
             body["model"] = self.model
         if stream:
@@ -382,8 +383,9 @@ def upstream_error(status: int, text: str) -> JobError:
 
 
 def extra_body(options: dict) -> dict:
-    """options.extra_body, checked at load time: fields added to every request
-    (e.g. {"ignore_eos": true} or {"top_k": 20}); the client's own fields win."""
+    """options.extra_body, checked at load time: fields added to every chat and
+    completion request (e.g. {"ignore_eos": true} or {"top_k": 20}); the
+    client's own fields win."""
     extra = options.get("extra_body") or {}
     if not isinstance(extra, dict):
         raise BackendLoadError(f"options.extra_body must be a table of request fields, not {extra!r}")

@@ -1,10 +1,11 @@
 """llama.cpp's llama-server, launched natively as the worker's child.
 
 Options: model (GGUF path, required), binary, ctx_size (total; each slot gets
-ctx_size / slots), extra_args (list; e.g. ["--embeddings"] to serve
-/v1/embeddings, ["--jinja"] for tools), extra_body (fields added to every
-request, e.g. {ignore_eos = true}; the client's win), load_timeout_s, threads. Slots = the
-configured target_inflight; the honest capacity is /props total_slots."""
+ctx_size / slots), extra_args (list; e.g. ["--embeddings", "--pooling",
+"mean"] to serve /v1/embeddings, ["--jinja"] for tools), extra_body (fields
+added to every chat and completion request, e.g. {ignore_eos = true}; the
+client's own win), load_timeout_s, threads. Slots = the configured
+target_inflight; the honest capacity is /props total_slots."""
 
 from __future__ import annotations
 

