@@ -119,6 +119,7 @@ def direct(llama_server_bin, tiny_gguf, tmp_path_factory):
 @pytest.fixture(scope="module")
 def pool(llama_server_bin, tiny_gguf, scripted, tmp_path_factory):
     models = [llama("tiny", tiny_gguf, llama_server_bin, slots=SLOTS, ctx=CTX, extra_args=LLAMA_FLAGS),
+              llama("plain", tiny_gguf, llama_server_bin, ctx=2048),  # no --embeddings
               {"name": "scripted", "backend": "openai_remote", "target_inflight": 2,
                "options": {"base_url": scripted.url + "/v1", "model": "upstream-name",
                            "extra_body": {"top_k": 5, "seed": 1}}},
@@ -309,6 +310,10 @@ def test_an_endpoint_the_model_cannot_serve_is_400_naming_it(client):
         client.embeddings.create(model="syn", input="x")
     assert err.value.code == "unsupported_endpoint" and "'syn'" in err.value.message
     assert "/v1/embeddings" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:  # the runtime says it (llama-server's 501)
+        client.embeddings.create(model="plain", input="x")
+    assert err.value.code == "unsupported_endpoint" and "'plain'" in err.value.message
+    assert "--embeddings" in err.value.message
     legacy = client.completions.create(model="syn", prompt="abc", max_tokens=3)
     assert legacy.choices[0].finish_reason == "length" and legacy.usage.completion_tokens == 3
 
