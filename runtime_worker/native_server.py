@@ -156,7 +156,10 @@ class OpenAIClient:
         usage = usage or {}
         reasons = tuple(finishes.get(i, "stop") for i in range(max(finishes, default=0) + 1))
         yield Finished(reasons[0], int(usage.get("prompt_tokens", 0)),
-                       int(usage.get("completion_tokens", produced)), reasons if len(reasons) > 1 else ())
+                       int(usage.get("completion_tokens", produced)), reasons if len(reasons) > 1 else (),
+                       cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
+                       reasoning_tokens=int((usage.get("completion_tokens_details") or {}).get("reasoning_tokens")
+                                            or 0))
 
     async def aclose(self) -> None:
         if self._session is not None:

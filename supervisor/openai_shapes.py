@@ -135,7 +135,12 @@ def _tool_calls(choice: _Choice) -> list[dict]:
 
 def chat_usage(usage: dict) -> dict:
     i, o = int(usage.get("input_tokens", 0)), int(usage.get("output_tokens", 0))
-    return {"prompt_tokens": i, "completion_tokens": o, "total_tokens": i + o}
+    out: dict[str, Any] = {"prompt_tokens": i, "completion_tokens": o, "total_tokens": i + o}
+    if usage.get("cached_tokens"):
+        out["prompt_tokens_details"] = {"cached_tokens": usage["cached_tokens"]}
+    if usage.get("reasoning_tokens"):
+        out["completion_tokens_details"] = {"reasoning_tokens": usage["reasoning_tokens"]}
+    return out
 
 
 # -- Chat Completions objects -----------------------------------------------------------------------

@@ -194,8 +194,8 @@ def _usage(usage: dict | None) -> dict | None:
         return None
     i, o = int(usage.get("input_tokens", 0)), int(usage.get("output_tokens", 0))
     return {"input_tokens": i, "output_tokens": o, "total_tokens": i + o,
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-            "output_tokens_details": {"reasoning_tokens": 0}}
+            "input_tokens_details": {"cached_tokens": int(usage.get("cached_tokens", 0)), "cache_write_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": int(usage.get("reasoning_tokens", 0))}}
 
 
 def message_item(msg_id: str, text: str | None, status: str) -> dict:

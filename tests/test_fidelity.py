@@ -44,7 +44,8 @@ SCRIPT = [  # streamed choice deltas, as a runtime with a tool-call parser and a
     {"index": 0, "delta": {}, "finish_reason": "tool_calls"},
     {"index": 1, "delta": {}, "finish_reason": "content_filter"},
 ]
-USAGE = {"prompt_tokens": 7, "completion_tokens": 11, "total_tokens": 18}
+USAGE = {"prompt_tokens": 7, "completion_tokens": 11, "total_tokens": 18,
+         "prompt_tokens_details": {"cached_tokens": 3}, "completion_tokens_details": {"reasoning_tokens": 2}}
 
 
 class ScriptedRuntime(BaseHTTPRequestHandler):
@@ -264,6 +265,8 @@ def test_tool_calls_reasoning_logprobs_and_choices_pass_through(client, scripted
         extra_body={"chat_template_kwargs": {"enable_thinking": True}, "top_k": 9})
     assert choices_of(got) == EXPECTED
     assert got.usage.prompt_tokens == 7 and got.usage.completion_tokens == 11
+    assert got.usage.prompt_tokens_details.cached_tokens == 3
+    assert got.usage.completion_tokens_details.reasoning_tokens == 2
 
     # the client's body reached the runtime whole: the pool set only the model, the streaming,
     # and the model's extra_body under the client's fields
@@ -364,6 +367,7 @@ def test_responses_function_tools_map_both_ways(client, scripted):
                                 text={"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}})
     assert items_of(r) == RESPONSE_ITEMS and r.status == "completed"
     assert r.usage.input_tokens == 7 and r.usage.output_tokens == 11
+    assert r.usage.input_tokens_details.cached_tokens == 3 and r.usage.output_tokens_details.reasoning_tokens == 2
     sent = scripted.bodies[-1]
     assert sent["messages"] == [
         {"role": "system", "content": "be brief"}, {"role": "user", "content": "weather?"},

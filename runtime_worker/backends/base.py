@@ -49,6 +49,8 @@ class Finished:
     output_tokens: int
     finish_reasons: tuple = ()  # per choice, when there are several
     result: dict | None = None  # a non-streamed answer (embeddings)
+    cached_tokens: int = 0  # of input_tokens, served from the runtime's prompt cache
+    reasoning_tokens: int = 0  # of output_tokens, spent reasoning
 
 
 @dataclass(frozen=True, slots=True)
