@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import msgpack
 
-from protocol.messages import FIELD_TYPES, MESSAGE_TYPES, Message
+from protocol.messages import FIELD_TYPES, MESSAGE_TYPES, Delta, Message, part_error
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Submit.endpoint, Delta.parts, Done.finish_reasons and result
 # Twice the largest request body a pool may accept (supervisor config caps
 # max_body_bytes at MAX_FRAME_BYTES // 2): msgpack never makes a JSON request
 # much bigger, so a body under its cap always fits in one Submit frame.
@@ -26,7 +26,17 @@ class ProtocolError:
     job: str | None = None
 
 
-_FIELD_NAMES = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in MESSAGE_TYPES.values()}
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+# per message type: (required fields, optional fields with their defaults). An optional field
+# at its default is left off the wire: a plain text delta stays {"v", "t", "job", "text"}.
+_ENCODE = {cls: (tuple(f.name for f in dataclasses.fields(cls)
+                       if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING),
+                 tuple((f.name, _default(f)) for f in dataclasses.fields(cls)
+                       if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING))
+           for cls in MESSAGE_TYPES.values()}
 
 
 def _optional(cls: type, name: str) -> bool:
@@ -42,9 +52,16 @@ _unpackb = functools.partial(msgpack.unpackb, raw=False, strict_map_key=True)
 
 
 def encode(msg: Message) -> bytes:
+    if type(msg) is Delta and not msg.parts:  # the token path: one map, no loops
+        return _packb({"v": PROTOCOL_VERSION, "t": "delta", "job": msg.job, "text": msg.text})
     payload = {"v": PROTOCOL_VERSION, "t": msg.TYPE}
-    for name in _FIELD_NAMES[type(msg)]:
+    required, optional = _ENCODE[type(msg)]
+    for name in required:
         payload[name] = getattr(msg, name)
+    for name, default in optional:
+        value = getattr(msg, name)
+        if value != default:
+            payload[name] = value
     return _packb(payload)
 
 
@@ -111,4 +128,8 @@ def decode(frame: bytes) -> Message | ProtocolError:
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             return ProtocolError(f"{cls.TYPE}: field {name!r} has type {type(value).__name__}", job)
         kwargs[name] = value
+    if cls is Delta and kwargs.get("parts"):
+        for part in kwargs["parts"]:
+            if reason := part_error(part):
+                return ProtocolError(f"delta: {reason}", job)
     return cls(**kwargs)

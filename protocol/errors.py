@@ -12,6 +12,8 @@ from enum import IntEnum, StrEnum
 
 class ErrorCode(StrEnum):
     INVALID_REQUEST = "invalid_request"
+    UNSUPPORTED_PARAMETER = "unsupported_parameter"  # a field this model's backend cannot honour
+    UNSUPPORTED_ENDPOINT = "unsupported_endpoint"  # an endpoint this model cannot serve
     REQUEST_TOO_LARGE = "request_too_large"
     UNAUTHORIZED = "unauthorized"
     FORBIDDEN = "forbidden"  # a browser or Host the admin surface refuses
@@ -34,6 +36,8 @@ class ErrorCode(StrEnum):
 
 HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.UNSUPPORTED_PARAMETER: 400,
+    ErrorCode.UNSUPPORTED_ENDPOINT: 400,
     ErrorCode.REQUEST_TOO_LARGE: 413,
     ErrorCode.UNAUTHORIZED: 401,
     ErrorCode.FORBIDDEN: 403,

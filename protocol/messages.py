@@ -20,11 +20,16 @@ class Ready:
     info: dict = field(default_factory=dict)  # e.g. child pid, port, n_ctx
 
 
+ENDPOINTS = ("chat", "completions", "embeddings")  # /v1/chat/completions, /v1/completions, /v1/embeddings
+
+
 @dataclass(frozen=True, slots=True)
 class Submit:
     TYPE: ClassVar[str] = "submit"
     job: str
-    request: dict  # {"messages": [...], "max_tokens": int|None, "temperature", "top_p", "stop"}
+    # the client's OpenAI body for `endpoint`, less what the pool owns (model, stream, stream_options)
+    request: dict
+    endpoint: str = "chat"  # one of ENDPOINTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,17 +40,31 @@ class Cancel:
 
 @dataclass(frozen=True, slots=True)
 class Delta:
+    """Output of a job. `text` is content text of choice 0: the common case,
+    one short string on the wire. Anything else travels as typed `parts`, in
+    the order the runtime produced them (after `text`, if both are set):
+
+        {"k": "text" | "reasoning" | "refusal", "i": choice, "t": str, "lp": logprobs}
+        {"k": "tool", "i": choice, "n": tool index, "id": str, "name": str, "args": str}
+
+    "i" defaults to 0; "lp" (the runtime's logprobs of those tokens: a list of
+    entries for chat, its own object for legacy completions) is optional; a tool
+    part's "id" and "name" come with its first fragment, "args" is a fragment
+    of the JSON arguments."""
     TYPE: ClassVar[str] = "delta"
     job: str
-    text: str
+    text: str = ""
+    parts: list = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
 class Done:
     TYPE: ClassVar[str] = "done"
     job: str
-    finish_reason: str  # "stop" | "length" | "cancelled"
+    finish_reason: str  # choice 0's: "stop" | "length" | "tool_calls" | "content_filter" | ... | "cancelled"
     usage: dict = field(default_factory=dict)  # {"input_tokens", "output_tokens"}
+    finish_reasons: list = field(default_factory=list)  # per choice, when there are several (n > 1)
+    result: dict = field(default_factory=dict)  # a non-streamed answer (embeddings: {"data", "usage"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +73,7 @@ class Error:
     job: str | None  # None: the runtime itself failed (e.g. load failure)
     code: str  # an ErrorCode value
     message: str
+    param: str | None = None  # the request field at fault, when one is
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,11 +99,73 @@ MESSAGE_TYPES: dict[str, type] = {
 FIELD_TYPES: dict[type, dict[str, Any]] = {
     Hello: {},
     Ready: {"capacity": int, "info": dict},
-    Submit: {"job": str, "request": dict},
+    Submit: {"job": str, "request": dict, "endpoint": str},
     Cancel: {"job": str},
-    Delta: {"job": str, "text": str},
-    Done: {"job": str, "finish_reason": str, "usage": dict},
-    Error: {"job": (str, type(None)), "code": str, "message": str},
+    Delta: {"job": str, "text": str, "parts": list},
+    Done: {"job": str, "finish_reason": str, "usage": dict, "finish_reasons": list, "result": dict},
+    Error: {"job": (str, type(None)), "code": str, "message": str, "param": (str, type(None))},
     Heartbeat: {"inflight": int, "jobs": list, "submits_seen": int},
     Shutdown: {},
 }
+
+
+# -- delta parts ------------------------------------------------------------------------------------
+TEXT_KINDS = frozenset(("text", "reasoning", "refusal"))
+_PART_FIELDS = {"t": str, "args": str, "id": str, "name": str}
+
+
+def part_error(part) -> str | None:
+    """Why a delta part is malformed, or None."""
+    if not isinstance(part, dict):
+        return f"a part is a {type(part).__name__}, not a map"
+    kind = part.get("k")
+    if kind not in TEXT_KINDS and kind != "tool":
+        return f"unknown part kind {kind!r}"
+    for key in ("i", "n"):
+        if key in part and (not isinstance(part[key], int) or isinstance(part[key], bool) or part[key] < 0):
+            return f"part field {key!r} is not a choice index"
+    for key, expected in _PART_FIELDS.items():
+        if key in part and not isinstance(part[key], expected):
+            return f"part field {key!r} has type {type(part[key]).__name__}"
+    return None
+
+
+def delta_parts(delta: Delta) -> list[dict]:
+    """All of a delta's output as parts, in order."""
+    if not delta.text:
+        return delta.parts
+    return [{"k": "text", "i": 0, "t": delta.text}, *delta.parts]
+
+
+def delta_size(delta: Delta) -> int:
+    """A cheap size estimate (characters) of a delta, for merge limits."""
+    size = len(delta.text)
+    for part in delta.parts:
+        size += 32 + len(part.get("t", "")) + len(part.get("args", "")) + 256 * len(part.get("lp") or ())
+    return size
+
+
+def _mergeable(a: dict, b: dict) -> bool:
+    """Two adjacent parts that are one run of text: same kind, same choice,
+    and logprobs that concatenate (both absent or both lists)."""
+    return (a["k"] == b["k"] and a["k"] in TEXT_KINDS and a.get("i", 0) == b.get("i", 0)
+            and type(a.get("lp")) is type(b.get("lp")) and isinstance(a.get("lp"), (list, type(None))))
+
+
+def merge_deltas(a: Delta, b: Delta) -> Delta:
+    """`b` appended to `a` (same job). Plain text stays plain text; otherwise
+    the parts are concatenated in order, and only adjacent text runs of one
+    kind and one choice are joined: never across choices, never a tool part."""
+    if not a.parts and not b.parts:
+        return Delta(job=a.job, text=a.text + b.text)
+    parts = list(delta_parts(a))
+    for part in delta_parts(b):
+        if parts and _mergeable(parts[-1], part):
+            last = parts[-1]
+            joined = {**last, "t": last.get("t", "") + part.get("t", "")}
+            if "lp" in last:
+                joined["lp"] = last["lp"] + part["lp"]
+            parts[-1] = joined
+        else:
+            parts.append(part)
+    return Delta(job=a.job, parts=parts)

@@ -19,7 +19,8 @@ import protocol as p
 from protocol.errors import ErrorCode, WorkerExit
 from protocol.loop_socket import LoopSocket
 from runtime_worker.backends import backend_class
-from runtime_worker.backends.base import Backend, BackendLoadError, Finished, JobError, RawFrame, TextDelta
+from runtime_worker.backends.base import (
+    Backend, BackendLoadError, Finished, JobError, PartsDelta, RawFrame, TextDelta)
 from runtime_worker.cancel_watch import CancelWatch
 from runtime_worker.lifeline import die_with_parent
 from runtime_worker.outbox import Outbox
@@ -121,13 +122,13 @@ class Worker:
     def handle(self, msg: p.Message | p.ProtocolError) -> None:
         self.last_heard = time.monotonic()
         match msg:
-            case p.Submit(job=job, request=request):
+            case p.Submit(job=job, request=request, endpoint=endpoint):
                 self.submits_seen += 1
                 if len(self.jobs) >= self.capacity:
                     self.send(p.Error(job=job, code=ErrorCode.RUNTIME_ERROR, message="worker is at capacity"))
                 else:
                     self.cancel_watch.disarm()
-                    task = self.jobs[job] = asyncio.create_task(self.run_job(job, request))
+                    task = self.jobs[job] = asyncio.create_task(self.run_job(job, request, endpoint))
                     task.add_done_callback(lambda t, job=job: self._job_ended(job))
             case p.Cancel(job=job):
                 self.cancel_job(job)
@@ -140,24 +141,35 @@ class Worker:
             case _:
                 log.error("unexpected message from supervisor: %r", msg)
 
-    async def run_job(self, job: str, request: dict) -> None:
+    async def run_job(self, job: str, request: dict, endpoint: str = "chat") -> None:
         try:
-            async for event in self.backend.run(job, request):
+            self.backend.check(endpoint, request)
+            run = {"chat": self.backend.run, "completions": self.backend.complete,
+                   "embeddings": self.backend.embed}.get(endpoint, self.backend.run)
+            async for event in run(job, request):
                 if isinstance(event, TextDelta):
                     if event.text:
                         self.send(p.Delta(job=job, text=event.text))
+                elif isinstance(event, PartsDelta):
+                    if event.parts:
+                        self.send(p.Delta(job=job, parts=event.parts))
                 elif isinstance(event, RawFrame):
                     self.outbox.put(event.data)
                 elif isinstance(event, Finished):
-                    self.send(p.Done(job=job, finish_reason=event.finish_reason, usage={
-                        "input_tokens": event.input_tokens, "output_tokens": event.output_tokens}))
+                    usage = {"input_tokens": event.input_tokens, "output_tokens": event.output_tokens}
+                    if event.cached_tokens:
+                        usage["cached_tokens"] = event.cached_tokens
+                    if event.reasoning_tokens:
+                        usage["reasoning_tokens"] = event.reasoning_tokens
+                    self.send(p.Done(job=job, finish_reason=event.finish_reason, usage=usage,
+                                     finish_reasons=list(event.finish_reasons), result=event.result or {}))
                     return
             raise JobError(ErrorCode.RUNTIME_ERROR, "runtime ended the job without finishing it")
         except asyncio.CancelledError:
             if not self.stopping.is_set():
                 self.send(p.Done(job=job, finish_reason="cancelled", usage={}))
         except JobError as exc:
-            self.send(p.Error(job=job, code=exc.code, message=exc.message))
+            self.send(p.Error(job=job, code=exc.code, message=exc.message, param=exc.param))
         except Exception as exc:
             log.exception("job %s failed", job)
             self.send(p.Error(job=job, code=ErrorCode.RUNTIME_ERROR, message=f"{type(exc).__name__}: {exc}"))

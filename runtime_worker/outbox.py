@@ -6,7 +6,9 @@ busy running a backend that produces tokens faster than they are sent) leave
 as one frame, so fast runtimes cost one frame per wake-up, not one per token.
 A slow runtime's tokens still leave one by one, as soon as they exist: nothing
 is held back to wait for company. Order per job is kept; a job's Done or Error
-is never merged and never overtakes its deltas."""
+is never merged and never overtakes its deltas. Typed parts (reasoning, tool
+calls, other choices) keep their order: only adjacent runs of one kind of
+text of one choice are joined (protocol.merge_deltas)."""
 
 from __future__ import annotations
 
@@ -29,8 +31,8 @@ def coalesce(batch: list[p.Message | bytes]) -> list[p.Message | bytes]:
     for item in batch:
         if isinstance(item, p.Delta):
             at = open_delta.get(item.job)
-            if at is not None and len(out[at].text) + len(item.text) <= MERGE_LIMIT_CHARS:
-                out[at] = p.Delta(job=item.job, text=out[at].text + item.text)
+            if at is not None and p.delta_size(out[at]) + p.delta_size(item) <= MERGE_LIMIT_CHARS:
+                out[at] = p.merge_deltas(out[at], item)
                 continue
             open_delta[item.job] = len(out)
         elif isinstance(item, bytes):

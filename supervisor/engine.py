@@ -42,22 +42,42 @@ class ModelEntry:
         self.state = transition(MODEL_TRANSITIONS, self.state, new)
 
 
+def _chars(value) -> int:
+    """Characters of text in a prompt value: a string, or a list of strings,
+    of token ids or of token-id lists (a token counts as one)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(len(v) if isinstance(v, (str, list)) else 1 for v in value)
+    return 0
+
+
 def check_prompt_bounds(cfg: ModelConfig, request: dict) -> None:
-    """400 for a prompt over the model's max_messages or max_prompt_chars."""
+    """400 for a prompt over the model's max_messages or max_prompt_chars (chat
+    messages, or a legacy completion's prompt)."""
     messages = request.get("messages") or []
     if len(messages) > cfg.max_messages:
         raise PoolError(ErrorCode.INVALID_REQUEST, f"{len(messages)} messages, over model {cfg.name!r}'s "
                         f"max_messages ({cfg.max_messages})", param="messages")
-    chars = 0
+    chars = _text_chars(request.get("prompt"))
     for m in messages:
-        content = m.get("content")
-        if isinstance(content, str):
-            chars += len(content)
-        elif isinstance(content, list):
-            chars += sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
+        if isinstance(m, dict):
+            chars += _text_chars(m.get("content"))
     if chars > cfg.max_prompt_chars:
         raise PoolError(ErrorCode.INVALID_REQUEST, f"the prompt has {chars} characters, over model "
-                        f"{cfg.name!r}'s max_prompt_chars ({cfg.max_prompt_chars})", param="messages")
+                        f"{cfg.name!r}'s max_prompt_chars ({cfg.max_prompt_chars})",
+                        param="messages" if messages else "prompt")
+
+
+def _text_chars(content) -> int:
+    """Characters of text in a message's content or a prompt: a string, or a list
+    of strings or of content parts."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(part) if isinstance(part, str) else len(part.get("text") or "")
+                   for part in content if isinstance(part, (str, dict)))
+    return 0
 
 
 class ModelRouterEngine:
@@ -259,7 +279,7 @@ class ModelRouterEngine:
         return entry
 
     # -- jobs -------------------------------------------------------------------------------------
-    def submit(self, model: str, request: dict) -> Job:
+    def submit(self, model: str, request: dict, endpoint: str = "chat") -> Job:
         entry = self.entry(model)
         if self.shutting_down:
             raise PoolError(ErrorCode.MODEL_UNLOADING, "the pool is shutting down")
@@ -273,7 +293,7 @@ class ModelRouterEngine:
             raise PoolError(ErrorCode.MODEL_NOT_LOADED,
                             f"model {model!r} is {entry.state.value}; load it first", param="model")
         check_prompt_bounds(entry.cfg, request)
-        job = Job(model, request, entry.cfg.request_timeout_s, entry.cfg.queue_timeout_s)
+        job = Job(model, request, entry.cfg.request_timeout_s, entry.cfg.queue_timeout_s, endpoint)
         if entry.cfg.log_bodies:
             job.transcript = []
         executor.enqueue(job)

@@ -24,13 +24,13 @@ class JobState(StrEnum):
     FINISHED = "finished"
 
 
-def encode_submit(job_id: str, request: dict) -> bytes:
+def encode_submit(job_id: str, request: dict, endpoint: str = "chat") -> bytes:
     """The job's Submit frame, encoded once at admission: a value msgpack
     cannot carry (an integer past 64 bits, a lone surrogate) is the client's
     400 naming the field, and a frame over the cap its 413, before the job
     takes a queue place or a slot."""
     try:
-        frame = p.encode(p.Submit(job=job_id, request=request))
+        frame = p.encode(p.Submit(job=job_id, request=request, endpoint=endpoint))
     except (OverflowError, UnicodeEncodeError, TypeError, ValueError):
         try:
             where, why = p.find_unencodable(request) or ("", "a value that cannot be sent to the runtime")
@@ -44,15 +44,17 @@ def encode_submit(job_id: str, request: dict) -> bytes:
 
 
 class Job:
-    __slots__ = ("id", "model", "request", "frame", "state", "replica", "events", "created_at",
+    __slots__ = ("id", "model", "request", "endpoint", "frame", "state", "replica", "events", "created_at",
                  "deadline", "queue_deadline", "cancel_requested", "first_token_at", "attempts", "submit_seq",
                  "_waiter", "submitted_at", "transcript")
 
-    def __init__(self, model: str, request: dict, timeout_s: float, queue_timeout_s: float | None = None) -> None:
+    def __init__(self, model: str, request: dict, timeout_s: float, queue_timeout_s: float | None = None,
+                 endpoint: str = "chat") -> None:
         self.id = os.urandom(16).hex()  # as unique as uuid4, and cheaper
         self.model = model
         self.request = request
-        self.frame = encode_submit(self.id, request)  # a request that cannot travel fails here, owning nothing
+        self.endpoint = endpoint  # protocol.ENDPOINTS
+        self.frame = encode_submit(self.id, request, endpoint)  # a request that cannot travel fails here, owning nothing
         self.state = JobState.QUEUED
         self.replica: Replica | None = None
         # Delta..., then exactly one Done or PoolError; one reader (the HTTP handler), which
@@ -120,11 +122,15 @@ class Job:
         if isinstance(event, PoolError):
             raise event
         if isinstance(event, Delta) and self.events and isinstance(self.events[0], Delta):
-            # the client fell behind: what has piled up goes out as one delta
-            parts = [event.text]
+            # the client fell behind: what has piled up goes out as one delta (plain text
+            # joined at once; typed parts in order, see protocol.merge_deltas)
+            if not event.parts:
+                texts = [event.text]
+                while self.events and isinstance(self.events[0], Delta) and not self.events[0].parts:
+                    texts.append(self.events.popleft().text)
+                event = Delta(job=event.job, text="".join(texts))
             while self.events and isinstance(self.events[0], Delta):
-                parts.append(self.events.popleft().text)
-            event = Delta(job=event.job, text="".join(parts))
+                event = p.merge_deltas(event, self.events.popleft())
         return event
 
     async def stream(self, on_timeout) -> AsyncIterator[Delta | Done]:

@@ -1,6 +1,7 @@
-"""OpenAI wire shapes: request models for /v1/responses and /v1/chat/completions,
-their translation to the backend-neutral job request, and the response objects
-and SSE events built from a job's deltas. No I/O here."""
+"""OpenAI wire shapes: request models for /v1/chat/completions,
+/v1/completions and /v1/embeddings (whose job request is the client's body
+less what the pool owns), and the response objects and SSE events built from
+a job's deltas. (/v1/responses: responses_shapes.) No I/O here."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from protocol.errors import ErrorCode, PoolError
+from protocol import Delta, Done
+from protocol.errors import PoolError
 
 
 class _Req(BaseModel):
@@ -19,235 +21,258 @@ class _Req(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-class ContentPart(_Req):
-    type: str
-    text: str | None = None
-
-
-class InputMessage(_Req):
-    type: Literal["message"] | None = None
-    role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[ContentPart]
-
-
-class ResponsesRequest(_Req):
-    model: str = Field(min_length=1)
-    input: str | list[InputMessage]
-    instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    stream: bool = False
-    metadata: dict[str, str] | None = None
-    previous_response_id: str | None = None
-
-
-class ChatMessage(_Req):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-
-
 class StreamOptions(_Req):
     include_usage: bool = False
 
 
-class ChatRequest(_Req):
+# Fields of a client's body that the pool owns: the rest reaches the runtime as sent.
+POOL_OWNED = frozenset({"model", "stream", "stream_options"})
+
+
+class _PassThrough(BaseModel):
+    """An OpenAI body that goes to the runtime whole: only the fields the pool
+    reads itself are declared (and strictly typed); every other field passes
+    through, for the runtime (or the backend's own check) to judge."""
+    model_config = ConfigDict(strict=True, extra="allow")
     model: str = Field(min_length=1)
-    messages: list[ChatMessage] = Field(min_length=1)
+    stream: bool = False
+
+    def job_request(self) -> dict:
+        return self.model_dump(exclude_unset=True, exclude=POOL_OWNED)
+
+
+class ChatRequest(_PassThrough):
+    messages: list[dict[str, Any]] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    stop: str | list[str] | None = None
-    stream: bool = False
     stream_options: StreamOptions | None = None
 
 
-def _text(content: str | list[ContentPart] | None) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    parts = []
-    for part in content:
-        if part.type not in ("input_text", "output_text", "text"):
-            raise PoolError(ErrorCode.INVALID_REQUEST, f"content part type {part.type!r} is not supported",
-                            param="input")
-        parts.append(part.text or "")
-    return "".join(parts)
+class CompletionRequest(_PassThrough):
+    prompt: str | list
+    max_tokens: int | None = Field(None, ge=1)
+    stream_options: StreamOptions | None = None
 
 
-def _role(role: str) -> str:
-    return "system" if role == "developer" else role
+class EmbeddingRequest(_PassThrough):
+    input: str | list
+    stream: Literal[False] = False  # embeddings are never streamed
 
-
-def job_request_from_responses(req: ResponsesRequest) -> dict:
-    if req.previous_response_id is not None:
-        raise PoolError(ErrorCode.INVALID_REQUEST, "previous_response_id is not supported: send the "
-                        "conversation in `input`", param="previous_response_id")
-    messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    if isinstance(req.input, str):
-        messages.append({"role": "user", "content": req.input})
-    else:
-        messages += [{"role": _role(m.role), "content": _text(m.content)} for m in req.input]
-    if not messages:
-        raise PoolError(ErrorCode.INVALID_REQUEST, "input is empty", param="input")
-    return {"messages": messages, "max_tokens": req.max_output_tokens,
-            "temperature": req.temperature, "top_p": req.top_p, "stop": []}
-
-
-def job_request_from_chat(req: ChatRequest) -> dict:
-    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    return {"messages": [{"role": _role(m.role), "content": _text(m.content)} for m in req.messages],
-            "max_tokens": req.max_completion_tokens or req.max_tokens,
-            "temperature": req.temperature, "top_p": req.top_p, "stop": stop}
-
-
-# -- Responses objects ----------------------------------------------------------------------------
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{os.urandom(16).hex()}"
 
 
-def _usage(usage: dict | None) -> dict | None:
-    if usage is None:
-        return None
+# -- output accumulated per choice ---------------------------------------------------------------
+
+class _Choice:
+    __slots__ = ("text", "reasoning", "refusal", "tools", "lp")
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.refusal: list[str] = []
+        self.tools: dict[int, dict] = {}  # tool index -> {"id", "name", "args": [fragments]}
+        self.lp = None  # chat: a list of entries; legacy completions: the runtime's object, merged
+
+
+def _merge_lp(have, more):
+    if have is None:
+        return more
+    if isinstance(have, list) and isinstance(more, list):
+        return have + more
+    if isinstance(have, dict) and isinstance(more, dict):  # legacy: parallel lists per key
+        return {k: (have.get(k) or []) + v if isinstance(v, list) else v for k, v in more.items()}
+    return have
+
+
+class Choices:
+    """A job's output, accumulated per choice, for a non-streamed answer."""
+
+    def __init__(self) -> None:
+        self.by_index: dict[int, _Choice] = {}
+
+    def _choice(self, index: int) -> _Choice:
+        choice = self.by_index.get(index)
+        if choice is None:
+            choice = self.by_index[index] = _Choice()
+        return choice
+
+    def add(self, delta: Delta) -> None:
+        if delta.text:
+            self._choice(0).text.append(delta.text)
+        for part in delta.parts:
+            choice = self._choice(part.get("i", 0))
+            kind = part["k"]
+            if kind == "tool":
+                call = choice.tools.setdefault(part.get("n", 0), {"id": None, "name": None, "args": []})
+                call["id"] = call["id"] or part.get("id")
+                call["name"] = call["name"] or part.get("name")
+                call["args"].append(part.get("args", ""))
+                continue
+            {"text": choice.text, "reasoning": choice.reasoning, "refusal": choice.refusal}[kind].append(
+                part.get("t", ""))
+            if part.get("lp") is not None:
+                choice.lp = _merge_lp(choice.lp, part["lp"])
+
+    def count(self, done: Done) -> int:
+        return max(len(done.finish_reasons), max(self.by_index, default=0) + 1)
+
+    def get(self, index: int) -> _Choice:
+        return self.by_index.get(index) or _Choice()
+
+
+def finish_reasons(done: Done, count: int) -> list[str]:
+    reasons = list(done.finish_reasons) or [done.finish_reason]
+    return reasons + ["stop"] * (count - len(reasons))
+
+
+def _tool_calls(choice: _Choice) -> list[dict]:
+    return [{"id": call["id"] or new_id("call"), "type": "function",
+             "function": {"name": call["name"] or "", "arguments": "".join(call["args"])}}
+            for _, call in sorted(choice.tools.items())]
+
+
+def chat_usage(usage: dict) -> dict:
     i, o = int(usage.get("input_tokens", 0)), int(usage.get("output_tokens", 0))
-    return {"input_tokens": i, "output_tokens": o, "total_tokens": i + o,
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-            "output_tokens_details": {"reasoning_tokens": 0}}
-
-
-def message_item(msg_id: str, text: str | None, status: str) -> dict:
-    content = [] if text is None else [
-        {"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
-    return {"type": "message", "id": msg_id, "role": "assistant", "status": status, "content": content}
-
-
-def response_object(req: ResponsesRequest, resp_id: str, created_at: int, *, status: str,
-                    output: list, usage: dict | None = None, error: dict | None = None) -> dict:
-    return {
-        "id": resp_id, "object": "response", "created_at": created_at, "status": status,
-        "completed_at": int(time.time()) if status in ("completed", "incomplete") else None,
-        "model": req.model, "output": output, "error": error,
-        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "instructions": req.instructions, "metadata": req.metadata or {},
-        "previous_response_id": None, "max_output_tokens": req.max_output_tokens,
-        "temperature": req.temperature if req.temperature is not None else 1.0,
-        "top_p": req.top_p if req.top_p is not None else 1.0,
-        "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
-        "text": {"format": {"type": "text"}}, "truncation": "disabled", "store": False,
-        "usage": _usage(usage),
-    }
-
-
-def response_status(finish_reason: str) -> str:
-    return "incomplete" if finish_reason == "length" else "completed"
-
-
-class ResponsesStream:
-    """Builds the SSE events of one streamed response, numbering them."""
-
-    def __init__(self, req: ResponsesRequest) -> None:
-        self.req = req
-        self.resp_id = new_id("resp")
-        self.msg_id = new_id("msg")
-        self.created_at = int(time.time())
-        self.seq = 0
-        self.parts: list[str] = []
-
-    def _event(self, type_: str, **fields: Any) -> dict:
-        event = {"event": type_, "data": json.dumps(
-            {"type": type_, "sequence_number": self.seq, **fields}, separators=(",", ":"))}
-        self.seq += 1
-        return event
-
-    def opening(self) -> list[dict]:
-        obj = response_object(self.req, self.resp_id, self.created_at, status="in_progress", output=[])
-        return [
-            self._event("response.created", response=obj),
-            self._event("response.in_progress", response=obj),
-            self._event("response.output_item.added", output_index=0,
-                        item=message_item(self.msg_id, None, "in_progress")),
-            self._event("response.content_part.added", item_id=self.msg_id, output_index=0,
-                        content_index=0, part={"type": "output_text", "text": "", "annotations": []}),
-        ]
-
-    def delta(self, text: str) -> dict:
-        self.parts.append(text)
-        return self._event("response.output_text.delta", item_id=self.msg_id, output_index=0,
-                           content_index=0, delta=text, logprobs=[])
-
-    def closing(self, finish_reason: str, usage: dict) -> list[dict]:
-        text = "".join(self.parts)
-        status = response_status(finish_reason)
-        item = message_item(self.msg_id, text, "completed" if status == "completed" else "incomplete")
-        final = response_object(self.req, self.resp_id, self.created_at, status=status,
-                                output=[item], usage=usage)
-        return [
-            self._event("response.output_text.done", item_id=self.msg_id, output_index=0,
-                        content_index=0, text=text, logprobs=[]),
-            self._event("response.content_part.done", item_id=self.msg_id, output_index=0,
-                        content_index=0, part=item["content"][0]),
-            self._event("response.output_item.done", output_index=0, item=item),
-            self._event(f"response.{status}", response=final),
-        ]
-
-    def failed(self, err: PoolError) -> list[dict]:
-        obj = response_object(self.req, self.resp_id, self.created_at, status="failed", output=[],
-                              error={"code": err.code.value, "message": err.message})
-        return [self._event("response.failed", response=obj)]
+    out: dict[str, Any] = {"prompt_tokens": i, "completion_tokens": o, "total_tokens": i + o}
+    if usage.get("cached_tokens"):
+        out["prompt_tokens_details"] = {"cached_tokens": usage["cached_tokens"]}
+    if usage.get("reasoning_tokens"):
+        out["completion_tokens_details"] = {"reasoning_tokens": usage["reasoning_tokens"]}
+    return out
 
 
 # -- Chat Completions objects -----------------------------------------------------------------------
 
-def chat_finish_reason(finish_reason: str) -> str:
-    return "length" if finish_reason == "length" else "stop"
+def chat_completion(model: str, choices: Choices, done: Done) -> dict:
+    count = choices.count(done)
+    out = []
+    for index, reason in enumerate(finish_reasons(done, count)):
+        c = choices.get(index)
+        tool_calls = _tool_calls(c)
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": "".join(c.text) if c.text or not tool_calls else None}
+        if c.reasoning:
+            message["reasoning_content"] = "".join(c.reasoning)
+        if c.refusal:
+            message["refusal"] = "".join(c.refusal)
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        out.append({"index": index, "message": message, "finish_reason": reason,
+                    "logprobs": {"content": c.lp} if c.lp is not None else None})
+    return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": out, "usage": chat_usage(done.usage)}
 
 
-def chat_completion(model: str, text: str, finish_reason: str, usage: dict) -> dict:
-    i, o = int(usage.get("input_tokens", 0)), int(usage.get("output_tokens", 0))
-    return {
-        "id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "finish_reason": chat_finish_reason(finish_reason), "logprobs": None}],
-        "usage": {"prompt_tokens": i, "completion_tokens": o, "total_tokens": i + o},
-    }
+def _chat_part_delta(part: dict) -> dict:
+    kind = part["k"]
+    if kind == "tool":
+        call: dict[str, Any] = {"index": part.get("n", 0)}
+        if "id" in part:
+            call["id"] = part["id"]
+            call["type"] = "function"
+        function = {"arguments": part.get("args", "")}
+        if "name" in part:
+            function["name"] = part["name"]
+        call["function"] = function
+        return {"tool_calls": [call]}
+    key = {"text": "content", "reasoning": "reasoning_content", "refusal": "refusal"}[kind]
+    return {key: part.get("t", "")}
 
 
 class ChatStream:
     """Builds the SSE chunks of one streamed chat completion (same interface
-    as ResponsesStream: opening, delta, closing, failed)."""
+    as ResponsesStream: opening, delta, closing, failed). A plain text delta
+    is one small chunk; each typed part is a chunk of its own choice."""
 
     def __init__(self, model: str, include_usage: bool) -> None:
         self.model = model
         self.include_usage = include_usage
         self.id = new_id("chatcmpl")
         self.created = int(time.time())
+        self.opened = {0}  # choices whose first chunk (with the role) is out
+        self._head = json.dumps({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                                 "model": model}, separators=(",", ":"))[:-1]  # ends before the closing brace
 
-    def chunk(self, delta: dict, finish_reason: str | None = None, usage: dict | None = None) -> dict:
-        body: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                                "model": self.model,
-                                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
-                                             "logprobs": None}]}
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+        tail = {"choices": choices}
         if usage is not None:
-            body["choices"] = []
-            body["usage"] = usage
-        return {"data": json.dumps(body, separators=(",", ":"))}
+            tail["usage"] = usage
+        return {"data": self._head + "," + json.dumps(tail, separators=(",", ":"))[1:]}
+
+    def chunk(self, delta: dict, finish_reason: str | None = None, index: int = 0, logprobs=None) -> dict:
+        return self._chunk([{"index": index, "delta": delta, "finish_reason": finish_reason,
+                             "logprobs": logprobs}])
 
     def opening(self) -> list[dict]:
         return [self.chunk({"role": "assistant", "content": ""})]
 
-    def delta(self, text: str) -> dict:
-        return self.chunk({"content": text})
+    def delta(self, event: Delta) -> list[dict]:
+        events = [self.chunk({"content": event.text})] if event.text else []
+        for part in event.parts:
+            index = part.get("i", 0)
+            delta = _chat_part_delta(part)
+            if index not in self.opened:
+                self.opened.add(index)
+                delta = {"role": "assistant", **delta}
+            lp = part.get("lp")
+            events.append(self.chunk(delta, index=index, logprobs={"content": lp} if lp is not None else None))
+        return events
 
-    def closing(self, finish_reason: str, usage: dict) -> list[dict]:
-        events = [self.chunk({}, chat_finish_reason(finish_reason))]
+    def closing(self, done: Done) -> list[dict]:
+        reasons = finish_reasons(done, max(len(done.finish_reasons), max(self.opened) + 1))
+        events = [self.chunk({}, reason, index) for index, reason in enumerate(reasons)]
         if self.include_usage:
-            i, o = int(usage.get("input_tokens", 0)), int(usage.get("output_tokens", 0))
-            events.append(self.chunk({}, usage={"prompt_tokens": i, "completion_tokens": o,
-                                                "total_tokens": i + o}))
+            events.append(self._chunk([], usage=chat_usage(done.usage)))
         events.append({"data": "[DONE]"})
         return events
 
     @staticmethod
     def failed(err: PoolError) -> list[dict]:
         return [{"data": json.dumps(err.envelope(), separators=(",", ":"))}, {"data": "[DONE]"}]
+
+
+# -- legacy completions ---------------------------------------------------------------------------------
+
+def text_completion(model: str, choices: Choices, done: Done) -> dict:
+    out = [{"index": index, "text": "".join(choices.get(index).text), "finish_reason": reason,
+            "logprobs": choices.get(index).lp}
+           for index, reason in enumerate(finish_reasons(done, choices.count(done)))]
+    return {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": out, "usage": chat_usage(done.usage)}
+
+
+class CompletionStream(ChatStream):
+    """SSE chunks of a streamed legacy completion: text per choice."""
+
+    def __init__(self, model: str, include_usage: bool) -> None:
+        super().__init__(model, include_usage)
+        self.id = new_id("cmpl")
+        self._head = json.dumps({"id": self.id, "object": "text_completion", "created": self.created,
+                                 "model": model}, separators=(",", ":"))[:-1]
+
+    def chunk(self, delta: dict, finish_reason: str | None = None, index: int = 0, logprobs=None) -> dict:
+        return self._chunk([{"index": index, "text": delta.get("content", ""), "finish_reason": finish_reason,
+                             "logprobs": logprobs}])
+
+    def opening(self) -> list[dict]:
+        return []
+
+    def delta(self, event: Delta) -> list[dict]:
+        events = [self.chunk({"content": event.text})] if event.text else []
+        for part in event.parts:
+            if part["k"] == "text":
+                self.opened.add(part.get("i", 0))
+                events.append(self.chunk({"content": part.get("t", "")}, index=part.get("i", 0),
+                                         logprobs=part.get("lp")))
+        return events
+
+
+# -- embeddings -------------------------------------------------------------------------------------
+
+def embeddings(model: str, done: Done) -> dict:
+    result = dict(done.result)
+    result.setdefault("object", "list")
+    result["model"] = model
+    return result

@@ -407,8 +407,11 @@ class Replica:
                 self.last_error = message
                 if self._ready and not self._ready.done():
                     self._ready.set_exception(LoadFailed(message))
-            case p.Error(job=job_id, code=code, message=message):
-                self._finish(job_id, PoolError(_error_code(code), message))
+            case p.Error(job=job_id, code=code, message=message, param=param):
+                code = _error_code(code)
+                if code in (ErrorCode.UNSUPPORTED_ENDPOINT, ErrorCode.UNSUPPORTED_PARAMETER):
+                    message = f"model {self.cfg.name!r}: {message}"  # the worker knows its backend, not its name
+                self._finish(job_id, PoolError(code, message, param=param))
             case p.Ready(capacity=capacity, info=info):
                 self.runtime_capacity = capacity
                 self.capacity = max(0, min(self.cfg.target_inflight, capacity))

@@ -11,6 +11,8 @@ import pytest
 
 from runtime_worker.backends.base import BackendLoadError, Finished, JobError, TextDelta
 from runtime_worker.backends.exllamav3 import (
+    SAMPLER_FIELDS,
+    ExLlamaV3Backend,
     GeneratorThread,
     events_from_result,
     job_settings,
@@ -22,9 +24,47 @@ from tests.conftest import synthetic
 
 def test_job_settings_map_the_request():
     s = job_settings({"max_tokens": 7, "temperature": 0.2, "top_p": 0.9, "stop": ["\n\n"]}, [2, 9], 100)
-    assert s == {"max_new_tokens": 7, "stop_conditions": [2, 9, "\n\n"], "temperature": 0.2, "top_p": 0.9}
+    assert s == {"max_new_tokens": 7, "stop_conditions": [2, 9, "\n\n"], "seed": None,
+                 "sampler": {"temperature": 0.2, "top_p": 0.9}}
     s = job_settings({"max_tokens": None, "temperature": None}, [2], 100)
-    assert s["max_new_tokens"] == 100 and s["temperature"] == 1.0 and s["stop_conditions"] == [2]
+    assert s["max_new_tokens"] == 100 and s["sampler"]["temperature"] == 1.0 and s["stop_conditions"] == [2]
+    s = job_settings({"max_completion_tokens": 5, "stop": "END", "seed": 42, "top_k": 40, "min_p": 0.05,
+                      "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.25,
+                      "logit_bias": {"17": -100}}, [2], 100)
+    assert s == {"max_new_tokens": 5, "stop_conditions": [2, "END"], "seed": 42, "sampler": {
+        "temperature": 1.0, "top_p": 1.0, "top_k": 40, "min_p": 0.05, "rep_p": 1.1, "pres_p": 0.5, "freq_p": 0.25,
+        "logit_bias": {17: -100.0}}}
+    for bad, param in [({"seed": "x"}, "seed"), ({"top_k": 1.5}, "top_k"), ({"stop": [1]}, "stop"),
+                       ({"logit_bias": {"a": 1}}, "logit_bias"), ({"temperature": True}, "temperature")]:
+        with pytest.raises(JobError) as err:
+            job_settings(bad, [2], 100)
+        assert err.value.param == param
+
+
+def test_the_sampler_arguments_are_exllamav3s():
+    """Every argument job_settings makes is one ComboSampler and Job take (read from the
+    installed exllamav3 where there is one: its import needs CUDA)."""
+    import inspect
+    try:
+        from exllamav3 import ComboSampler, Job
+    except Exception:
+        pytest.skip("exllamav3 is not importable here (CUDA only)")
+    assert set(SAMPLER_FIELDS.values()) | {"logit_bias"} <= set(inspect.signature(ComboSampler).parameters)
+    assert {"seed", "stop_conditions", "max_new_tokens"} <= set(inspect.signature(Job).parameters)
+
+
+def test_fields_it_cannot_honour_are_refused_by_name():
+    backend = ExLlamaV3Backend({}, 1, None)
+    backend.check("chat", {"messages": [], "seed": 1, "stop": ["x"], "top_k": 5, "n": 1, "logprobs": False})
+    for field, value in [("tools", [{"type": "function"}]), ("response_format", {"type": "json_object"}),
+                         ("logprobs", True), ("n", 2)]:
+        with pytest.raises(JobError) as err:
+            backend.check("chat", {"messages": [], field: value})
+        assert err.value.code == "unsupported_parameter" and err.value.param == field
+        assert "exllamav3" in err.value.message
+    with pytest.raises(JobError) as err:
+        backend.check("embeddings", {"input": "x"})
+    assert err.value.code == "unsupported_endpoint"
 
 
 def test_results_map_to_events():

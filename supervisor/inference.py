@@ -1,0 +1,174 @@
+"""The inference routes: /v1/chat/completions, /v1/completions,
+/v1/embeddings and /v1/responses. Each request becomes one job through the
+engine's scheduler (queue, capacity, drain, cancel on disconnect, metrics,
+the error table); this module only translates bodies and job events, with
+the shapes in openai_shapes."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from protocol import Delta, Done
+from protocol.errors import ErrorCode, PoolError
+from supervisor import openai_shapes as shapes
+from supervisor import responses_shapes as rshapes
+from supervisor.jobs import Job
+
+# metric labels by path
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse_frame(event: dict) -> bytes:
+    """One server-sent event: {"data": str} with an optional "event" name. The
+    data is compact JSON (or [DONE]): never a newline inside."""
+    if "event" in event:
+        return f"event: {event['event']}\ndata: {event['data']}\n\n".encode()
+    return f"data: {event['data']}\n\n".encode()
+
+
+class JobStream(StreamingResponse):
+    """An SSE response that owns its job: when the response ends for any
+    reason (done, client gone before or during the body, a failed write), the
+    job is cancelled unless it has finished. A generator's own `finally` is
+    not enough: a body that never starts never runs it."""
+
+    def __init__(self, job: Job, cancel, body) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.job = job
+        self.cancel = cancel
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.cancel(self.job)
+
+
+def add_inference_routes(app: FastAPI, engine, metrics, config) -> None:
+    # -- running a job for a client ------------------------------------------------------------------
+    async def collect(job: Job) -> tuple[shapes.Choices, Done]:
+        choices = shapes.Choices()
+        async for event in job.stream(engine.cancel):
+            if isinstance(event, Delta):
+                choices.add(event)
+            else:
+                return choices, event
+        raise PoolError(ErrorCode.RUNTIME_ERROR, "job ended without a result")
+
+    async def unless_disconnected(request: Request, job: Job, waiting):
+        """Await `waiting` (about `job`). If the client goes away first, the job
+        is cancelled (a queued one dropped, a submitted one stopped by its
+        worker, which frees the slot) and None is returned once it has ended."""
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            engine.cancel(job)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            result = await waiting
+        except PoolError:
+            if gone:
+                return None
+            raise
+        finally:
+            watcher.cancel()
+        return None if gone else result
+
+    async def serve_job(request: Request, endpoint: str, model: str, job_request: dict, sse_shape, to_json,
+                        job_endpoint: str = "chat"):
+        """Run one inference request: as SSE when `sse_shape` is given, else as
+        the JSON that `to_json(choices, done)` builds. However the handler ends
+        (a client gone at any moment, an error, a cancelled task), the job is
+        cancelled unless finished: no slot outlives its request."""
+        try:
+            job = engine.submit(model, job_request, job_endpoint)
+        except PoolError as err:
+            metrics.request(model, endpoint, err.status, error=err)
+            raise
+        streaming = None
+        try:
+            if sse_shape is not None:
+                first = await first_event(request, job)
+                if first is None:
+                    return Response(status_code=499)
+                streaming = JobStream(job, engine.cancel, _sse(job, endpoint, sse_shape, first))
+                return streaming
+            result = await unless_disconnected(request, job, collect(job))
+            if result is None:
+                return Response(status_code=499)
+            choices, done = result
+            metrics.job_done(job, done, endpoint)
+            return JSONResponse(to_json(choices, done))  # a Response skips FastAPI's generic encoder
+        except PoolError as err:
+            metrics.request(model, endpoint, err.status, job, error=err)
+            raise
+        finally:
+            if streaming is None:  # else the stream owns the job until its last write
+                engine.cancel(job)  # a no-op once the job has finished
+
+    async def first_event(request: Request, job: Job):
+        """Hold the response headers until the job's first event, so that a
+        failure before any token (queue timeout, upstream 429, crash, the
+        runtime's 400) is a plain HTTP error the client can act on, not a
+        stream that fails at once."""
+        return await unless_disconnected(request, job, job.next_event(engine.cancel))
+
+    async def _sse(job: Job, endpoint: str, shape, first):
+        """The SSE body. What is ready goes out in one write: the opening events
+        with the first delta, then each delta (merged if several were waiting),
+        then the closing events. A client that leaves cancels the job (see JobStream)."""
+        try:
+            ready = [sse_frame(e) for e in shape.opening()]
+            event = first
+            while True:
+                if isinstance(event, Delta):
+                    ready += [sse_frame(e) for e in shape.delta(event)]
+                elif isinstance(event, Done):
+                    metrics.job_done(job, event, endpoint)
+                    ready += [sse_frame(e) for e in shape.closing(event)]
+                    yield b"".join(ready)
+                    return
+                else:  # quiet for sse_ping_s: a comment keeps proxies from timing the stream out
+                    ready.append(b": ping\n\n")
+                yield b"".join(ready)
+                ready = []
+                event = await job.next_event(engine.cancel, idle_s=config.server.sse_ping_s)
+        except PoolError as err:
+            metrics.request(job.model, endpoint, err.status, job, error=err)
+            yield b"".join([*ready, *(sse_frame(e) for e in shape.failed(err))])
+
+    def include_usage(body) -> bool:
+        return bool(body.stream_options and body.stream_options.include_usage)
+
+    @app.post("/v1/responses")
+    async def create_response(body: rshapes.ResponsesRequest, request: Request):
+        return await serve_job(request, "responses", body.model, rshapes.job_request_from_responses(body),
+                               rshapes.ResponsesStream(body) if body.stream else None,
+                               lambda choices, done: rshapes.response_json(body, choices, done))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: shapes.ChatRequest, request: Request):
+        return await serve_job(
+            request, "chat_completions", body.model, body.job_request(),
+            shapes.ChatStream(body.model, include_usage(body)) if body.stream else None,
+            lambda choices, done: shapes.chat_completion(body.model, choices, done))
+
+    @app.post("/v1/completions")
+    async def completions(body: shapes.CompletionRequest, request: Request):
+        return await serve_job(
+            request, "completions", body.model, body.job_request(),
+            shapes.CompletionStream(body.model, include_usage(body)) if body.stream else None,
+            lambda choices, done: shapes.text_completion(body.model, choices, done), "completions")
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(body: shapes.EmbeddingRequest, request: Request):
+        return await serve_job(request, "embeddings", body.model, body.job_request(), None,
+                               lambda choices, done: shapes.embeddings(body.model, done), "embeddings")

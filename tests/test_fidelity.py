@@ -1,0 +1,416 @@
+"""API fidelity: what the client sends reaches the runtime, what the runtime
+answers reaches the client. The same requests go direct to a llama-server
+and through the pool (same binary, model, slots and flags, temperature 0) and
+must give the same answers; a scripted OpenAI server stands in for a runtime
+that emits tool calls, reasoning and several choices; a runtime's 400 stays a
+400; a backend without an OpenAI server refuses what it cannot honour."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pydantic
+import pytest
+
+from tests.conftest import llama, synthetic
+from tests.pool import Pool, free_port, wait_for
+
+pytestmark = pytest.mark.llama
+
+LLAMA_FLAGS = ["--embeddings", "--pooling", "mean"]
+SLOTS, CTX = 2, 8192
+HI = [{"role": "user", "content": "hi"}]
+
+
+# -- a scripted OpenAI server: tool calls, reasoning, two choices, logprobs -------------------------------
+LOGPROB = {"token": "other", "logprob": -0.5, "bytes": [111], "top_logprobs": []}
+SCRIPT = [  # streamed choice deltas, as a runtime with a tool-call parser and a reasoning parser sends them
+    {"index": 0, "delta": {"role": "assistant", "content": None, "reasoning_content": "think"}},
+    {"index": 0, "delta": {"reasoning_content": " more"}},
+    {"index": 0, "delta": {"content": "Calling"}},
+    {"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                            "function": {"name": "get_weather", "arguments": ""}}]}},
+    {"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{\"city\":"}}]}},
+    {"index": 1, "delta": {"role": "assistant", "content": "other"}, "logprobs": {"content": [LOGPROB]}},
+    {"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "\"Paris\"}"}}]}},
+    {"index": 0, "delta": {"tool_calls": [{"index": 1, "id": "call_2", "type": "function",
+                                            "function": {"name": "get_time", "arguments": "{}"}}]}},
+    {"index": 0, "delta": {}, "finish_reason": "tool_calls"},
+    {"index": 1, "delta": {}, "finish_reason": "content_filter"},
+]
+USAGE = {"prompt_tokens": 7, "completion_tokens": 11, "total_tokens": 18,
+         "prompt_tokens_details": {"cached_tokens": 3}, "completion_tokens_details": {"reasoning_tokens": 2}}
+
+
+class ScriptedRuntime(BaseHTTPRequestHandler):
+    bodies: list[dict] = []
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        ScriptedRuntime.bodies.append(body)
+        if body.get("messages", [{}])[-1].get("content") == "refuse":
+            return self._send(400, "application/json", json.dumps(
+                {"error": {"message": "scripted refusal: bad tool schema", "type": "invalid_request_error"}}))
+        frames = [{"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m", "choices": [c]}
+                  for c in SCRIPT]
+        if (body.get("stream_options") or {}).get("include_usage"):
+            frames.append({"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m",
+                           "choices": [], "usage": USAGE})
+        text = "".join(f"data: {json.dumps(f)}\n\n" for f in frames) + "data: [DONE]\n\n"
+        self._send(200, "text/event-stream", text)
+
+    def _send(self, status: int, kind: str, text: str):
+        data = text.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), ScriptedRuntime)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield SimpleNamespace(url=f"http://127.0.0.1:{server.server_address[1]}", bodies=ScriptedRuntime.bodies)
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def direct(llama_server_bin, tiny_gguf, tmp_path_factory):
+    """A llama-server started by the test, with the flags the pool's gets; always killed."""
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("direct") / "llama.log", "wb")
+    proc = subprocess.Popen([llama_server_bin, "-m", tiny_gguf, "-c", str(CTX), "-np", str(SLOTS),
+                             "--host", "127.0.0.1", "--port", str(port), "--no-webui", *LLAMA_FLAGS],
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            pytest.fail(f"llama-server exited with {proc.returncode}")
+        try:
+            return httpx.get(url + "/health", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+    try:
+        wait_for(healthy, 60, what="direct llama-server")
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def pool(llama_server_bin, tiny_gguf, scripted, tmp_path_factory):
+    models = [llama("tiny", tiny_gguf, llama_server_bin, slots=SLOTS, ctx=CTX, extra_args=LLAMA_FLAGS),
+              llama("plain", tiny_gguf, llama_server_bin, ctx=2048),  # no --embeddings
+              {"name": "scripted", "backend": "openai_remote", "target_inflight": 2,
+               "options": {"base_url": scripted.url + "/v1", "model": "upstream-name",
+                           "extra_body": {"top_k": 5, "seed": 1}}},
+              synthetic("syn", tokens=6)]
+    p = Pool(tmp_path_factory.mktemp("fidelity"), models)
+    p.start()
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def client(pool):
+    return openai.OpenAI(base_url=pool.url + "/v1", api_key="unused", max_retries=0)
+
+
+def choices_of(completion) -> list[dict]:
+    """What a client reads of a chat completion's choices (ids and timings aside)."""
+    out = []
+    for c in sorted(completion.choices, key=lambda c: c.index):
+        m = c.message
+        out.append({"content": m.content, "finish_reason": c.finish_reason,
+                    "reasoning": getattr(m, "reasoning_content", None),
+                    "tool_calls": [(t.id, t.function.name, t.function.arguments) for t in m.tool_calls or []],
+                    "logprobs": [(t.token, round(t.logprob, 4)) for t in (c.logprobs.content or [])]
+                    if c.logprobs else None})
+    return out
+
+
+def streamed_choices(chunks) -> tuple[list[dict], object]:
+    """The same, accumulated from streamed chunks the way a client does; and the usage."""
+    acc: dict[int, dict] = {}
+    usage = None
+    for chunk in chunks:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            a = acc.setdefault(c.index, {"content": None, "finish_reason": None, "reasoning": None,
+                                         "tool_calls": {}, "logprobs": None})
+            d = c.delta
+            if d.content:
+                a["content"] = (a["content"] or "") + d.content
+            if getattr(d, "reasoning_content", None):
+                a["reasoning"] = (a["reasoning"] or "") + d.reasoning_content
+            for t in d.tool_calls or []:
+                call = a["tool_calls"].setdefault(t.index, [None, None, ""])
+                call[0] = call[0] or t.id
+                call[1] = call[1] or (t.function.name if t.function else None)
+                call[2] += (t.function.arguments or "") if t.function else ""
+            if c.logprobs and c.logprobs.content:
+                a["logprobs"] = (a["logprobs"] or []) + [(t.token, round(t.logprob, 4)) for t in c.logprobs.content]
+            a["finish_reason"] = c.finish_reason or a["finish_reason"]
+    out = []
+    for index in sorted(acc):
+        a = acc[index]
+        a["tool_calls"] = [tuple(a["tool_calls"][k]) for k in sorted(a["tool_calls"])]
+        out.append(a)
+    return out, usage
+
+
+# -- equivalence with a real llama-server ---------------------------------------------------------------------
+
+def test_chat_text_logprobs_and_two_choices_match_direct(direct, client):
+    ask = dict(messages=HI, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2, n=2)
+    want, got = direct.chat.completions.create(model="x", **ask), client.chat.completions.create(model="tiny", **ask)
+    assert len(got.choices) == 2 and choices_of(got) == choices_of(want)
+    assert choices_of(got)[0]["logprobs"] and got.choices[0].finish_reason == "length"
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens
+
+    stream = dict(ask, stream=True, stream_options={"include_usage": True})
+    want_s, _ = streamed_choices(direct.chat.completions.create(model="x", **stream))
+    got_s, usage = streamed_choices(client.chat.completions.create(model="tiny", **stream))
+    assert got_s == want_s and len(got_s) == 2 and got_s[0]["logprobs"]
+    assert [c["content"] for c in got_s] == [c["content"] for c in choices_of(want)]
+    assert usage.completion_tokens > 0
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=5)
+    age: int = pydantic.Field(ge=0, le=99)
+
+
+def test_json_schema_output_matches_direct_and_parses(direct, client):
+    # bounded fields: llama-server's grammar then yields valid JSON even from random weights
+    ask = dict(messages=HI, max_tokens=120, temperature=0, response_format=Person)
+    want = direct.chat.completions.parse(model="x", **ask)
+    got = client.chat.completions.parse(model="tiny", **ask)
+    assert got.choices[0].message.content == want.choices[0].message.content
+    assert got.choices[0].finish_reason == "stop"
+    assert isinstance(got.choices[0].message.parsed, Person)
+
+
+def test_legacy_completion_matches_direct(direct, client):
+    ask = dict(prompt="the pool", max_tokens=5, temperature=0)
+    want, got = direct.completions.create(model="x", **ask), client.completions.create(model="tiny", **ask)
+    assert got.object == "text_completion" and got.model == "tiny"
+    assert [(c.text, c.finish_reason) for c in got.choices] == [(c.text, c.finish_reason) for c in want.choices]
+    chunks = list(client.completions.create(model="tiny", stream=True, stream_options={"include_usage": True},
+                                            **ask))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 5
+
+
+def test_embeddings_match_direct(direct, client):
+    want = direct.embeddings.create(model="x", input=["the pool", "hi"])
+    got = client.embeddings.create(model="tiny", input=["the pool", "hi"])
+    assert got.model == "tiny" and len(got.data) == 2
+    for w, g in zip(want.data, got.data):
+        assert g.index == w.index and g.embedding == pytest.approx(w.embedding, abs=1e-5)
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens
+
+
+def test_a_runtime_400_reaches_the_client_as_400_with_its_message(direct, client):
+    ask = dict(messages=HI, max_tokens=2, response_format={"type": "bogus"})
+    with pytest.raises(openai.BadRequestError) as want:
+        direct.chat.completions.create(model="x", **ask)
+    with pytest.raises(openai.BadRequestError) as got:
+        client.chat.completions.create(model="tiny", **ask)
+    assert got.value.status_code == 400 and got.value.code == "invalid_request"
+    assert want.value.body["message"] in got.value.message
+    with pytest.raises(openai.BadRequestError) as got:  # streamed: refused before the first token
+        client.chat.completions.create(model="tiny", stream=True, **ask)
+    assert want.value.body["message"] in got.value.message
+
+
+# -- everything a runtime answers reaches the client ----------------------------------------------------------
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+EXPECTED = [
+    {"content": "Calling", "finish_reason": "tool_calls", "reasoning": "think more",
+     "tool_calls": [("call_1", "get_weather", '{"city":"Paris"}'), ("call_2", "get_time", "{}")],
+     "logprobs": None},
+    {"content": "other", "finish_reason": "content_filter", "reasoning": None, "tool_calls": [],
+     "logprobs": [("other", -0.5)]},
+]
+
+
+def test_tool_calls_reasoning_logprobs_and_choices_pass_through(client, scripted):
+    scripted.bodies.clear()
+    got = client.chat.completions.create(
+        model="scripted", messages=[{"role": "user", "content": "weather?"}], tools=TOOLS,
+        tool_choice="required", parallel_tool_calls=True, n=2, seed=42,
+        extra_body={"chat_template_kwargs": {"enable_thinking": True}, "top_k": 9})
+    assert choices_of(got) == EXPECTED
+    assert got.usage.prompt_tokens == 7 and got.usage.completion_tokens == 11
+    assert got.usage.prompt_tokens_details.cached_tokens == 3
+    assert got.usage.completion_tokens_details.reasoning_tokens == 2
+
+    # the client's body reached the runtime whole: the pool set only the model, the streaming,
+    # and the model's extra_body under the client's fields
+    sent = scripted.bodies[-1]
+    assert sent["model"] == "upstream-name" and sent["stream"] is True
+    assert sent["stream_options"] == {"include_usage": True}
+    assert sent["tools"] == TOOLS and sent["tool_choice"] == "required" and sent["parallel_tool_calls"] is True
+    assert sent["n"] == 2 and sent["chat_template_kwargs"] == {"enable_thinking": True}
+    assert sent["seed"] == 42 and sent["top_k"] == 9  # the client's win over extra_body's
+
+    direct = openai.OpenAI(base_url=scripted.url + "/v1", api_key="unused", max_retries=0)
+    ask = dict(messages=[{"role": "user", "content": "weather?"}], tools=TOOLS, n=2, stream=True)
+    want_s, _ = streamed_choices(direct.chat.completions.create(model="m", **ask))
+    got_s, usage = streamed_choices(client.chat.completions.create(
+        model="scripted", stream_options={"include_usage": True}, **ask))
+    assert got_s == want_s == EXPECTED
+    assert usage.completion_tokens == 11
+    assert scripted.bodies[-1]["stream_options"] == {"include_usage": True}
+
+    with pytest.raises(openai.BadRequestError) as err:  # the runtime's 400 through a remote too
+        client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "refuse"}])
+    assert "scripted refusal: bad tool schema" in err.value.message
+
+
+# -- backends without an OpenAI server ----------------------------------------------------------------------
+def test_a_field_the_backend_cannot_honour_is_refused_by_name(client, pool):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="syn", messages=HI, tools=TOOLS)
+    assert err.value.code == "unsupported_parameter" and err.value.param == "tools"
+    assert "'tools'" in err.value.message and "synthetic" in err.value.message and "'syn'" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="syn", messages=HI, n=2)
+    assert err.value.param == "n"
+    # neutral values ask for nothing beyond the default: accepted
+    ok = client.chat.completions.create(model="syn", messages=HI, n=1, logprobs=False, seed=3, temperature=0.5)
+    assert ok.choices[0].finish_reason == "stop"
+    r = pool.http.post("/v1/chat/completions", json={"model": "syn", "messages": HI, "stream": True,
+                                                      "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+
+
+def test_an_endpoint_the_model_cannot_serve_is_400_naming_it(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.embeddings.create(model="syn", input="x")
+    assert err.value.code == "unsupported_endpoint" and "'syn'" in err.value.message
+    assert "/v1/embeddings" in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:  # the runtime says it (llama-server's 501)
+        client.embeddings.create(model="plain", input="x")
+    assert err.value.code == "unsupported_endpoint" and "'plain'" in err.value.message
+    assert "--embeddings" in err.value.message
+    legacy = client.completions.create(model="syn", prompt="abc", max_tokens=3)
+    assert legacy.choices[0].finish_reason == "length" and legacy.usage.completion_tokens == 3
+
+
+def test_the_pool_still_checks_the_fields_it_reads(pool):
+    for body, param in [({"messages": []}, "messages"), ({"messages": HI, "max_tokens": "5"}, "max_tokens"),
+                        ({"messages": HI, "stream": "yes"}, "stream"), ({"messages": "hi"}, "messages"),
+                        ({"messages": HI, "stream_options": {"include_usage": 1}}, "stream_options.include_usage")]:
+        r = pool.http.post("/v1/chat/completions", json={"model": "syn", **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    r = pool.http.post("/v1/completions", json={"model": "syn"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = pool.http.post("/v1/embeddings", json={"model": "syn", "input": "x", "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+
+
+# -- the Responses API mapped onto chat runtimes ---------------------------------------------------------
+RESPONSES_TOOLS = [{"type": "function", "name": "get_weather", "description": "weather of a city",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+TURN = [{"role": "user", "content": "weather?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
+        {"type": "function_call", "call_id": "call_0", "name": "get_weather", "arguments": '{"city":"Oslo"}'},
+        {"type": "function_call_output", "call_id": "call_0", "output": "rain"}]
+
+
+def items_of(response) -> list[tuple]:
+    out = []
+    for item in response.output:
+        if item.type == "function_call":
+            out.append(("function_call", item.call_id, item.name, item.arguments))
+        elif item.type == "reasoning":
+            out.append(("reasoning", "".join(c.text for c in item.content or [])))
+        else:
+            out.append(("message", "".join(c.text for c in item.content)))
+    return out
+
+
+RESPONSE_ITEMS = [("reasoning", "think more"), ("message", "Calling"),
+                  ("function_call", "call_1", "get_weather", '{"city":"Paris"}'),
+                  ("function_call", "call_2", "get_time", "{}")]
+
+
+def test_responses_function_tools_map_both_ways(client, scripted):
+    scripted.bodies.clear()
+    r = client.responses.create(model="scripted", instructions="be brief", input=TURN, tools=RESPONSES_TOOLS,
+                                tool_choice={"type": "function", "name": "get_weather"},
+                                reasoning={"effort": "low"}, max_output_tokens=50, parallel_tool_calls=False,
+                                text={"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}})
+    assert items_of(r) == RESPONSE_ITEMS and r.status == "completed"
+    assert r.usage.input_tokens == 7 and r.usage.output_tokens == 11
+    assert r.usage.input_tokens_details.cached_tokens == 3 and r.usage.output_tokens_details.reasoning_tokens == 2
+    sent = scripted.bodies[-1]
+    assert sent["messages"] == [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "reasoning_content": "hm", "tool_calls": [
+            {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "rain"}]
+    assert sent["tools"] == [{"type": "function", "function": {
+        "name": "get_weather", "description": "weather of a city", "parameters": RESPONSES_TOOLS[0]["parameters"]}}]
+    assert sent["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert sent["response_format"] == {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}}
+    assert sent["reasoning_effort"] == "low" and sent["max_tokens"] == 50 and sent["parallel_tool_calls"] is False
+
+    kinds = []
+    with client.responses.stream(model="scripted", input="weather?", tools=RESPONSES_TOOLS) as stream:
+        for event in stream:
+            kinds.append(event.type)
+        final = stream.get_final_response()
+    assert items_of(final) == RESPONSE_ITEMS
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 4
+    assert kinds.count("response.function_call_arguments.done") == 2
+    assert "response.function_call_arguments.delta" in kinds and "response.reasoning_text.delta" in kinds
+    # each item closes before the next opens
+    opened = [k for k in kinds if k.startswith("response.output_item.")]
+    assert opened == ["response.output_item.added", "response.output_item.done"] * 4
+
+
+def test_responses_structured_output_matches_chat_direct(direct, client):
+    want = direct.chat.completions.parse(model="x", messages=HI, max_tokens=120, temperature=0,
+                                         response_format=Person)
+    got = client.responses.parse(model="tiny", input="hi", max_output_tokens=120, temperature=0,
+                                 text_format=Person)
+    assert got.output_text == want.choices[0].message.content
+    assert isinstance(got.output_parsed, Person)
+
+
+def test_responses_refuse_what_they_cannot_map(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="scripted", input="x", tools=[{"type": "web_search"}])
+    assert err.value.code == "unsupported_parameter" and err.value.param == "tools.0.type"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="scripted", input="x", previous_response_id="resp_1")
+    assert err.value.param == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as err:  # a backend that cannot honour tools says so
+        client.responses.create(model="syn", input="x", tools=RESPONSES_TOOLS)
+    assert err.value.code == "unsupported_parameter" and err.value.param == "tools"
