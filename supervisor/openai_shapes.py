@@ -41,14 +41,35 @@ class _PassThrough(BaseModel):
         return self.model_dump(exclude_unset=True, exclude=POOL_OWNED)
 
 
-class ChatRequest(_PassThrough):
-    messages: list[dict[str, Any]] = Field(min_length=1)
+class ChatMessage(BaseModel):
+    """What the pool reads of a message (its role and the text it counts for
+    the prompt bounds); every other key passes through as sent."""
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list | None = None
+
+
+class _Sampling(_PassThrough):
+    """The OpenAI sampling fields, checked against the API's own ranges so that a
+    wrong value is the client's 400 whatever the backend (a runtime might take
+    NaN, and the synthetic one ignores them); sent on as given."""
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    n: int | None = Field(None, ge=1, le=128)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     stream_options: StreamOptions | None = None
 
 
-class CompletionRequest(_PassThrough):
+class CompletionRequest(_Sampling):
     prompt: str | list
     max_tokens: int | None = Field(None, ge=1)
     stream_options: StreamOptions | None = None
