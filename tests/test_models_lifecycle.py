@@ -1,0 +1,198 @@
+"""Models come and go on their own (issue 14), with real workers: load on
+demand, waiting during a load, a failed load, idle unload, the memory budget
+with LRU eviction, aliases, and a config reload next to a running stream."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import tomli_w
+
+from tests.conftest import synthetic
+from tests.pool import wait_for
+from tests.test_lifecycle import admin, post, with_options, worker_procs
+from tests.test_reliability import first_delta, sse, stream_responses
+
+
+def lazy(name: str, load_ms: float = 0, memory_mb: float | None = None, **extra) -> dict:
+    model = with_options(synthetic(name, load_on_start=False, **extra), load_ms=load_ms)
+    if memory_mb is not None:
+        model["memory_mb"] = memory_mb
+    return model
+
+
+def text_of(r: httpx.Response) -> str:
+    return r.json()["output"][0]["content"][0]["text"]
+
+
+def test_a_request_loads_an_unloaded_model_and_waiters_share_the_load(make_pool):
+    pool = make_pool([lazy("a", load_ms=1500)])
+    assert pool.model("a")["state"] == "unloaded"
+    with ThreadPoolExecutor(3) as ex:
+        first = ex.submit(post, pool, "a")
+        wait_for(lambda: pool.model("a")["state"] == "loading", 10, what="loading on demand")
+        assert pool.model("a")["queue_depth"] == 1
+        more = [ex.submit(post, pool, "a") for _ in range(2)]  # arrive during the load: they wait
+        wait_for(lambda: pool.model("a")["queue_depth"] == 3, 10, what="three waiting")
+        assert all(f.result().status_code == 200 for f in [first, *more])
+    view = pool.model("a")
+    assert view["state"] == "loaded" and view["last_used_at"] is not None
+    assert len(worker_procs(pool)) == 1  # one load for all three
+    metrics = pool.http.get("/metrics").text
+    assert 'llm_pool_model_loads_total{reason="on_demand"} 1.0' in metrics
+    assert "llm_pool_model_load_duration_seconds_count 1.0" in metrics
+
+
+def test_load_on_demand_off_keeps_409(make_pool):
+    pool = make_pool([lazy("off", load_on_demand=False)])
+    r = post(pool, "off")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "model_not_loaded"
+    assert pool.model("off")["state"] == "unloaded"
+
+
+def test_a_failing_load_fails_every_waiter_with_the_reason_and_the_next_request_tries_again(make_pool):
+    bad = {"name": "bad", "backend": "llama_server", "load_on_start": False,
+           "options": {"model": "/nonexistent/model.gguf", "binary": "/nonexistent/llama-server"}}
+    pool = make_pool([bad])
+    with ThreadPoolExecutor(3) as ex:
+        results = [f.result() for f in [ex.submit(post, pool, "bad") for _ in range(3)]]
+    for r in results:
+        assert r.status_code == 503 and r.json()["error"]["code"] == "load_failed", r.text
+        assert "failed to load" in r.json()["error"]["message"]
+    assert pool.model("bad")["state"] == "failed"
+    r = post(pool, "bad")  # tries again (and fails again, with its reason)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "load_failed"
+    assert worker_procs(pool) == []
+
+
+def test_idle_unload_waits_for_a_stream_and_skips_a_pinned_model(make_pool):
+    pool = make_pool([lazy("i", idle_unload_s=1.0, tps=20, tokens=60),
+                      lazy("p", idle_unload_s=1.0, pinned=True)], server={"heartbeat_s": 0.2, "liveness_s": 5})
+    assert post(pool, "p").status_code == 200
+    with stream_responses(pool, "i") as s:  # ~3 s of stream, three times idle_unload_s
+        events = sse(s)
+        first_delta(events)
+        started = time.monotonic()
+        last = list(events)[-1]
+        assert time.monotonic() - started > 2
+    assert last["type"] == "response.completed" and last["response"]["usage"]["output_tokens"] == 60
+    assert pool.model("i")["state"] == "loaded"  # not cut while it streamed
+    assert 0 < pool.model("i")["idle_unload_in_s"] <= 1.0
+    wait_for(lambda: pool.model("i")["state"] == "unloaded", 5, what="idle unload")
+    assert pool.model("p")["state"] == "loaded" and pool.model("p")["idle_unload_in_s"] is None
+    assert "model i: unloading (idle for 1s)" in pool.log()
+
+
+def test_a_budget_for_two_of_three_evicts_the_lru_idle_model_not_the_busy_or_pinned_one(make_pool):
+    pool = make_pool([lazy("old", memory_mb=100), lazy("busy", memory_mb=100, ttft_ms=200, tps=10, tokens=1000),
+                      lazy("pin", memory_mb=100, pinned=True), lazy("new", memory_mb=100)],
+                     server={"memory_budget_mb": 300})
+    assert post(pool, "old").status_code == 200
+    assert post(pool, "pin").status_code == 200
+    with stream_responses(pool, "busy") as s:
+        events = sse(s)
+        first_delta(events)  # busy now holds work; old is the least recently used idle one
+        assert post(pool, "new").status_code == 200
+        states = {m: pool.model(m)["state"] for m in ("old", "busy", "pin", "new")}
+        assert states == {"old": "unloaded", "busy": "loaded", "pin": "loaded", "new": "loaded"}, states
+    assert pool.model("new")["memory_mb"] == 100 and pool.model("new")["memory_source"] == "declared"
+    metrics = pool.http.get("/metrics").text
+    assert "llm_pool_model_evictions_total 1.0" in metrics and "llm_pool_model_swaps_total 1.0" in metrics
+    assert "model old: unloading (evicted to make room for new" in pool.log()
+
+
+def test_nothing_evictable_waits_then_503_insufficient_memory(make_pool):
+    pool = make_pool([lazy("pin", memory_mb=150, pinned=True), lazy("big", memory_mb=100, queue_timeout_s=1.5)],
+                     server={"memory_budget_mb": 200})
+    assert post(pool, "pin").status_code == 200
+    started = time.monotonic()
+    r = post(pool, "big")
+    waited = time.monotonic() - started
+    assert r.status_code == 503 and r.json()["error"]["code"] == "insufficient_memory", r.text
+    message = r.json()["error"]["message"]
+    assert "needs 100 MB" in message and "pin (150 MB)" in message
+    assert 1.0 < waited < 10
+    wait_for(lambda: pool.model("big")["state"] == "unloaded", 5, what="the load given up")
+    assert pool.model("pin")["state"] == "loaded" and "needs 100 MB" in pool.model("big")["error"]
+
+
+def test_aliases_route_and_are_listed(make_pool):
+    pool = make_pool([lazy("real", aliases=["gpt-4o-mini", "small"])])
+    r = httpx.post(pool.url + "/v1/chat/completions", timeout=30,
+                   json={"model": "small", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 200, r.text
+    listed = {m["id"]: m for m in pool.http.get("/v1/models").json()["data"]}
+    assert set(listed) == {"real", "gpt-4o-mini", "small"}
+    assert listed["gpt-4o-mini"]["state"] == "loaded" and listed["gpt-4o-mini"]["alias_of"] == "real"
+    assert pool.model("real")["aliases"] == ["gpt-4o-mini", "small"]
+
+
+def _rewrite(pool, models: list[dict], server: dict | None = None) -> None:
+    import tomllib
+    raw = tomllib.loads(pool.config_path.read_text())
+    raw["models"] = models
+    raw["server"].update(server or {})
+    pool.config_path.write_text(tomli_w.dumps(raw))
+
+
+def test_reload_adds_removes_changes_while_an_unchanged_model_streams(make_pool):
+    keep = synthetic("keep", tps=40, tokens=80)
+    gone_model = synthetic("gone")
+    change = synthetic("change")
+    pool = make_pool([keep, gone_model, change])
+    keep_pid = pool.workers("keep")[0]["pid"]
+    change_pid = pool.workers("change")[0]["pid"]
+    with stream_responses(pool, "keep") as s:
+        events = sse(s)
+        first_delta(events)
+        _rewrite(pool, [keep, with_options(synthetic("change"), output_tokens=5), synthetic("added")])
+        r = pool.http.post("/admin/reload")
+        assert r.status_code == 200, r.text
+        assert r.json() == {"added": ["added"], "removed": ["gone"], "reloaded": ["change"], "kept": ["keep"]}
+        got = list(events)
+    deltas = "".join(e["delta"] for e in got if e["type"] == "response.output_text.delta")
+    assert got[-1]["type"] == "response.completed" and got[-1]["response"]["usage"]["output_tokens"] == 80
+    assert deltas  # the rest of the text arrived, uninterrupted
+    assert pool.workers("keep")[0]["pid"] == keep_pid
+    wait_for(lambda: pool.model("change")["state"] == "loaded" and pool.workers("change")[0]["pid"] != change_pid,
+             15, what="change reloaded")
+    wait_for(lambda: pool.model("added")["state"] == "loaded", 15, what="added loaded")
+    wait_for(lambda: "gone" not in pool.models(), 15, what="gone removed")
+    assert post(pool, "gone").status_code == 404
+    assert pool.http.post("/v1/responses", json={"model": "change", "input": "x"}).json()[
+        "usage"]["output_tokens"] == 5
+    metrics = pool.http.get("/metrics").text
+    assert 'llm_pool_model_loads_total{reason="reload"} 2.0' in metrics
+
+    # a bad config is refused whole, with serve's message, and nothing changes
+    _rewrite(pool, [keep, synthetic("x", aliases=["keep"])])
+    before = pool.models()
+    r = pool.http.post("/admin/reload")
+    assert r.status_code == 400 and "'keep' is already the name or an alias" in r.json()["error"]["message"]
+    assert pool.models().keys() == before.keys() and pool.workers("keep")[0]["pid"] == keep_pid
+
+    # SIGHUP reloads too
+    _rewrite(pool, [keep])
+    os.kill(pool.proc.pid, signal.SIGHUP)
+    wait_for(lambda: set(pool.models()) == {"keep"}, 15, what="SIGHUP reload")
+    assert pool.workers("keep")[0]["pid"] == keep_pid
+
+
+def test_cold_start_ttft_through_load_on_demand_against_warm(make_pool):
+    """A figure for the note: time to first token, cold (load on demand) and warm."""
+    pool = make_pool([lazy("c", load_ms=500)])
+
+    def ttft() -> float:
+        started = time.monotonic()
+        with stream_responses(pool, "c") as s:
+            first_delta(sse(s))
+            took = time.monotonic() - started
+        return took
+    cold = ttft()
+    warm = min(ttft() for _ in range(5))
+    print(f"synthetic, load_ms=500: cold TTFT {cold * 1000:.0f} ms, warm {warm * 1000:.0f} ms")
+    assert cold > 0.5 > warm
