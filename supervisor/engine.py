@@ -592,7 +592,7 @@ def estimate_mb(cfg: ModelConfig) -> float | None:
     if cfg.backend != "llama_server":
         return None
     try:
-        size = Path(cfg.options["model"]).stat().st_size
+        size = Path(cfg.options["model"]).expanduser().stat().st_size
     except (KeyError, OSError):
         return None
     ctx = cfg.options.get("ctx_size") or 2048 * cfg.target_inflight

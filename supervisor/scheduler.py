@@ -131,8 +131,10 @@ class Executor:
 
     def _dispatch(self) -> None:
         """Hand the head of the queue to a replica while one has a free slot.
-        Never raises: a job whose hand-over fails ends with 502, the rest go on."""
-        while self.queue:
+        Never raises: a job whose hand-over fails ends with 502, the rest go on.
+        Once intake stopped (an unload, even one waiting for a load), queued jobs
+        never start: the drain fails them."""
+        while self.queue and self.accepting_new_requests:
             replica = self._pick_replica()
             if replica is None:
                 break

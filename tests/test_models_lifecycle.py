@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import tomli_w
 
-from tests.conftest import synthetic
+from tests.conftest import llama, synthetic
 from tests.pool import wait_for
 from tests.test_lifecycle import admin, post, with_options, worker_procs
 from tests.test_reliability import first_delta, sse, stream_responses
@@ -196,3 +196,29 @@ def test_cold_start_ttft_through_load_on_demand_against_warm(make_pool):
     warm = min(ttft() for _ in range(5))
     print(f"synthetic, load_ms=500: cold TTFT {cold * 1000:.0f} ms, warm {warm * 1000:.0f} ms")
     assert cold > 0.5 > warm
+
+
+def test_a_measured_footprint_replaces_the_estimate(make_pool, tiny_gguf, llama_server_bin):
+    pool = make_pool([llama("tiny", tiny_gguf, llama_server_bin, ctx=512, load_on_start=False)])
+    before = pool.model("tiny")
+    assert before["memory_source"] == "estimated"
+    file_mb = os.path.getsize(tiny_gguf) / 2**20
+    assert before["memory_mb"] == round(file_mb + 512 * 0.125, 1)
+    r = pool.http.post("/v1/chat/completions", json={
+        "model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+    after = pool.model("tiny")
+    assert after["memory_source"] == "measured" and after["memory_mb"] > 0
+    print(f"tiny gguf: estimated {before['memory_mb']} MB, measured {after['memory_mb']} MB (worker + llama-server RSS)")
+
+
+def test_unload_during_an_on_demand_load_fails_its_waiters_with_model_unloading(make_pool):
+    pool = make_pool([lazy("u", load_ms=1500)])
+    with ThreadPoolExecutor(2) as ex:
+        waiting = ex.submit(post, pool, "u")
+        wait_for(lambda: pool.model("u")["state"] == "loading", 10, what="loading")
+        unload = ex.submit(admin, pool, "u", "unload")
+        r = waiting.result()
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_unloading", r.text
+        assert unload.result().json()["state"] == "unloaded"
+    assert worker_procs(pool) == []
