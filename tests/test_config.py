@@ -19,6 +19,13 @@ GOOD_MODEL = '[[models]]\nname = "a"\nbackend = "synthetic"\n'
     (GOOD_MODEL + 'target_inflight = "4"\n', ["model 'a'", "'target_inflight'", "integer"]),
     (GOOD_MODEL + 'target_inflight = 0\n', ["model 'a'", "'target_inflight'", "greater than"]),
     (GOOD_MODEL + GOOD_MODEL, ["model 'a'", "'name'", "duplicate"]),
+    # names and aliases share one namespace; no model larger than the whole budget
+    (GOOD_MODEL + '[[models]]\nname = "b"\nbackend = "synthetic"\naliases = ["a"]\n',
+     ["model 'b'", "'aliases'", "'a' is already"]),
+    (GOOD_MODEL + 'aliases = ["x", "x"]\n', ["model 'a'", "'aliases'", "'x' is already"]),
+    (GOOD_MODEL + 'aliases = ["bad name"]\n', ["model 'a'", "'aliases'", "not a valid name"]),
+    ('[server]\nmemory_budget_mb = 100\n' + GOOD_MODEL + 'memory_mb = 200\n',
+     ["model 'a'", "'memory_mb'", "more than the whole server.memory_budget_mb"]),
     ('[[models]]\nname = "b"\nbackend = "tensorrt"\n', ["model 'b'", "'backend'", "llama_server"]),
     (GOOD_MODEL + 'replicas = 2\nreplica_devices = ["0"]\n', ["model 'a'", "replica_devices has 1"]),
     ('[server]\nprot = 1\n', ["'server.prot'"]),

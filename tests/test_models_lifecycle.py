@@ -222,3 +222,18 @@ def test_unload_during_an_on_demand_load_fails_its_waiters_with_model_unloading(
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_unloading", r.text
         assert unload.result().json()["state"] == "unloaded"
     assert worker_procs(pool) == []
+
+
+def test_the_cli_shows_lifecycle_columns_and_reloads(make_pool):
+    from tests.test_cli import assert_one_line_error, cli, table_rows
+    model = lazy("m", memory_mb=100, pinned=True, aliases=["mini"], idle_unload_s=600)
+    pool = make_pool([model])
+    row = table_rows(cli("models", url=pool.url).stdout)[0]
+    assert (row["MEMORY"], row["PINNED"], row["ALIASES"], row["LAST USED"]) == ("100 MB (declared)", "yes", "mini", "-")
+    _rewrite(pool, [model, lazy("n")])
+    done = cli("reload", url=pool.url)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["added: n", "removed: -", "reloaded: -", "kept: m"]
+    _rewrite(pool, [model, lazy("n", target_inflight=0)])
+    assert_one_line_error(cli("reload", url=pool.url), "model 'n': key 'target_inflight'")
+    assert set(pool.models()) == {"m", "n"}
