@@ -15,7 +15,7 @@ import psutil
 
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ConfigError, ModelConfig, PoolConfig, load_config
-from supervisor.jobs import Job
+from supervisor.jobs import Job, JobState
 from supervisor.process import sweep_stale_workers
 from supervisor.replica import Replica
 from supervisor.scheduler import Executor
@@ -51,6 +51,8 @@ class ModelEntry:
     holds_memory: bool = False  # passed the memory budget's gate; counts until unloaded
     measured_mb: float | None = None  # process-tree RSS of its replicas, once loaded
     removed: bool = False  # gone from the config by a reload: draining, then forgotten
+    # During an automatic unload (idle, evicted): requests that wait for the next load on demand.
+    pending: list[Job] | None = None
 
     def used(self, now: float | None = None) -> None:
         self.last_used = now if now is not None else time.monotonic()
@@ -210,11 +212,32 @@ class ModelRouterEngine:
             return None
         return max(0.0, entry.last_used + idle_s - now)
 
-    def _auto_unload(self, entry: ModelEntry, reason: str) -> None:
-        """Unload with the usual drain; intake stops now, so no request slips in between."""
+    def _auto_unload(self, entry: ModelEntry, reason: str, spawn: bool = True) -> None:
+        """Unload with the usual drain; intake stops now, so no request slips in
+        between. Requests that come meanwhile (and any still queued) wait for the
+        next load on demand, which starts when the unload ends."""
         log.info("model %s: unloading (%s)", entry.cfg.name, reason)
-        entry.executor.accepting_new_requests = False
-        self._spawn(self.unload(entry.cfg.name))
+        executor = entry.executor
+        executor.accepting_new_requests = False
+        if entry.cfg.load_on_demand:
+            entry.pending = list(executor.queue)
+            executor.queue.clear()
+        if spawn:
+            self._spawn(self.unload(entry.cfg.name))
+
+    def _after_auto_unload(self, entry: ModelEntry) -> None:
+        """Requests that waited through an automatic unload start the next load."""
+        waiting = [j for j in entry.pending or [] if j.state is JobState.QUEUED]
+        entry.pending = None
+        if not waiting:
+            return
+        if self.shutting_down or entry.removed:
+            error = PoolError(ErrorCode.MODEL_UNLOADING, f"model {entry.cfg.name!r} was unloaded "
+                              f"({'shutdown' if self.shutting_down else 'removed from the config'})")
+            for job in waiting:
+                job.finish(error)
+            return
+        self._load_on_demand(entry).queue.extend(waiting)
 
     # -- load / unload ----------------------------------------------------------------------
     def entry(self, name: str, removed_too: bool = False) -> ModelEntry:
@@ -364,8 +387,8 @@ class ModelRouterEngine:
                 victim = victims[0]
                 self.evictions += 1
                 evicted = True
-                log.info("model %s: unloading (evicted to make room for %s: %g MB needed, %g of %g MB in use)",
-                         victim.cfg.name, entry.cfg.name, need, self.memory_in_use(entry), budget)
+                self._auto_unload(victim, f"evicted to make room for {entry.cfg.name}: {need:g} MB needed, "
+                                          f"{self.memory_in_use(entry):g} of {budget:g} MB in use", spawn=False)
                 await self.unload(victim.cfg.name)
                 continue
             loaded = ", ".join(f"{e.cfg.name} ({self.footprint(e)[0] or 0:g} MB)"
@@ -409,6 +432,7 @@ class ModelRouterEngine:
             entry.holds_memory = False
             entry.set_state(ModelState.UNLOADED)
             log.info("model %s unloaded", name)
+            self._after_auto_unload(entry)
             return entry
 
     async def restart(self, name: str, replica: int | None = None) -> ModelEntry:
@@ -443,6 +467,14 @@ class ModelRouterEngine:
         if self.shutting_down:
             raise PoolError(ErrorCode.MODEL_UNLOADING, "the pool is shutting down")
         executor = entry.executor
+        if entry.pending is not None:  # an automatic unload: wait for the next load on demand
+            check_prompt_bounds(entry.cfg, request)
+            if len(entry.pending) >= entry.cfg.max_queue:
+                raise PoolError(ErrorCode.QUEUE_FULL, f"model {entry.cfg.name!r} has {len(entry.pending)} "
+                                f"requests waiting for its next load (max_queue)", retry_after_s=1)
+            job = self._job(entry, request)
+            entry.pending.append(job)
+            return job
         if entry.state is ModelState.UNLOADING or (executor and not executor.accepting_new_requests):
             raise PoolError(ErrorCode.MODEL_UNLOADING, f"model {entry.cfg.name!r} is unloading", param="model",
                             retry_after_s=1)
@@ -559,7 +591,7 @@ class ModelRouterEngine:
             "state": self.model_state(entry).value,
             "replicas": entry.cfg.replicas,
             "replicas_ready": sum(r.state is ReplicaState.READY for r in ex.replicas) if ex else 0,
-            "queue_depth": ex.queue_depth if ex else 0,
+            "queue_depth": (ex.queue_depth if ex else 0) + len(entry.pending or ()),
             "runtime_inflight": ex.runtime_inflight if ex else 0,
             "configured_target_inflight": entry.cfg.target_inflight * entry.cfg.replicas,
             "effective_target_inflight": ex.effective_target_inflight if ex else 0,

@@ -237,3 +237,31 @@ def test_the_cli_shows_lifecycle_columns_and_reloads(make_pool):
     _rewrite(pool, [model, lazy("n", target_inflight=0)])
     assert_one_line_error(cli("reload", url=pool.url), "model 'n': key 'target_inflight'")
     assert set(pool.models()) == {"m", "n"}
+
+
+def test_alternating_requests_under_a_budget_of_one_model_all_succeed(make_pool):
+    """Budget for one of A and B: requests for both from several clients swap the
+    models in and out; a request that comes while its model is being evicted
+    waits for its next load instead of failing; every request gets 200."""
+    pool = make_pool([lazy(n, load_ms=200, memory_mb=100, tps=200, tokens=20) for n in ("A", "B")],
+                     server={"memory_budget_mb": 150, "heartbeat_s": 0.1, "liveness_s": 5})
+    latencies: dict[str, list[float]] = {"A": [], "B": []}
+
+    def client(i: int) -> list[int]:
+        codes = []
+        for k in range(4):
+            model = "AB"[(i + k) % 2]
+            started = time.monotonic()
+            codes.append(post(pool, model).status_code)
+            latencies[model].append(time.monotonic() - started)
+        return codes
+    with ThreadPoolExecutor(4) as ex:
+        codes = [c for f in [ex.submit(client, i) for i in range(4)] for c in f.result()]
+    assert codes == [200] * 16, codes
+    metrics = pool.http.get("/metrics").text
+    swaps = next(float(line.split()[-1]) for line in metrics.splitlines()
+                 if line.startswith("llm_pool_model_swaps_total"))
+    every = sorted(latencies["A"] + latencies["B"])
+    print(f"alternating A/B, 4 clients x 4 requests, budget of one: {swaps:.0f} swaps, "
+          f"p50 {every[len(every) // 2] * 1000:.0f} ms, max {every[-1] * 1000:.0f} ms")
+    assert swaps >= 1
