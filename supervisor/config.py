@@ -47,6 +47,9 @@ class ServerConfig(_Strict):
     # Models come and go (engine.py): defaults and bounds over all models.
     idle_unload_s: float | None = Field(None, gt=0)  # default for models that set none; None: never
     memory_budget_mb: float | None = Field(None, gt=0)  # host RAM the loaded models may use together
+    # A load waiting for memory held by busy models: they finish their running jobs and make way
+    # after this long (their queued requests wait for their next load); None: only idle ones go.
+    max_swap_wait_s: float | None = Field(10.0, ge=0)
 
     @field_validator("allowed_hosts")
     @classmethod

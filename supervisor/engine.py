@@ -369,6 +369,15 @@ class ModelRouterEngine:
                        and not e.cfg.pinned and not e.busy.locked() and e.executor.accepting_new_requests),
                       key=lambda e: e.last_used)
 
+    def _yieldable(self, entry: ModelEntry) -> list[ModelEntry]:
+        """Busy loaded models that may make way for a load that waited max_swap_wait_s,
+        least work first: never a pinned one, or one loading or being acted on. Their
+        running jobs finish (never cut); their queued ones wait for their next load."""
+        return sorted((e for e in self.models.values()
+                       if e is not entry and e.holds_memory and e.state is ModelState.LOADED
+                       and not e.cfg.pinned and not e.busy.locked() and e.executor.accepting_new_requests),
+                      key=lambda e: (e.executor.queue_depth + e.executor.runtime_inflight, e.last_used))
+
     async def _make_room(self, entry: ModelEntry, waiters_only: bool) -> None:
         """Pass the memory gate: evict idle models (LRU) until this one fits, or
         wait (up to the queue timeout) for one to become evictable. A load on
@@ -379,10 +388,14 @@ class ModelRouterEngine:
             entry.holds_memory = True
             return
         wait_s = entry.cfg.queue_timeout_s or entry.cfg.request_timeout_s
-        deadline = time.monotonic() + wait_s
+        started = time.monotonic()
+        deadline = started + wait_s
+        max_swap_wait_s = self.config.server.max_swap_wait_s
         evicted = False
         while self.memory_in_use(entry) + need > budget:
             victims = self._evictable(entry)
+            if not victims and max_swap_wait_s is not None and time.monotonic() - started >= max_swap_wait_s:
+                victims = self._yieldable(entry)  # waited long enough: a busy model makes way
             if victims:
                 victim = victims[0]
                 self.evictions += 1

@@ -265,3 +265,37 @@ def test_alternating_requests_under_a_budget_of_one_model_all_succeed(make_pool)
     print(f"alternating A/B, 4 clients x 4 requests, budget of one: {swaps:.0f} swaps, "
           f"p50 {every[len(every) // 2] * 1000:.0f} ms, max {every[-1] * 1000:.0f} ms")
     assert swaps >= 1
+
+
+def _contend(make_pool, max_swap_wait_s: float) -> tuple[int, list[float]]:
+    """Two clients on A and two on B, 6 requests each, under a budget of one model."""
+    pool = make_pool([lazy(n, load_ms=200, memory_mb=100, tps=200, tokens=20) for n in ("A", "B")],
+                     server={"memory_budget_mb": 150, "heartbeat_s": 0.1, "liveness_s": 5,
+                             "max_swap_wait_s": max_swap_wait_s})
+    latencies: list[float] = []
+
+    def client(model: str) -> list[int]:
+        codes = []
+        for _ in range(6):
+            started = time.monotonic()
+            codes.append(post(pool, model).status_code)
+            latencies.append(time.monotonic() - started)
+        return codes
+    with ThreadPoolExecutor(4) as ex:
+        codes = [c for f in [ex.submit(client, m) for m in "AABB"] for c in f.result()]
+    assert codes == [200] * 24, codes
+    metrics = pool.http.get("/metrics").text
+    swaps = next(int(float(line.split()[-1])) for line in metrics.splitlines()
+                 if line.startswith("llm_pool_model_swaps_total"))
+    pool.stop()
+    return swaps, sorted(latencies)
+
+
+def test_swap_aware_dispatch_swaps_less_than_swapping_at_once(make_pool):
+    """max_swap_wait_s = 0 swaps as soon as the other model waits (FIFO order);
+    1 s lets the loaded model serve its queue first. Both finish everything."""
+    results = {wait: _contend(make_pool, wait) for wait in (0.0, 1.0)}
+    for wait, (swaps, lat) in results.items():
+        print(f"max_swap_wait_s={wait:g}: {swaps} swaps, p50 {lat[len(lat) // 2] * 1000:.0f} ms, "
+              f"p99 {lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000:.0f} ms")
+    assert results[1.0][0] < results[0.0][0]
