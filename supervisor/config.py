@@ -221,6 +221,11 @@ def parse_config(raw: dict, source: str = "<config>") -> PoolConfig:
         if budget is not None and m.memory_mb is not None and m.memory_mb > budget:
             raise ConfigError(f"{source}: model {m.name!r}: key 'memory_mb': {m.memory_mb:g} MB is more than "
                               f"the whole server.memory_budget_mb ({budget:g} MB)")
+    budget = cfg.server.memory_budget_mb
+    at_start = sum(m.memory_mb or 0 for m in cfg.models if m.load_on_start)
+    if budget is not None and at_start > budget:
+        raise ConfigError(f"{source}: key 'server.memory_budget_mb': the models with load_on_start declare "
+                          f"{at_start:g} MB together, more than the budget ({budget:g} MB)")
     for i, m in enumerate(cfg.models):
         try:
             BACKEND_OPTIONS[m.backend].model_validate(m.options)

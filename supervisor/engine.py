@@ -589,6 +589,8 @@ class ModelRouterEngine:
         """/v1/models: every configured model and alias, with its state."""
         out = []
         for name, entry in self.models.items():
+            if entry.removed:
+                continue
             state = self.model_state(entry).value
             for id_ in (name, *entry.cfg.aliases):
                 out.append({"id": id_, "object": "model", "created": 0, "owned_by": "llm-pool", "state": state,

@@ -26,6 +26,8 @@ GOOD_MODEL = '[[models]]\nname = "a"\nbackend = "synthetic"\n'
     (GOOD_MODEL + 'aliases = ["bad name"]\n', ["model 'a'", "'aliases'", "not a valid name"]),
     ('[server]\nmemory_budget_mb = 100\n' + GOOD_MODEL + 'memory_mb = 200\n',
      ["model 'a'", "'memory_mb'", "more than the whole server.memory_budget_mb"]),
+    ('[server]\nmemory_budget_mb = 100\n' + GOOD_MODEL + 'memory_mb = 60\n' + GOOD_MODEL.replace('"a"', '"b"')
+     + 'memory_mb = 60\n', ["'server.memory_budget_mb'", "load_on_start declare 120 MB"]),
     ('[[models]]\nname = "b"\nbackend = "tensorrt"\n', ["model 'b'", "'backend'", "llama_server"]),
     (GOOD_MODEL + 'replicas = 2\nreplica_devices = ["0"]\n', ["model 'a'", "replica_devices has 1"]),
     ('[server]\nprot = 1\n', ["'server.prot'"]),

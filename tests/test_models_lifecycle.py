@@ -204,9 +204,18 @@ def test_a_measured_footprint_replaces_the_estimate(make_pool, tiny_gguf, llama_
     assert before["memory_source"] == "estimated"
     file_mb = os.path.getsize(tiny_gguf) / 2**20
     assert before["memory_mb"] == round(file_mb + 512 * 0.125, 1)
-    r = pool.http.post("/v1/chat/completions", json={
-        "model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})
-    assert r.status_code == 200, r.text
+    def ttft() -> float:
+        started = time.monotonic()
+        with httpx.stream("POST", pool.url + "/v1/chat/completions", timeout=60, json={
+                "model": "tiny", "max_tokens": 3, "stream": True,
+                "messages": [{"role": "user", "content": "hi"}]}) as s:
+            assert s.status_code == 200
+            first_delta(sse(s))
+            return time.monotonic() - started
+    cold = ttft()  # through load on demand
+    warm = min(ttft() for _ in range(3))
+    print(f"tiny gguf on llama-server: cold TTFT {cold * 1000:.0f} ms, warm {warm * 1000:.0f} ms")
+    assert cold > warm
     after = pool.model("tiny")
     assert after["memory_source"] == "measured" and after["memory_mb"] > 0
     print(f"tiny gguf: estimated {before['memory_mb']} MB, measured {after['memory_mb']} MB (worker + llama-server RSS)")
