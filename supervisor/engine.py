@@ -237,6 +237,7 @@ class ModelRouterEngine:
             for job in waiting:
                 job.finish(error)
             return
+        log.info("model %s: %d requests waited through its unload; loading it again", entry.cfg.name, len(waiting))
         self._load_on_demand(entry).queue.extend(waiting)
 
     # -- load / unload ----------------------------------------------------------------------

@@ -296,6 +296,7 @@ def _contend(make_pool, max_swap_wait_s: float) -> tuple[int, list[float]]:
     metrics = pool.http.get("/metrics").text
     swaps = next(int(float(line.split()[-1])) for line in metrics.splitlines()
                  if line.startswith("llm_pool_model_swaps_total"))
+    print(pool.log().count("waited through its unload"), "reloads for requests that came during an unload")
     pool.stop()
     return swaps, sorted(latencies)
 
