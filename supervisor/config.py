@@ -47,6 +47,7 @@ class ServerConfig(_Strict):
     # Models come and go (engine.py): defaults and bounds over all models.
     idle_unload_s: float | None = Field(None, gt=0)  # default for models that set none; None: never
     memory_budget_mb: float | None = Field(None, gt=0)  # host RAM the loaded models may use together
+    gpu_memory_budget_mb: float | None = Field(None, gt=0)  # per GPU device (models with replica_devices)
     # A load waiting for memory held by busy models: they finish their running jobs and make way
     # after this long (their queued requests wait for their next load); None: only idle ones go.
     max_swap_wait_s: float | None = Field(10.0, ge=0)
@@ -144,6 +145,7 @@ class ModelConfig(_Strict):
     pinned: bool = False  # never unloaded or evicted automatically
     aliases: list[str] = Field(default_factory=list)  # other names that route here
     memory_mb: float | None = Field(None, gt=0)  # declared footprint; else estimated, then measured
+    gpu_memory_mb: float | None = Field(None, gt=0)  # per replica, split over its replica_devices entry
     load_timeout_s: float = Field(gt=0)  # spawn to ready; default 120 s, vllm_serve 600 s
     request_timeout_s: float = Field(600.0, gt=0)  # whole job, queue wait included
     queue_timeout_s: float | None = Field(None, gt=0)  # max wait in the queue; then 503 queue_timeout
@@ -221,6 +223,17 @@ def parse_config(raw: dict, source: str = "<config>") -> PoolConfig:
         if budget is not None and m.memory_mb is not None and m.memory_mb > budget:
             raise ConfigError(f"{source}: model {m.name!r}: key 'memory_mb': {m.memory_mb:g} MB is more than "
                               f"the whole server.memory_budget_mb ({budget:g} MB)")
+    gpu_budget = cfg.server.gpu_memory_budget_mb
+    for m in cfg.models:
+        if gpu_budget is None or m.gpu_memory_mb is None:
+            continue
+        if m.replica_devices is None:
+            raise ConfigError(f"{source}: model {m.name!r}: key 'gpu_memory_mb': with server.gpu_memory_budget_mb "
+                              f"set, it needs replica_devices (the GPU each replica uses)")
+        share = max(m.gpu_memory_mb / len(d.split(",")) for d in m.replica_devices)
+        if share > gpu_budget:
+            raise ConfigError(f"{source}: model {m.name!r}: key 'gpu_memory_mb': {share:g} MB on one device is "
+                              f"more than server.gpu_memory_budget_mb ({gpu_budget:g} MB)")
     budget = cfg.server.memory_budget_mb
     at_start = sum(m.memory_mb or 0 for m in cfg.models if m.load_on_start)
     if budget is not None and at_start > budget:

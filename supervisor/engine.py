@@ -16,6 +16,7 @@ import psutil
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ConfigError, ModelConfig, PoolConfig, load_config
 from supervisor.jobs import Job, JobState
+from supervisor.observe import gpu_memory_by_pid
 from supervisor.process import sweep_stale_workers
 from supervisor.replica import Replica
 from supervisor.scheduler import Executor
@@ -50,6 +51,7 @@ class ModelEntry:
     last_used_at: float | None = None  # wall clock, for views
     holds_memory: bool = False  # passed the memory budget's gate; counts until unloaded
     measured_mb: float | None = None  # process-tree RSS of its replicas, once loaded
+    measured_gpu_mb: dict[str, float] | None = None  # GPU memory (NVML) per device, once loaded
     removed: bool = False  # gone from the config by a reload: draining, then forgotten
     # During an automatic unload (idle, evicted): requests that wait for the next load on demand.
     pending: list[Job] | None = None
@@ -358,57 +360,108 @@ class ModelRouterEngine:
                 pass
         if seen:
             entry.measured_mb = total / 2**20
+        if self.config.server.gpu_memory_budget_mb is not None and entry.cfg.replica_devices and entry.executor:
+            gpu = gpu_memory_by_pid()
+            if gpu is not None:
+                per_device: dict[str, float] = {}
+                for r in entry.executor.replicas:
+                    try:
+                        proc = psutil.Process(r.pid) if r.pid else None
+                        tree = [proc, *proc.children(recursive=True)] if proc else []
+                    except psutil.Error:
+                        tree = []
+                    used = sum(gpu.get(p.pid, 0) for p in tree) / 2**20
+                    devices = entry.cfg.replica_devices[r.index].split(",")
+                    for d in devices:
+                        per_device[d] = per_device.get(d, 0) + used / len(devices)
+                entry.measured_gpu_mb = per_device
 
-    def memory_in_use(self, but: ModelEntry | None = None) -> float:
-        return sum(self.footprint(e)[0] or 0 for e in self.models.values() if e.holds_memory and e is not but)
+    def gpu_footprint(self, entry: ModelEntry) -> dict[str, float]:
+        """GPU MB per device: declared per replica (split over its devices), else measured."""
+        devices = entry.cfg.replica_devices
+        if entry.cfg.gpu_memory_mb is not None and devices:
+            out: dict[str, float] = {}
+            for entry_devices in devices:
+                split = entry_devices.split(",")
+                for d in split:
+                    out[d] = out.get(d, 0) + entry.cfg.gpu_memory_mb / len(split)
+            return out
+        return dict(entry.measured_gpu_mb or {})
 
-    def _evictable(self, entry: ModelEntry) -> list[ModelEntry]:
+    def _usage(self, entry: ModelEntry) -> dict[str, float]:
+        """What the model takes from each budget: "host", and "GPU <device>" per device."""
+        usage = {"host": self.footprint(entry)[0] or 0}
+        if self.config.server.gpu_memory_budget_mb is not None:
+            usage.update({f"GPU {d}": mb for d, mb in self.gpu_footprint(entry).items()})
+        return usage
+
+    def memory_in_use(self, but: ModelEntry | None = None, budget: str = "host") -> float:
+        return sum(self._usage(e).get(budget, 0) for e in self.models.values() if e.holds_memory and e is not but)
+
+    def _short(self, entry: ModelEntry) -> list[str]:
+        """The budgets this model does not fit in now."""
+        limits = {"host": self.config.server.memory_budget_mb}
+        short = []
+        for key, need in self._usage(entry).items():
+            limit = limits.get(key, self.config.server.gpu_memory_budget_mb if key != "host" else None)
+            if limit is not None and need > 0 and self.memory_in_use(entry, key) + need > limit:
+                short.append(key)
+        return short
+
+    def _evictable(self, entry: ModelEntry, short: list[str]) -> list[ModelEntry]:
         """Idle loaded models that may go, least recently used first: never one with
-        queued or running work, a pinned one, or one loading or being acted on."""
-        return sorted((e for e in self.models.values()
-                       if e is not entry and e.holds_memory and e.state is ModelState.LOADED and e.idle
-                       and not e.cfg.pinned and not e.busy.locked() and e.executor.accepting_new_requests),
-                      key=lambda e: e.last_used)
+        queued or running work, a pinned one, or one loading or being acted on; only
+        ones that free some of a budget this model is short of."""
+        return sorted((e for e in self._candidates(entry, short) if e.idle), key=lambda e: e.last_used)
 
-    def _yieldable(self, entry: ModelEntry) -> list[ModelEntry]:
+    def _yieldable(self, entry: ModelEntry, short: list[str]) -> list[ModelEntry]:
         """Busy loaded models that may make way for a load that waited max_swap_wait_s,
         least work first: never a pinned one, or one loading or being acted on. Their
         running jobs finish (never cut); their queued ones wait for their next load."""
-        return sorted((e for e in self.models.values()
-                       if e is not entry and e.holds_memory and e.state is ModelState.LOADED
-                       and not e.cfg.pinned and not e.busy.locked() and e.executor.accepting_new_requests),
+        return sorted(self._candidates(entry, short),
                       key=lambda e: (e.executor.queue_depth + e.executor.runtime_inflight, e.last_used))
+
+    def _candidates(self, entry: ModelEntry, short: list[str]) -> list[ModelEntry]:
+        return [e for e in self.models.values()
+                if e is not entry and e.holds_memory and e.state is ModelState.LOADED and not e.cfg.pinned
+                and not e.busy.locked() and e.executor.accepting_new_requests
+                and any(self._usage(e).get(key, 0) > 0 for key in short)]
+
+    def _fit_text(self, entry: ModelEntry, short: list[str]) -> str:
+        """For each budget it is short of: what it needs, the budget, and what holds it."""
+        usage = self._usage(entry)
+        parts = []
+        for key in short:
+            limit = self.config.server.memory_budget_mb if key == "host" else self.config.server.gpu_memory_budget_mb
+            name = "memory_budget_mb" if key == "host" else f"gpu_memory_budget_mb ({key})"
+            held = ", ".join(f"{e.cfg.name} ({self._usage(e).get(key, 0):g} MB)" for e in self.models.values()
+                             if e.holds_memory and e is not entry and self._usage(e).get(key, 0) > 0) or "nothing"
+            parts.append(f"it needs {usage[key]:g} MB of {name} {limit:g}, in use by {held}")
+        return "; ".join(parts)
 
     async def _make_room(self, entry: ModelEntry, waiters_only: bool) -> None:
         """Pass the memory gate: evict idle models (LRU) until this one fits, or
         wait (up to the queue timeout) for one to become evictable. A load on
         demand gives up as soon as no request waits for it any more."""
-        budget = self.config.server.memory_budget_mb
-        need = self.footprint(entry)[0] or 0
-        if budget is None:
-            entry.holds_memory = True
-            return
         wait_s = entry.cfg.queue_timeout_s or entry.cfg.request_timeout_s
         started = time.monotonic()
         deadline = started + wait_s
         max_swap_wait_s = self.config.server.max_swap_wait_s
         evicted = False
-        while self.memory_in_use(entry) + need > budget:
-            victims = self._evictable(entry)
+        while short := self._short(entry):
+            victims = self._evictable(entry, short)
             if not victims and max_swap_wait_s is not None and time.monotonic() - started >= max_swap_wait_s:
-                victims = self._yieldable(entry)  # waited long enough: a busy model makes way
+                victims = self._yieldable(entry, short)  # waited long enough: a busy model makes way
             if victims:
                 victim = victims[0]
                 self.evictions += 1
                 evicted = True
-                self._auto_unload(victim, f"evicted to make room for {entry.cfg.name}: {need:g} MB needed, "
-                                          f"{self.memory_in_use(entry):g} of {budget:g} MB in use", spawn=False)
+                self._auto_unload(victim, f"evicted to make room for {entry.cfg.name} in {self._fit_text(entry, short)}",
+                                  spawn=False)
                 await self.unload(victim.cfg.name)
                 continue
-            loaded = ", ".join(f"{e.cfg.name} ({self.footprint(e)[0] or 0:g} MB)"
-                               for e in self.models.values() if e.holds_memory and e is not entry) or "nothing"
-            error = PoolError(ErrorCode.INSUFFICIENT_MEMORY, f"model {entry.cfg.name!r} needs {need:g} MB; "
-                              f"memory_budget_mb is {budget:g} and in use by {loaded}, none of it idle",
+            error = PoolError(ErrorCode.INSUFFICIENT_MEMORY, f"model {entry.cfg.name!r} does not fit: "
+                              f"{self._fit_text(entry, short)}; nothing loaded there can be unloaded now",
                               retry_after_s=1)
             executor = entry.executor
             for job in executor.queue:
@@ -622,6 +675,7 @@ class ModelRouterEngine:
             "idle_unload_in_s": _round(self.idle_unload_in(entry, time.monotonic())),
             "memory_mb": _round(memory),
             "memory_source": source,
+            "gpu_memory_mb": {d: _round(mb) for d, mb in self.gpu_footprint(entry).items()} or None,
         }
 
     def _replica_errors(self, entry: ModelEntry) -> str | None:

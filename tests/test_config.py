@@ -26,6 +26,10 @@ GOOD_MODEL = '[[models]]\nname = "a"\nbackend = "synthetic"\n'
     (GOOD_MODEL + 'aliases = ["bad name"]\n', ["model 'a'", "'aliases'", "not a valid name"]),
     ('[server]\nmemory_budget_mb = 100\n' + GOOD_MODEL + 'memory_mb = 200\n',
      ["model 'a'", "'memory_mb'", "more than the whole server.memory_budget_mb"]),
+    ('[server]\ngpu_memory_budget_mb = 100\n' + GOOD_MODEL + 'gpu_memory_mb = 60\n',
+     ["model 'a'", "'gpu_memory_mb'", "needs replica_devices"]),
+    ('[server]\ngpu_memory_budget_mb = 100\n' + GOOD_MODEL + 'gpu_memory_mb = 160\nreplica_devices = ["0"]\n',
+     ["model 'a'", "'gpu_memory_mb'", "160 MB on one device"]),
     ('[server]\nmemory_budget_mb = 100\n' + GOOD_MODEL + 'memory_mb = 60\n' + GOOD_MODEL.replace('"a"', '"b"')
      + 'memory_mb = 60\n', ["'server.memory_budget_mb'", "load_on_start declare 120 MB"]),
     ('[[models]]\nname = "b"\nbackend = "tensorrt"\n', ["model 'b'", "'backend'", "llama_server"]),

@@ -309,3 +309,17 @@ def test_swap_aware_dispatch_swaps_less_than_swapping_at_once(make_pool):
         print(f"max_swap_wait_s={wait:g}: {swaps} swaps, p50 {lat[len(lat) // 2] * 1000:.0f} ms, "
               f"p99 {lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000:.0f} ms")
     assert results[1.0][0] < results[0.0][0]
+
+
+def test_a_gpu_budget_per_device_evicts_only_on_that_device(make_pool):
+    """gpu_memory_budget_mb is per device: A and B share GPU 0 (60 MB each, budget 100),
+    C is on GPU 1. Loading B evicts A, not C; no host budget is involved."""
+    def on(name: str, device: str) -> dict:
+        return {**lazy(name), "gpu_memory_mb": 60, "replica_devices": [device]}
+    pool = make_pool([on("A", "0"), on("B", "0"), on("C", "1")], server={"gpu_memory_budget_mb": 100})
+    assert post(pool, "A").status_code == 200 and post(pool, "C").status_code == 200
+    assert post(pool, "B").status_code == 200
+    states = {m: v["state"] for m, v in pool.models().items()}
+    assert states == {"A": "unloaded", "B": "loaded", "C": "loaded"}, states
+    assert "model A: unloading (evicted to make room for B in it needs 60 MB of gpu_memory_budget_mb (GPU 0)" \
+        in pool.log()
