@@ -1,6 +1,9 @@
-"""ModelRouterEngine: the registry of public models, their states, load and
-unload, and the entry point for jobs. It owns the transport, one executor per
-loaded model, and the heartbeat loop over all replicas."""
+"""ModelRouterEngine: the registry of public models (and their aliases), their
+states, load and unload, and the entry point for jobs. It owns the transport,
+one executor per loaded (or loading) model, and the heartbeat loop over all
+replicas. Models come and go here too: load on demand (a request's job waits in
+the queue of the loading model), idle unload, the memory budgets with LRU
+eviction and swap-aware waiting, and config reload."""
 
 from __future__ import annotations
 
