@@ -31,6 +31,7 @@ class ErrorCode(StrEnum):
     RUNTIME_ERROR = "runtime_error"  # the runtime answered with an error of its own
     UPSTREAM_RATE_LIMITED = "upstream_rate_limited"
     LOAD_FAILED = "load_failed"
+    INSUFFICIENT_MEMORY = "insufficient_memory"  # the model does not fit the memory budget now
     PROTOCOL_ERROR = "protocol_error"
 
 
@@ -52,6 +53,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.QUEUE_TIMEOUT: 503,
     ErrorCode.NO_HEALTHY_REPLICA: 503,
     ErrorCode.LOAD_FAILED: 503,
+    ErrorCode.INSUFFICIENT_MEMORY: 503,
     ErrorCode.RUNTIME_CRASHED: 502,
     ErrorCode.RUNTIME_ERROR: 502,
     ErrorCode.PROTOCOL_ERROR: 502,

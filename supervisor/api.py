@@ -81,9 +81,7 @@ def create_app(config: PoolConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "llm-pool",
-             "state": entry.state.value} for name, entry in engine.models.items()]}
+        return {"object": "list", "data": engine.model_list()}
 
     # -- health --------------------------------------------------------------------------------------
     @app.get("/metrics")
@@ -119,6 +117,11 @@ def create_app(config: PoolConfig) -> FastAPI:
         if replica is not None:
             check_replica(name, replica)
         return engine.model_view(await engine.restart(name, replica))
+
+    @app.post("/admin/reload")
+    async def admin_reload():
+        """Re-read the config file and apply the difference (400 and no change for a bad one)."""
+        return await engine.reload()
 
     @app.get("/admin/workers")
     async def admin_workers():

@@ -254,11 +254,15 @@ def models(url: Url = DEFAULT_URL, as_json: AsJson = False) -> None:
     if as_json:
         return _print_json(views)
     with_error = any(m["error"] for m in views)  # the column only when there is something in it
-    _table(["NAME", "BACKEND", "STATE", "READY", "QUEUE", "INFLIGHT", "CAPACITY cfg/eff"]
-           + ["ERROR"] * with_error,
+    _table(["NAME", "BACKEND", "STATE", "READY", "QUEUE", "INFLIGHT", "CAPACITY cfg/eff", "MEMORY",
+            "LAST USED", "IDLE UNLOAD IN", "PINNED", "ALIASES"] + ["ERROR"] * with_error,
            [(m["name"], m["backend"], m["state"], f"{m['replicas_ready']}/{m['replicas']}",
              str(m["queue_depth"]), str(m["runtime_inflight"]),
-             f"{m['configured_target_inflight']}/{m['effective_target_inflight']}")
+             f"{m['configured_target_inflight']}/{m['effective_target_inflight']}",
+             "-" if m.get("memory_mb") is None else f"{m['memory_mb']:g} MB ({m['memory_source']})",
+             "-" if m.get("last_used_at") is None else f"{_duration(time.time() - m['last_used_at'])} ago",
+             _duration(m.get("idle_unload_in_s")), "yes" if m.get("pinned") else "no",
+             ", ".join(m.get("aliases") or []) or "-")
             + (m["error"] or "-",) * with_error
             for m in views])
 
@@ -301,6 +305,16 @@ def restart(target: Target, url: Url = DEFAULT_URL) -> None:
                                   timeout=None), describe)
     typer.echo(f"{target}: restarted; {name} {view['state']}, "
                f"{view['replicas_ready']}/{view['replicas']} replicas ready")
+
+
+@_client
+def reload(url: Url = DEFAULT_URL, as_json: AsJson = False) -> None:
+    """Re-read the config file: add, remove and reload the models that changed; keep the rest running."""
+    result = _call(url, "POST", "/admin/reload", timeout=None)
+    if as_json:
+        return _print_json(result)
+    for key in ("added", "removed", "reloaded", "kept"):
+        typer.echo(f"{key}: {', '.join(result[key]) or '-'}")
 
 
 @_client

@@ -3,11 +3,12 @@ the model and the key."""
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator, model_validator
 
 from protocol import MAX_FRAME_BYTES
 
@@ -43,6 +44,13 @@ class ServerConfig(_Strict):
     max_headers: int = Field(100, ge=8, le=10_000)  # header lines per request; else 431
     header_timeout_s: float = Field(15.0, gt=0)  # headers complete this long after their first byte
     body_timeout_s: float = Field(60.0, gt=0)  # body complete this long after the headers
+    # Models come and go (engine.py): defaults and bounds over all models.
+    idle_unload_s: float | None = Field(None, gt=0)  # default for models that set none; None: never
+    memory_budget_mb: float | None = Field(None, gt=0)  # host RAM the loaded models may use together
+    gpu_memory_budget_mb: float | None = Field(None, gt=0)  # per GPU device (models with replica_devices)
+    # A load waiting for memory held by busy models: they finish their running jobs and make way
+    # after this long (their queued requests wait for their next load); None: only idle ones go.
+    max_swap_wait_s: float | None = Field(10.0, ge=0)
 
     @field_validator("allowed_hosts")
     @classmethod
@@ -122,13 +130,22 @@ BACKEND_OPTIONS: dict[str, type[_Options]] = {
 DEFAULT_LOAD_TIMEOUT_S = {"vllm_serve": 600.0}
 
 
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+
+
 class ModelConfig(_Strict):
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+    name: str = Field(min_length=1, pattern=NAME_PATTERN.pattern)
     backend: BackendName
     replicas: int = Field(1, ge=1, le=64)
     target_inflight: int = Field(1, ge=1, le=4096)
     max_queue: int = Field(256, ge=0)
     load_on_start: bool = True
+    load_on_demand: bool = True  # a request for an unloaded model loads it and waits in its queue
+    idle_unload_s: float | None = Field(None, gt=0)  # nothing queued or running this long: unload
+    pinned: bool = False  # never unloaded or evicted automatically
+    aliases: list[str] = Field(default_factory=list)  # other names that route here
+    memory_mb: float | None = Field(None, gt=0)  # declared footprint; else estimated, then measured
+    gpu_memory_mb: float | None = Field(None, gt=0)  # per replica, split over its replica_devices entry
     load_timeout_s: float = Field(gt=0)  # spawn to ready; default 120 s, vllm_serve 600 s
     request_timeout_s: float = Field(600.0, gt=0)  # whole job, queue wait included
     queue_timeout_s: float | None = Field(None, gt=0)  # max wait in the queue; then 503 queue_timeout
@@ -161,6 +178,11 @@ class ModelConfig(_Strict):
 class PoolConfig(_Strict):
     server: ServerConfig = Field(default_factory=ServerConfig)
     models: list[ModelConfig] = Field(default_factory=list)
+    _source: str | None = PrivateAttr(None)  # the file it was read from: a reload reads it again
+
+    @property
+    def source(self) -> str | None:
+        return self._source
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
@@ -174,7 +196,9 @@ def load_config(path: str | Path) -> PoolConfig:
         raise ConfigError(f"{path}: no such file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    return parse_config(raw, source=str(path))
+    cfg = parse_config(raw, source=str(path))
+    cfg._source = str(path)
+    return cfg
 
 
 def parse_config(raw: dict, source: str = "<config>") -> PoolConfig:
@@ -187,6 +211,35 @@ def parse_config(raw: dict, source: str = "<config>") -> PoolConfig:
         if m.name in seen:
             raise ConfigError(f"{source}: model {m.name!r}: key 'name': duplicate model name")
         seen.add(m.name)
+    for m in cfg.models:
+        for alias in m.aliases:
+            if not NAME_PATTERN.match(alias):
+                raise ConfigError(f"{source}: model {m.name!r}: key 'aliases': {alias!r} is not a valid name")
+            if alias in seen:
+                raise ConfigError(f"{source}: model {m.name!r}: key 'aliases': {alias!r} is already "
+                                  f"the name or an alias of a model")
+            seen.add(alias)
+        budget = cfg.server.memory_budget_mb
+        if budget is not None and m.memory_mb is not None and m.memory_mb > budget:
+            raise ConfigError(f"{source}: model {m.name!r}: key 'memory_mb': {m.memory_mb:g} MB is more than "
+                              f"the whole server.memory_budget_mb ({budget:g} MB)")
+    gpu_budget = cfg.server.gpu_memory_budget_mb
+    for m in cfg.models:
+        if gpu_budget is None or m.gpu_memory_mb is None:
+            continue
+        if m.replica_devices is None:
+            raise ConfigError(f"{source}: model {m.name!r}: key 'gpu_memory_mb': with server.gpu_memory_budget_mb "
+                              f"set, it needs replica_devices (the GPU each replica uses)")
+        share = max(m.gpu_memory_mb / len(d.split(",")) for d in m.replica_devices)
+        if share > gpu_budget:
+            raise ConfigError(f"{source}: model {m.name!r}: key 'gpu_memory_mb': {share:g} MB on one device is "
+                              f"more than server.gpu_memory_budget_mb ({gpu_budget:g} MB)")
+    budget = cfg.server.memory_budget_mb
+    at_start = sum(m.memory_mb or 0 for m in cfg.models if m.load_on_start)
+    if budget is not None and at_start > budget:
+        raise ConfigError(f"{source}: key 'server.memory_budget_mb': the models with load_on_start declare "
+                          f"{at_start:g} MB together, more than the budget ({budget:g} MB)")
+    for i, m in enumerate(cfg.models):
         try:
             BACKEND_OPTIONS[m.backend].model_validate(m.options)
         except ValidationError as exc:

@@ -46,7 +46,7 @@ def encode_submit(job_id: str, request: dict, endpoint: str = "chat") -> bytes:
 class Job:
     __slots__ = ("id", "model", "request", "endpoint", "frame", "state", "replica", "events", "created_at",
                  "deadline", "queue_deadline", "cancel_requested", "first_token_at", "attempts", "submit_seq",
-                 "_waiter", "submitted_at", "transcript")
+                 "_waiter", "submitted_at", "transcript", "queue_reason")
 
     def __init__(self, model: str, request: dict, timeout_s: float, queue_timeout_s: float | None = None,
                  endpoint: str = "chat") -> None:
@@ -70,6 +70,7 @@ class Job:
         self.submit_seq = 0  # its Submit's number among those sent to its current worker
         self.submitted_at: float | None = None  # monotonic; first hand-over to a worker
         self.transcript: list[str] | None = None  # the output, kept only for a model with log_bodies
+        self.queue_reason: PoolError | None = None  # why it waits, when not for a slot (e.g. memory)
 
     def push(self, event: Delta) -> None:
         if self.first_token_at is None:
@@ -110,6 +111,8 @@ class Job:
             except TimeoutError:
                 if self.state is JobState.QUEUED and self.queue_deadline and time.monotonic() >= self.queue_deadline:
                     on_timeout(self)
+                    if self.queue_reason is not None:
+                        raise self.queue_reason from None
                     raise PoolError(ErrorCode.QUEUE_TIMEOUT, "the request waited in the queue longer "
                                     "than queue_timeout_s", retry_after_s=1) from None
                 if time.monotonic() >= self.deadline:

@@ -8,10 +8,11 @@ import time
 
 import psutil
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from protocol import Done
 from protocol.errors import PoolError
+from supervisor.engine import LOAD_BUCKETS
 from supervisor.jobs import Job
 from supervisor.states import ReplicaState
 
@@ -111,3 +112,19 @@ class _EngineCollector:
                 for process, value in by_process.items():
                     rss.add_metric([*key, process], value)
         yield from (queue, inflight, configured, effective, loaded, up, restarts, bad, rss)
+        yield from self._lifecycle()
+
+    def _lifecycle(self):
+        engine = self.engine
+        loads = CounterMetricFamily("llm_pool_model_loads", "Model loads by reason", labels=["reason"])
+        for reason, count in engine.loads.items():
+            loads.add_metric([reason], count)
+        evictions = CounterMetricFamily("llm_pool_model_evictions", "Idle models unloaded to make room")
+        evictions.add_metric([], engine.evictions)
+        swaps = CounterMetricFamily("llm_pool_model_swaps", "Loads that evicted another model first")
+        swaps.add_metric([], engine.swaps)
+        durations = engine.load_durations
+        buckets = [(str(b), sum(d <= b for d in durations)) for b in LOAD_BUCKETS]
+        load_time = HistogramMetricFamily("llm_pool_model_load_duration_seconds", "Load start to ready",
+                                          buckets=[*buckets, ("+Inf", len(durations))], sum_value=sum(durations))
+        yield from (loads, evictions, swaps, load_time)

@@ -29,7 +29,7 @@ def _forget_dead() -> None:
             del _procs[pid]
 
 
-def _gpu_memory_by_pid() -> dict[int, int] | None:
+def gpu_memory_by_pid() -> dict[int, int] | None:
     try:
         import pynvml  # from nvidia-ml-py, optional
     except ImportError:
@@ -52,7 +52,7 @@ def _gpu_memory_by_pid() -> dict[int, int] | None:
 
 def worker_views(replicas: list[Replica]) -> list[dict]:
     _forget_dead()
-    gpu = _gpu_memory_by_pid()
+    gpu = gpu_memory_by_pid()
     views = []
     for r in replicas:
         view = {

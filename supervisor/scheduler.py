@@ -27,6 +27,7 @@ class Executor:
         self.replicas: list[Replica] = []
         self.queue: deque[Job] = deque()
         self.accepting_new_requests = False
+        self.loading = False  # its replicas are being started: jobs wait, and a failure is the load's to report
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()  # set whenever nothing is inflight
         self._idle.set()
@@ -74,7 +75,7 @@ class Executor:
     def enqueue(self, job: Job) -> None:
         if not self.accepting_new_requests:
             raise PoolError(ErrorCode.MODEL_UNLOADING, f"model {self.cfg.name!r} is unloading")
-        if self._all_fatal():
+        if self._all_fatal() and not self.loading:
             raise self._no_replica_error()
         if len(self.queue) >= self.cfg.max_queue and not self._has_free_slot():
             raise PoolError(ErrorCode.QUEUE_FULL,
@@ -98,7 +99,7 @@ class Executor:
         """A slot freed or a replica changed state: the driver looks again."""
         if self.runtime_inflight == 0:
             self._idle.set()
-        if self.queue and self._all_fatal():  # nothing will ever run them
+        if self.queue and self._all_fatal() and not self.loading:  # nothing will ever run them
             while self.queue:
                 self.queue.popleft().finish(self._no_replica_error())
         self._wake.set()
@@ -130,8 +131,10 @@ class Executor:
 
     def _dispatch(self) -> None:
         """Hand the head of the queue to a replica while one has a free slot.
-        Never raises: a job whose hand-over fails ends with 502, the rest go on."""
-        while self.queue:
+        Never raises: a job whose hand-over fails ends with 502, the rest go on.
+        Once intake stopped (an unload, even one waiting for a load), queued jobs
+        never start: the drain fails them."""
+        while self.queue and self.accepting_new_requests:
             replica = self._pick_replica()
             if replica is None:
                 break
@@ -211,6 +214,8 @@ class Executor:
         """Why nothing will ever run the queued jobs; None while something may."""
         if not self.accepting_new_requests:
             return self._unloading_error()
+        if self.loading:  # the load fails them itself (load_failed), or they run
+            return None
         if self._all_fatal():
             return self._no_replica_error()
         if self.replicas and not any(r.state in (ReplicaState.READY, ReplicaState.STARTING, ReplicaState.BACKOFF)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import signal
 
 import uvicorn
 
+from protocol.errors import PoolError
 from supervisor.api import create_app
 from supervisor.config import PoolConfig
 from supervisor.http_guard import guarded_protocol
@@ -31,7 +33,17 @@ class DrainingServer(uvicorn.Server):
 
     async def serve(self, sockets=None):
         self._loop = asyncio.get_running_loop()
+        self._loop.add_signal_handler(signal.SIGHUP, self._reload)
         await super().serve(sockets)
+
+    def _reload(self) -> None:
+        """SIGHUP: re-read the config, as POST /admin/reload does."""
+        async def reload() -> None:
+            try:
+                log.info("SIGHUP: %s", await self.engine.reload())
+            except PoolError as exc:
+                log.error("SIGHUP: reload refused: %s", exc.message)
+        asyncio.ensure_future(reload())
 
     def handle_exit(self, sig, frame) -> None:
         self._signals += 1

@@ -30,7 +30,7 @@ TIMEOUT_S = 1.0  # header_timeout_s and body_timeout_s of the shared pool
 def pool(tmp_path_factory):
     pool = Pool(tmp_path_factory.mktemp("hostile"),
                 [synthetic("syn", capacity=4, target_inflight=4, tokens=4),
-                 synthetic("cold", load_on_start=False),
+                 synthetic("cold", load_on_start=False, load_on_demand=False),
                  synthetic("stuck", ttft_ms=60_000, request_timeout_s=0.5)],
                 server={"header_timeout_s": TIMEOUT_S, "body_timeout_s": TIMEOUT_S, "max_connections": 32,
                         "allowed_hosts": ["pool.example"]})

@@ -93,18 +93,18 @@ def test_restart_during_an_unload_is_refused_and_cuts_nothing(make_pool):
 
 
 def test_a_request_and_a_restart_during_a_load(make_pool):
-    """Items 2 and 3: a request gets 503 model_loading (not 'is unloading'); a
-    restart gets 409; the load ends with exactly its replicas."""
+    """Items 2 and 3: a request waits in the queue for the load (issue 14), then
+    runs; a restart gets 409; the load ends with exactly its replicas."""
     pool = make_pool([with_options(synthetic("l", replicas=2, load_on_start=False), load_ms=3000)])
-    with ThreadPoolExecutor(1) as ex:
+    with ThreadPoolExecutor(2) as ex:
         load = ex.submit(admin, pool, "l", "load")
         wait_for(lambda: pool.model("l")["state"] == "loading", 10, what="loading")
-        r = post(pool, "l")
-        assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading", r.text
-        assert "is loading" in r.json()["error"]["message"] and r.headers.get("retry-after")
+        waiting = ex.submit(post, pool, "l")
+        wait_for(lambda: pool.model("l")["queue_depth"] == 1, 10, what="the request waits")
         r = admin(pool, "l", "restart")
         assert r.status_code == 409 and "loading" in r.json()["error"]["message"]
         assert load.result().json()["state"] == "loaded"
+        assert waiting.result().status_code == 200
     workers = pool.workers("l")
     assert [w["state"] for w in workers] == ["ready", "ready"]
     assert sorted(p.pid for p in worker_procs(pool)) == sorted(w["pid"] for w in workers)

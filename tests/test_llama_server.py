@@ -163,5 +163,6 @@ def test_failed_loads_report_llama_server_errors(make_pool, tiny_gguf, llama_ser
     r = pool.http.post("/v1/chat/completions", json={
         "model": "good", "max_tokens": 3, "messages": [{"role": "user", "content": "still fine"}]})
     assert r.status_code == 200
-    r = pool.http.post("/v1/responses", json={"model": "corrupt", "input": "x"})
-    assert r.status_code == 409 and r.json()["error"]["code"] == "model_not_loaded"
+    r = pool.http.post("/v1/responses", json={"model": "corrupt", "input": "x"})  # loads on demand: fails again
+    assert r.status_code == 503 and r.json()["error"]["code"] == "load_failed"
+    assert "failed to load model" in r.json()["error"]["message"]

@@ -93,9 +93,8 @@ def test_unload_drains_submitted_and_rejects_queued_and_new(make_pool):
     assert view["state"] == "unloaded" and view["runtime_inflight"] == 0 and view["queue_depth"] == 0
     wait_for(lambda: not psutil.pid_exists(worker_pid), 10, what="worker exit")
     assert pool.workers("u") == []
-    after, _ = post(pool, "u")
-    assert after.status_code == 409 and after.json()["error"]["code"] == "model_not_loaded"
-    assert pool.http.post("/admin/models/u/load").json()["state"] == "loaded"  # and back
+    after, _ = post(pool, "u")  # load on demand brings it back
+    assert after.status_code == 200 and pool.model("u")["state"] == "loaded"
 
 
 def sse_events(response: httpx.Response):
@@ -165,7 +164,7 @@ def test_disconnect_of_non_streaming_submitted_job_frees_slot(make_pool):
 
 
 def test_bad_requests_get_envelopes_and_server_keeps_serving(make_pool):
-    pool = make_pool([synthetic("ok"), synthetic("idle", load_on_start=False)])
+    pool = make_pool([synthetic("ok"), synthetic("idle", load_on_start=False, load_on_demand=False)])
     cases = [
         ({"input": "x"}, 400, "invalid_request", "model"),
         ({"model": "ok"}, 400, "invalid_request", "input"),
