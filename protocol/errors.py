@@ -21,7 +21,6 @@ class ErrorCode(StrEnum):
     MODEL_NOT_FOUND = "model_not_found"
     MODEL_NOT_LOADED = "model_not_loaded"
     MODEL_BUSY = "model_busy"  # a load, unload or restart of the model is under way
-    MODEL_LOADING = "model_loading"
     QUEUE_FULL = "queue_full"
     MODEL_UNLOADING = "model_unloading"
     QUEUE_TIMEOUT = "queue_timeout"
@@ -46,7 +45,6 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.MODEL_NOT_FOUND: 404,
     ErrorCode.MODEL_NOT_LOADED: 409,
     ErrorCode.MODEL_BUSY: 409,
-    ErrorCode.MODEL_LOADING: 503,
     ErrorCode.QUEUE_FULL: 429,
     ErrorCode.UPSTREAM_RATE_LIMITED: 429,
     ErrorCode.MODEL_UNLOADING: 503,
