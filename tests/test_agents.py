@@ -8,27 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import SimpleNamespace
 
 import pytest
 from agents import Agent, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
 from openai import AsyncOpenAI
 
 from tests.pool import Pool
+from tests.scripted_openai import ScriptedHandler, serve, sse_chunks
 
 
-class ToolCallingRuntime(BaseHTTPRequestHandler):
+class ToolCallingRuntime(ScriptedHandler):
     """Chat Completions, streamed: a call to get_weather first, then the answer."""
     bodies: list[dict] = []
 
-    def log_message(self, *args):
-        pass
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        ToolCallingRuntime.bodies.append(body)
+    def answer(self, body: dict) -> tuple[int, str, str]:
         results = [m["content"] for m in body["messages"] if m["role"] == "tool"]
         if results:
             deltas = [{"role": "assistant", "content": "In Paris it is "}, {"content": results[-1]}]
@@ -40,26 +33,15 @@ class ToolCallingRuntime(BaseHTTPRequestHandler):
                       {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]},
                       {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}]
             finish = "tool_calls"
-        chunks = [{"index": 0, "delta": d} for d in deltas] + [{"index": 0, "delta": {}, "finish_reason": finish}]
-        frames = [{"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m", "choices": [c]}
-                  for c in chunks]
-        frames.append({"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m", "choices": [],
-                       "usage": {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13}})
-        data = ("".join(f"data: {json.dumps(f)}\n\n" for f in frames) + "data: [DONE]\n\n").encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        choices = [{"index": 0, "delta": d} for d in deltas] + [{"index": 0, "delta": {}, "finish_reason": finish}]
+        return 200, "text/event-stream", sse_chunks(
+            choices, {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13})
 
 
 @pytest.fixture(scope="module")
 def runtime():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), ToolCallingRuntime)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield SimpleNamespace(url=f"http://127.0.0.1:{server.server_address[1]}", bodies=ToolCallingRuntime.bodies)
-    server.shutdown()
-    server.server_close()
+    with serve(ToolCallingRuntime) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import SimpleNamespace
 
 import httpx
 import openai
@@ -20,6 +17,7 @@ import pytest
 
 from tests.conftest import llama, synthetic
 from tests.pool import Pool, free_port, wait_for
+from tests.scripted_openai import ScriptedHandler, serve, sse_chunks
 
 pytestmark = pytest.mark.llama
 
@@ -48,43 +46,21 @@ USAGE = {"prompt_tokens": 7, "completion_tokens": 11, "total_tokens": 18,
          "prompt_tokens_details": {"cached_tokens": 3}, "completion_tokens_details": {"reasoning_tokens": 2}}
 
 
-class ScriptedRuntime(BaseHTTPRequestHandler):
+class ScriptedRuntime(ScriptedHandler):
     bodies: list[dict] = []
 
-    def log_message(self, *args):  # quiet
-        pass
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        ScriptedRuntime.bodies.append(body)
+    def answer(self, body: dict) -> tuple[int, str, str]:
         if body.get("messages", [{}])[-1].get("content") == "refuse":
-            return self._send(400, "application/json", json.dumps(
-                {"error": {"message": "scripted refusal: bad tool schema", "type": "invalid_request_error"}}))
-        frames = [{"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m", "choices": [c]}
-                  for c in SCRIPT]
-        if (body.get("stream_options") or {}).get("include_usage"):
-            frames.append({"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m",
-                           "choices": [], "usage": USAGE})
-        text = "".join(f"data: {json.dumps(f)}\n\n" for f in frames) + "data: [DONE]\n\n"
-        self._send(200, "text/event-stream", text)
-
-    def _send(self, status: int, kind: str, text: str):
-        data = text.encode()
-        self.send_response(status)
-        self.send_header("Content-Type", kind)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+            return 400, "application/json", json.dumps(
+                {"error": {"message": "scripted refusal: bad tool schema", "type": "invalid_request_error"}})
+        usage = USAGE if (body.get("stream_options") or {}).get("include_usage") else None
+        return 200, "text/event-stream", sse_chunks(SCRIPT, usage)
 
 
 @pytest.fixture(scope="module")
 def scripted():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), ScriptedRuntime)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield SimpleNamespace(url=f"http://127.0.0.1:{server.server_address[1]}", bodies=ScriptedRuntime.bodies)
-    server.shutdown()
-    server.server_close()
+    with serve(ScriptedRuntime) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

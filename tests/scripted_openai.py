@@ -1,0 +1,56 @@
+"""A scripted OpenAI-compatible server for tests: it stands in for a runtime
+that does what the tiny real ones cannot (tool calls, reasoning, several
+choices). A subclass answers each POST with `answer(body)`; every body it got
+is kept in `bodies`."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+
+
+def sse_chunks(choices: list[dict], usage: dict | None = None) -> str:
+    """A streamed chat completion: one chunk per choice delta, then usage, then [DONE]."""
+    frames = [{"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m", "choices": [c]}
+              for c in choices]
+    if usage is not None:
+        frames.append({"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m",
+                       "choices": [], "usage": usage})
+    return "".join(f"data: {json.dumps(f)}\n\n" for f in frames) + "data: [DONE]\n\n"
+
+
+class ScriptedHandler(BaseHTTPRequestHandler):
+    bodies: list[dict] = []
+
+    def answer(self, body: dict) -> tuple[int, str, str]:
+        """(status, content type, text) for one request body."""
+        raise NotImplementedError
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).bodies.append(body)
+        status, kind, text = self.answer(body)
+        data = text.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@contextmanager
+def serve(handler: type[ScriptedHandler]) -> Iterator[SimpleNamespace]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield SimpleNamespace(url=f"http://127.0.0.1:{server.server_address[1]}", bodies=handler.bodies)
+    finally:
+        server.shutdown()
+        server.server_close()
