@@ -36,7 +36,8 @@ def test_sdk_calls_through_llama_server(make_pool, tiny_gguf, llama_server_bin):
     pool = make_pool([llama("tiny", tiny_gguf, llama_server_bin, slots=2)])
     client = openai.OpenAI(base_url=pool.url + "/v1", api_key="unused", max_retries=0)
 
-    r = client.responses.create(model="tiny", input="hello", max_output_tokens=12)
+    # temperature 0 on the seeded random weights: the same tokens every run, no early EOS
+    r = client.responses.create(model="tiny", input="hello", max_output_tokens=12, temperature=0)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 12 and r.usage.input_tokens > 0
 
@@ -50,11 +51,11 @@ def test_sdk_calls_through_llama_server(make_pool, tiny_gguf, llama_server_bin):
     assert final.output_text == "".join(
         part.text for item in final.output for part in item.content)
 
-    chat = client.chat.completions.create(model="tiny", max_tokens=7,
+    chat = client.chat.completions.create(model="tiny", max_tokens=7, temperature=0,
                                           messages=[{"role": "user", "content": "hi"}])
     assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 7
 
-    chunks = list(client.chat.completions.create(model="tiny", max_tokens=9, stream=True,
+    chunks = list(client.chat.completions.create(model="tiny", max_tokens=9, stream=True, temperature=0,
                                                  messages=[{"role": "user", "content": "hi"}],
                                                  stream_options={"include_usage": True}))
     assert chunks[-1].usage.completion_tokens == 9

@@ -31,9 +31,9 @@ def test_openai_remote_streams_and_maps_upstream_errors(make_pool, tiny_gguf, ll
                      env={"UPSTREAM_KEY": "upstream-secret"})
     client = openai.OpenAI(base_url=pool.url + "/v1", api_key="unused", max_retries=0)
 
-    r = client.responses.create(model="remote", input="hi", max_output_tokens=6)
+    r = client.responses.create(model="remote", input="hi", max_output_tokens=6, temperature=0)  # no early EOS
     assert r.status == "incomplete" and r.usage.output_tokens == 6 and r.usage.input_tokens > 0
-    chunks = list(client.chat.completions.create(model="remote", max_tokens=5, stream=True,
+    chunks = list(client.chat.completions.create(model="remote", max_tokens=5, stream=True, temperature=0,
                                                  messages=[{"role": "user", "content": "x"}],
                                                  stream_options={"include_usage": True}))
     assert chunks[-1].usage.completion_tokens == 5
