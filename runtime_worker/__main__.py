@@ -70,7 +70,8 @@ class Worker:
         await self.stopping.wait()
         for job in list(self.jobs.values()):
             job.cancel()
-        await asyncio.gather(*self.jobs.values(), return_exceptions=True)
+        if self.jobs:  # bounded: a backend whose cancel hangs must not hold the worker
+            await asyncio.wait(list(self.jobs.values()), timeout=self.args.stop_timeout_s)
         await self.outbox.flush(timeout_s=2.0)  # last words (a load error, cancelled jobs) go out
         tasks.append(sender)
         for t in tasks:

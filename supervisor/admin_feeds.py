@@ -14,10 +14,10 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
 from protocol.errors import ErrorCode, PoolError
+from supervisor.inference import SSE_HEADERS
 
 router = APIRouter()
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 TAIL_POLL_S = 0.25  # how often the log tail looks for new lines
 TAIL_FIRST_LINES = 200
 TAIL_READ_MAX = 256 * 1024  # bytes read per look: a log that floods is skipped ahead, not buffered
@@ -91,7 +91,7 @@ async def admin_log_live(request: Request, name: str, replica: int = 0,
     if not 0 <= replica < entry.cfg.replicas:
         raise PoolError(ErrorCode.INVALID_REQUEST, f"replica: model {name!r} has replicas 0 to "
                         f"{entry.cfg.replicas - 1}", param="replica")
-    path = engine.log_dir / f"{name}-{replica}.log"
+    path = engine.log_dir / f"{entry.cfg.name}-{replica}.log"
 
     async def body():
         position, partial, quiet = None, b"", 0.0

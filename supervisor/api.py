@@ -23,6 +23,7 @@ from supervisor.inference import add_inference_routes
 from supervisor.live import Activity
 from supervisor.metrics import Metrics
 from supervisor.observe import worker_views
+from supervisor.states import ModelState
 
 log = logging.getLogger("llm_pool.api")
 
@@ -96,7 +97,8 @@ def create_app(config: PoolConfig) -> FastAPI:
     async def ready():
         if engine.ready():
             return {"status": "ready"}
-        waiting = [n for n, e in engine.models.items() if e.cfg.load_on_start and e.state.value != "loaded"]
+        waiting = [n for n, e in engine.models.items()
+                   if e.cfg.load_on_start and engine.model_state(e) is not ModelState.LOADED]
         return JSONResponse({"status": "not_ready", "waiting_for": waiting}, status_code=503)
 
     # -- admin ----------------------------------------------------------------------------------------
@@ -132,6 +134,7 @@ def create_app(config: PoolConfig) -> FastAPI:
     async def admin_logs(name: str, replica: int = 0, lines: int = 200):
         """The tail of one replica's log (the worker's and its backend's output)."""
         check_replica(name, replica)
+        name = engine.entry(name).cfg.name  # an alias names the model's log too
         path = engine.log_dir / f"{name}-{replica}.log"
         if not path.is_file():
             raise PoolError(ErrorCode.INVALID_REQUEST, f"no log for {name}/{replica} yet", param="replica")

@@ -194,6 +194,8 @@ def load_config(path: str | Path) -> PoolConfig:
         raw = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:  # a directory, no permission, not text
+        raise ConfigError(f"{path}: cannot be read: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     cfg = parse_config(raw, source=str(path))
@@ -207,7 +209,7 @@ def parse_config(raw: dict, source: str = "<config>") -> PoolConfig:
     except ValidationError as exc:
         raise _config_error(source, raw, exc) from None
     seen: set[str] = set()
-    for i, m in enumerate(cfg.models):
+    for m in cfg.models:
         if m.name in seen:
             raise ConfigError(f"{source}: model {m.name!r}: key 'name': duplicate model name")
         seen.add(m.name)

@@ -29,6 +29,12 @@ from supervisor.transport import Transport, sweep_stale_socket_dirs
 log = logging.getLogger("llm_pool.engine")
 
 
+# [server] keys a reload applies; the others are bound when the pool starts
+SERVER_KEYS_APPLIED_ON_RELOAD = frozenset({"memory_budget_mb", "gpu_memory_budget_mb", "idle_unload_s",
+                                           "max_swap_wait_s"})
+MEASURE_EVERY_S = 5.0  # a footprint walks the process tree (and asks NVML): not on every heartbeat
+
+
 def default_state_dir() -> Path:
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "llm-pool"
@@ -58,6 +64,7 @@ class ModelEntry:
     removed: bool = False  # gone from the config by a reload: draining, then forgotten
     # During an automatic unload (idle, evicted): requests that wait for the next load on demand.
     pending: list[Job] | None = None
+    measured_at: float = 0.0  # monotonic: the footprint's last measurement
 
     def used(self, now: float | None = None) -> None:
         self.last_used = now if now is not None else time.monotonic()
@@ -72,41 +79,31 @@ class ModelEntry:
         self.state = transition(MODEL_TRANSITIONS, self.state, new)
 
 
-def _chars(value) -> int:
-    """Characters of text in a prompt value: a string, or a list of strings,
-    of token ids or of token-id lists (a token counts as one)."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, list):
-        return sum(len(v) if isinstance(v, (str, list)) else 1 for v in value)
-    return 0
-
-
 def check_prompt_bounds(cfg: ModelConfig, request: dict) -> None:
     """400 for a prompt over the model's max_messages or max_prompt_chars (chat
-    messages, or a legacy completion's prompt)."""
+    messages, a legacy completion's prompt, or an embedding's input)."""
     messages = request.get("messages") or []
     if len(messages) > cfg.max_messages:
         raise PoolError(ErrorCode.INVALID_REQUEST, f"{len(messages)} messages, over model {cfg.name!r}'s "
                         f"max_messages ({cfg.max_messages})", param="messages")
-    chars = _text_chars(request.get("prompt"))
+    chars = _text_chars(request.get("prompt")) + _text_chars(request.get("input"))
     for m in messages:
         if isinstance(m, dict):
             chars += _text_chars(m.get("content"))
     if chars > cfg.max_prompt_chars:
         raise PoolError(ErrorCode.INVALID_REQUEST, f"the prompt has {chars} characters, over model "
                         f"{cfg.name!r}'s max_prompt_chars ({cfg.max_prompt_chars})",
-                        param="messages" if messages else "prompt")
+                        param="messages" if messages else "prompt" if "prompt" in request else "input")
 
 
 def _text_chars(content) -> int:
-    """Characters of text in a message's content or a prompt: a string, or a list
-    of strings or of content parts."""
+    """Size of a message's content or a prompt: a string's characters, a list of
+    strings, content parts (their text), token ids (one each) or token-id lists."""
     if isinstance(content, str):
         return len(content)
     if isinstance(content, list):
-        return sum(len(part) if isinstance(part, str) else len(part.get("text") or "")
-                   for part in content if isinstance(part, (str, dict)))
+        return sum(_text_chars(part) if isinstance(part, (str, list))
+                   else len(part.get("text") or "") if isinstance(part, dict) else 1 for part in content)
     return 0
 
 
@@ -128,6 +125,10 @@ class ModelRouterEngine:
 
     # -- process-wide lifecycle ----------------------------------------------------------
     async def start(self) -> None:
+        # replica logs, and the request log with any bodies it keeps: for this user only
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for path in (self.log_dir.parent, self.log_dir):
+            os.chmod(path, 0o700)
         swept = sweep_stale_workers()
         if swept:
             log.warning("swept %d stale worker(s) of a dead supervisor", len(swept))
@@ -220,7 +221,8 @@ class ModelRouterEngine:
                 entry.executor.reconcile()
                 if not entry.idle:
                     entry.used(now)
-                if entry.state is ModelState.LOADED:
+                if entry.state is ModelState.LOADED and now - entry.measured_at >= MEASURE_EVERY_S:
+                    entry.measured_at = now
                     self._measure(entry)
             idle_s = self.idle_unload_in(entry, now)
             if idle_s is not None and idle_s <= 0:
@@ -530,7 +532,9 @@ class ModelRouterEngine:
         loaded. Refused (409) while a load, unload or restart of it is under way:
         it would cut draining jobs or fight the other action."""
         entry = self.entry(name)
-        if entry.busy.locked():
+        # the lock, and the states an automatic load or unload sets a loop turn before taking it
+        if entry.busy.locked() or entry.state in (ModelState.LOADING, ModelState.UNLOADING) \
+                or entry.pending is not None:
             doing = {ModelState.LOADING: "loading", ModelState.UNLOADING: "unloading"}.get(
                 entry.state, "being restarted")
             raise PoolError(ErrorCode.MODEL_BUSY, f"model {name!r} is {doing}; restart refused "
@@ -559,6 +563,7 @@ class ModelRouterEngine:
         executor = entry.executor
         if entry.pending is not None:  # an automatic unload: wait for the next load on demand
             check_prompt_bounds(entry.cfg, request)
+            entry.pending = [j for j in entry.pending if j.state is JobState.QUEUED]  # gone ones hold no place
             if len(entry.pending) >= entry.cfg.max_queue:
                 raise PoolError(ErrorCode.QUEUE_FULL, f"model {entry.cfg.name!r} has {len(entry.pending)} "
                                 f"requests waiting for its next load (max_queue)", retry_after_s=1)
@@ -609,7 +614,11 @@ class ModelRouterEngine:
             raise PoolError(ErrorCode.INVALID_REQUEST, f"config error: {exc}") from None
         if self.shutting_down:
             raise PoolError(ErrorCode.MODEL_UNLOADING, "the pool is shutting down")
-        new.server.host, new.server.port = self.config.server.host, self.config.server.port  # bound already
+        bound = {k for k, v in new.server.model_dump().items()
+                 if k not in SERVER_KEYS_APPLIED_ON_RELOAD and v != getattr(self.config.server, k)}
+        if bound:  # keys, limits, timings: fixed at start; refusing beats reporting a change that did not happen
+            raise PoolError(ErrorCode.INVALID_REQUEST, f"[server] {', '.join(sorted(bound))} take effect only "
+                            f"when the pool restarts; reload refused, nothing changed")
         old_models = {m.name: m for m in self.config.models}
         new_models = {m.name: m for m in new.models}
         added = [n for n in new_models if n not in old_models]

@@ -17,7 +17,6 @@ from supervisor import openai_shapes as shapes
 from supervisor import responses_shapes as rshapes
 from supervisor.jobs import Job
 
-# metric labels by path
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 

@@ -75,8 +75,9 @@ class Job:
     def push(self, event: Delta) -> None:
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
-        if self.transcript is not None:
-            self.transcript.append(event.text)
+        if self.transcript is not None:  # text of every kind and choice, tool-call names and arguments
+            self.transcript.extend(part.get("t") or (part.get("name") or "") + (part.get("args") or "")
+                                   for part in p.delta_parts(event))
         self._put(event)
 
     def finish(self, outcome: Done | PoolError) -> None:

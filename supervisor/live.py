@@ -78,7 +78,8 @@ class Activity:
             if job.first_token_at is not None:
                 ttft = round((job.first_token_at - start) * 1000, 1)
             if job.transcript is not None:  # the model has log_bodies = true
-                prompt = truncate(json.dumps(job.request.get("messages"), ensure_ascii=False))
+                asked = next((job.request[k] for k in ("messages", "prompt", "input") if k in job.request), None)
+                prompt = truncate(json.dumps(asked, ensure_ascii=False))
                 output = truncate("".join(job.transcript))
         self.requests.append((time.time(), (model or "")[:200], endpoint, status, error and error.code.value,
                               error and error.message, queued, ttft, duration, tokens_in, tokens_out, prompt, output))

@@ -45,6 +45,7 @@ class Metrics:
         """Count one request; `endpoint` is a label from ENDPOINTS or an inference path."""
         if endpoint not in _ENDPOINT_LABELS:
             endpoint = ENDPOINTS.get(endpoint, OTHER_ENDPOINT)
+        model = self.engine.aliases.get(model, model)  # an alias counts, and is logged, as its model
         self.requests.labels(self._model(model), endpoint, str(status)).inc()
         if self.on_finished is not None:
             self.on_finished(model, endpoint, status, job, done, error)

@@ -6,6 +6,7 @@ crash) and its in-flight table. Scheduling decisions are the executor's."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import time
@@ -25,6 +26,9 @@ from supervisor.transport import Transport
 log = logging.getLogger("llm_pool.replica")
 
 TREE_REFRESH_S = 5.0  # how often a heartbeat re-reads a worker's process tree (also at Ready and kills)
+
+
+_IDENTITY_SERIAL = itertools.count(1)
 
 
 class LoadFailed(Exception):
@@ -75,7 +79,6 @@ class Replica:
         self.clock = clock  # monotonic seconds
         self.state = ReplicaState.STOPPED
         self.identity = ""
-        self.generation = 0
         self.proc: WorkerProcess | None = None
         self.capacity = 0  # effective: min(configured, runtime capability)
         self.runtime_capacity: int | None = None
@@ -164,8 +167,9 @@ class Replica:
     async def _start(self) -> None:  # holds self._lock
         self._set(ReplicaState.STARTING)
         self.wanted = True
-        self.generation += 1
-        self.identity = f"{self.name}#{self.generation}"
+        # unique in this process: a model removed by a reload may still drain while a new
+        # one of the same name starts, and a routing id must never be shared
+        self.identity = f"{self.name}#{next(_IDENTITY_SERIAL)}"
         self.capacity = 0
         self.last_error = None
         self.submits_sent = 0

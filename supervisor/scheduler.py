@@ -38,11 +38,6 @@ class Executor:
 
     # -- figures for admin and metrics --------------------------------------------
     @property
-    def configured_target_inflight(self) -> int:
-        # totals over replicas, like effective_target_inflight (per replica: /admin/workers)
-        return self.cfg.target_inflight * len(self.replicas)
-
-    @property
     def effective_target_inflight(self) -> int:
         return sum(r.capacity for r in self.replicas if r.state is ReplicaState.READY)
 

@@ -43,7 +43,7 @@ class DrainingServer(uvicorn.Server):
                 log.info("SIGHUP: %s", await self.engine.reload())
             except PoolError as exc:
                 log.error("SIGHUP: reload refused: %s", exc.message)
-        asyncio.ensure_future(reload())
+        self.engine._spawn(reload())  # tracked; anything unexpected is logged
 
     def handle_exit(self, sig, frame) -> None:
         self._signals += 1

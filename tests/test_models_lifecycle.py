@@ -174,6 +174,12 @@ def test_reload_adds_removes_changes_while_an_unchanged_model_streams(make_pool)
     r = pool.http.post("/admin/reload")
     assert r.status_code == 400 and "'keep' is already the name or an alias" in r.json()["error"]["message"]
     assert pool.models().keys() == before.keys() and pool.workers("keep")[0]["pid"] == keep_pid
+    # so is a change of a [server] key bound at start (an operator rotating a key must not be told it worked)
+    _rewrite(pool, [keep], server={"admin_key": "rotated"})
+    r = pool.http.post("/admin/reload")
+    assert r.status_code == 400 and "admin_key take effect only when the pool restarts" in r.json()["error"]["message"]
+    assert pool.models().keys() == before.keys()
+    pool.config_path.write_text(pool.config_path.read_text().replace('admin_key = "rotated"\n', ""))
 
     # SIGHUP reloads too
     _rewrite(pool, [keep])
