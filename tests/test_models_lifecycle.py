@@ -129,6 +129,15 @@ def test_aliases_route_and_are_listed(make_pool):
     assert set(listed) == {"real", "gpt-4o-mini", "small"}
     assert listed["gpt-4o-mini"]["state"] == "loaded" and listed["gpt-4o-mini"]["alias_of"] == "real"
     assert pool.model("real")["aliases"] == ["gpt-4o-mini", "small"]
+    # an alias is its model everywhere: its errors count under the model, its log is the model's
+    r = httpx.post(pool.url + "/v1/chat/completions", timeout=30,
+                   json={"model": "small", "messages": [{"role": "user", "content": "x"}], "n": 2})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter"
+    metrics = pool.http.get("/metrics").text
+    assert 'llm_pool_requests_total{endpoint="chat_completions",model="real",status="400"} 1.0' in metrics
+    assert 'model="unknown"' not in metrics
+    assert pool.http.get("/admin/models/small/logs").json()["lines"] == \
+        pool.http.get("/admin/models/real/logs").json()["lines"]
 
 
 def _rewrite(pool, models: list[dict], server: dict | None = None) -> None:
