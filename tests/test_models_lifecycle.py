@@ -224,7 +224,7 @@ def test_a_measured_footprint_replaces_the_estimate(make_pool, tiny_gguf, llama_
     def ttft() -> float:
         started = time.monotonic()
         with httpx.stream("POST", pool.url + "/v1/chat/completions", timeout=60, json={
-                "model": "tiny", "max_tokens": 3, "stream": True,
+                "model": "tiny", "max_tokens": 40, "stream": True, "temperature": 0,
                 "messages": [{"role": "user", "content": "hi"}]}) as s:
             assert s.status_code == 200
             first_delta(sse(s))
