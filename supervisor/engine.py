@@ -47,6 +47,23 @@ LOAD_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 KV_MB_PER_TOKEN = 0.125  # rough context cost for an estimate before the first load (a 7B f16 KV is ~0.5)
 
 
+class LoadDurations:
+    """Load times as cumulative bucket counts, so /metrics costs the same after
+    the thousandth load as after the first (no list of every load kept)."""
+
+    def __init__(self) -> None:
+        self.bucket_counts = [0] * len(LOAD_BUCKETS)  # loads <= each bound
+        self.count = 0
+        self.total_s = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.count += 1
+        self.total_s += seconds
+        for i, bound in enumerate(LOAD_BUCKETS):
+            if seconds <= bound:
+                self.bucket_counts[i] += 1
+
+
 @dataclass
 class ModelEntry:
     cfg: ModelConfig
@@ -115,7 +132,7 @@ class ModelRouterEngine:
         self.loads = dict.fromkeys(LOAD_REASONS, 0)  # counters for /metrics
         self.evictions = 0
         self.swaps = 0  # loads that had to evict another model first
-        self.load_durations: list[float] = []
+        self.load_durations = LoadDurations()
         self.transport: Transport | None = None
         self.log_dir = Path(config.server.state_dir or default_state_dir()) / "logs"
         self.shutting_down = False
@@ -351,7 +368,7 @@ class ModelRouterEngine:
         entry.set_state(ModelState.LOADED)
         entry.used()
         self.loads[reason] = self.loads.get(reason, 0) + 1
-        self.load_durations.append(entry.load_seconds)
+        self.load_durations.observe(entry.load_seconds)
         self._measure(entry)
         log.info("model %s loaded in %.2fs (%s)", name, entry.load_seconds, reason)
 

@@ -125,7 +125,7 @@ class _EngineCollector:
         swaps = CounterMetricFamily("llm_pool_model_swaps", "Loads that evicted another model first")
         swaps.add_metric([], engine.swaps)
         durations = engine.load_durations
-        buckets = [(str(b), sum(d <= b for d in durations)) for b in LOAD_BUCKETS]
+        buckets = [(str(b), n) for b, n in zip(LOAD_BUCKETS, durations.bucket_counts)]
         load_time = HistogramMetricFamily("llm_pool_model_load_duration_seconds", "Load start to ready",
-                                          buckets=[*buckets, ("+Inf", len(durations))], sum_value=sum(durations))
+                                          buckets=[*buckets, ("+Inf", durations.count)], sum_value=durations.total_s)
         yield from (loads, evictions, swaps, load_time)

@@ -590,3 +590,14 @@ async def test_a_submit_that_cannot_be_sent_is_requeued_and_its_worker_replaced(
     assert rig.replica.state is not ReplicaState.READY and rig.replica.free_slots == 0  # out of rotation
     assert proc.tree_killed
     await rig.spawned(2)  # the crash path restarts it
+
+
+def test_load_durations_are_cumulative_buckets_not_a_list():
+    from supervisor.engine import LOAD_BUCKETS, LoadDurations
+
+    d = LoadDurations()
+    for s in (0.05, 0.3, 0.3, 700.0):
+        d.observe(s)
+    counts = dict(zip(LOAD_BUCKETS, d.bucket_counts))
+    assert (counts[0.1], counts[0.25], counts[0.5], counts[600]) == (1, 1, 3, 3)  # 700 s only in +Inf
+    assert d.count == 4 and abs(d.total_s - 700.65) < 1e-9
