@@ -4,6 +4,7 @@ and JSON), and what the sections share (the llama-server binary, the GGUF models
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 from pool_bench.report import say
@@ -33,7 +34,12 @@ class Bench:
         say(text)
         self.out["notes"].append(text)
 
-    def emit(self, title: str, text: str) -> None:
+    def emit(self, title: str, text: str, failures: Sequence[str] = ()) -> None:
+        """Add a section to the report; `failures` (failed requests, say) are listed
+        under it and fail the run."""
+        if failures:
+            text += "\n\n" + "\n".join(f"- {n}" for n in failures)
+            self.failed = True
         self.md.append(f"### {title}\n\n{text}\n")
 
     # -- models -----------------------------------------------------------------------------------
