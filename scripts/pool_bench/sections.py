@@ -14,5 +14,6 @@ SECTIONS: dict[str, Callable[[Bench], None]] = {
     "2": capacity.run,  # scheduler capacity: synthetic backend vs bare FastAPI
     "3": peer.run,  # a peer: LiteLLM's proxy vs llm-pool (openai_remote)
     "4": memory.run,  # memory: what sections 1-3 recorded
-    # "5": the relay, N streams x rate, pool vs a bare SSE server (pool_bench/relay.py)
+    # "5": the relay, N streams x rate, pool vs a bare SSE server: a function (bench) that
+    # calls pool_bench/relay.py's run(cases, seconds, bench.tmp) and bench.emit()s its table
 }
