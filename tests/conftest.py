@@ -38,17 +38,9 @@ def llama_server_bin() -> str:
     """The llama-server binary: $LLAMA_SERVER_BIN, else the one scripts/install-llama-server
     cached. Missing: skipped on a developer machine, an error under CI."""
     import os
-    import subprocess
 
-    from tests.pool import ROOT
-    path = os.environ.get("LLAMA_SERVER_BIN")
-    if not path:
-        try:
-            out = subprocess.run([str(ROOT / "scripts" / "install-llama-server"), "--cached-only"],
-                                 capture_output=True, text=True, timeout=30)
-            path = out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else None
-        except (OSError, subprocess.TimeoutExpired):
-            path = None
+    from tests.procs import find_llama_server
+    path = find_llama_server()
     if not path:
         if os.environ.get("CI"):
             pytest.fail("llama-server is missing: .ci/run must run scripts/install-llama-server")

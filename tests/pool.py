@@ -3,36 +3,17 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import psutil
 import tomli_w
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.procs import ROOT, free_port, stop_tree, wait_for
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(condition, timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):
-    """Poll `condition()` until it returns a truthy value; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+__all__ = ["ROOT", "Pool", "free_port", "wait_for"]
 
 
 class Pool:
@@ -111,27 +92,7 @@ class Pool:
         """SIGTERM the supervisor (graceful), then check that nothing it started lives."""
         if self.proc is None:
             return
-        self.descendants()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        leftovers = stop_tree(self.proc, self.seen_pids, timeout)  # kills them, even when failing
         self.http.close()
         self._log.close()
-        leftovers = [pid for pid in self.seen_pids if _alive(pid)]
-        for pid in leftovers:  # never leave anything behind, even when failing
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         assert not leftovers, f"processes left after the supervisor stopped: {leftovers}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
