@@ -44,7 +44,8 @@ class ReplicaOwner(Protocol):
 
 
 class Launcher(Protocol):
-    """Starts a worker (process.spawn_worker; a fake in the state-machine tests).
+    """Starts a worker (process.spawn_worker; ray_placement.RayLauncher, which also
+    has the `endpoint` its workers dial; a fake in the state-machine tests).
     Raises OSError when it cannot."""
 
     async def __call__(self, args: list[str], log_path: Path, env: dict[str, str]) -> WorkerProcess: ...
@@ -179,8 +180,10 @@ class Replica:
         if self.cfg.replica_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.cfg.replica_devices[self.index]
         try:
+            # a remote replica's workers dial the ROUTER's CURVE TCP endpoint (ray_placement.py)
+            endpoint = self.launcher.endpoint if self.cfg.remote else self.transport.endpoint
             self.proc = await self.launcher([
-                "--endpoint", self.transport.endpoint, "--replica", self.identity,
+                "--endpoint", endpoint, "--replica", self.identity,
                 "--backend", self.cfg.backend, "--options", json.dumps(self.cfg.options),
                 "--target-inflight", str(self.cfg.target_inflight),
                 "--heartbeat-s", str(self.server.heartbeat_s), "--liveness-s", str(self.server.liveness_s),
