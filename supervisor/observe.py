@@ -3,6 +3,7 @@ tree, NVML for GPU memory when a GPU is present (None otherwise, never a guess).
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 
@@ -76,6 +77,21 @@ def process_view(pid: int, gpu: dict[int, int] | None) -> dict:
     except psutil.Error:
         pass
     return view
+
+
+async def refresh_remote_views(replicas: list[Replica], timeout_s: float = 2.0) -> None:
+    """Ask the actors of Ray-placed replicas for their process view now, so that
+    worker_views shows it as fresh as a local one (a slow node: its last one)."""
+    remote = [asyncio.ensure_future(_quietly(r.proc.refresh())) for r in replicas if r.cfg.remote and r.pid]
+    if remote:
+        await asyncio.wait(remote, timeout=timeout_s)
+
+
+async def _quietly(refresh) -> None:
+    try:
+        await refresh
+    except Exception:  # the actor is gone: its watch reports that
+        pass
 
 
 def worker_views(replicas: list[Replica]) -> list[dict]:

@@ -143,6 +143,7 @@ class RemoteWorker:
         self._log_path = log_path
         self._log_offset = 0
         self._on_exit = on_exit
+        self._polling = asyncio.Lock()  # one poll at a time: each takes the log from where the last ended
         self._exit = asyncio.ensure_future(self._watch())
         self._exit.add_done_callback(_log_failure)
 
@@ -176,7 +177,16 @@ class RemoteWorker:
                 log.debug("poll of worker pid %d on %s failed: %r", self.pid, self.node, exc)
             await asyncio.sleep(POLL_S)
 
+    async def refresh(self) -> None:
+        """Fetch the process view and new log output now (GET /admin/workers, ps)."""
+        if self.returncode is None:
+            await self._poll_once()
+
     async def _poll_once(self) -> None:
+        async with self._polling:
+            await self._poll_locked()
+
+    async def _poll_locked(self) -> None:
         got = await _result(self.actor.poll.remote(self._log_offset))
         if got["view"] is not None:
             self.view = got["view"]
@@ -359,6 +369,8 @@ class RayCluster:
 
     @staticmethod
     def _init(address: str) -> str:
+        # Ray's core worker would print a stack dump for the SIGTERM that starts a graceful drain
+        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
         import ray
         if not ray.is_initialized():
             # log_to_driver=False: a worker's output reaches its replica's log through the actor
