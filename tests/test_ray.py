@@ -28,6 +28,7 @@ from tests.pool import ROOT, wait_for
 pytestmark = pytest.mark.ray
 
 NODES = ("node_a", "node_b")
+GPUS = {"node_a": 0, "node_b": 2}  # Ray's logical GPUs: it assigns them (CUDA_VISIBLE_DEVICES) with no real one
 
 
 @dataclass
@@ -43,7 +44,7 @@ class RayTestCluster:
         return next(name for name, node in self.nodes.items() if node.node_id == node_id)
 
     def add(self, name: str):
-        self.nodes[name] = self.cluster.add_node(num_cpus=2, resources={name: 1, "slot": 1})
+        self.nodes[name] = self.cluster.add_node(num_cpus=2, num_gpus=GPUS[name], resources={name: 1, "slot": 1})
         self.cluster.wait_for_nodes()
         return self.nodes[name]
 
@@ -178,6 +179,14 @@ def test_a_llama_server_replica_on_a_chosen_node_serves_through_the_pool(ray_poo
     with stream_chat(pool, "tiny", max_tokens=8) as s:
         chunks = list(sse(s))
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_ray_assigns_each_replica_its_gpus(ray_pool, ray_cluster):
+    pool = ray_pool([on_ray(synthetic("gpu", replicas=2), num_gpus=1)])
+    workers = pool.workers("gpu")
+    assert [ray_cluster.name_of(w["node_id"]) for w in workers] == ["node_b", "node_b"]  # the node with GPUs
+    devices = sorted(psutil.Process(w["pid"]).environ().get("CUDA_VISIBLE_DEVICES") for w in workers)
+    assert devices == ["0", "1"], devices  # one each, as Ray assigned them
 
 
 def test_a_worker_with_a_wrong_curve_key_is_refused_and_logged(ray_pool, ray_cluster):
