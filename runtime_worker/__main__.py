@@ -221,7 +221,8 @@ class Worker:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="runtime_worker")
-    ap.add_argument("--endpoint", required=True, help="supervisor ROUTER endpoint (ipc://..., or tcp://... with CURVE keys in the environment)")
+    ap.add_argument("--endpoint", required=True,
+                    help="supervisor ROUTER endpoint (ipc://..., or tcp://... with CURVE keys in the environment)")
     ap.add_argument("--replica", required=True, help="routing identity, e.g. model/0")
     ap.add_argument("--backend", required=True)
     ap.add_argument("--options", default="{}", help="backend options as JSON")

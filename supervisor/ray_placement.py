@@ -26,10 +26,12 @@ it is imported only when a Ray-placed model loads (and on the nodes)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import socket
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -47,6 +49,23 @@ POLL_S = 1.0  # how often the process view and new log output are fetched from t
 LOG_KEEP_BYTES = 1 << 20  # the actor keeps this much of the worker's output for the supervisor to fetch
 KILL_GRACE_S = 5.0  # a kill the actor does not carry out in this long: Ray kills the actor itself
 WILDCARD_HOSTS = {"0.0.0.0", "::", "*", "[::]"}
+CONNECT_TIMEOUT_S = 60.0  # ray.init waits long for a cluster that does not answer
+
+
+def _in_daemon_thread(fn, *args) -> concurrent.futures.Future:
+    """Run a blocking call in a thread of its own: ray.init blocks for seconds (for
+    minutes when the cluster does not answer), and in the main thread it would
+    replace the server's SIGTERM handler (the one that drains). A daemon thread:
+    one stuck in ray.init must not hold the process at exit."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:
+            future.set_exception(exc)
+    threading.Thread(target=run, name="ray-init", daemon=True).start()
+    return future
 
 
 # -- on the node ----------------------------------------------------------------------------------
@@ -228,11 +247,16 @@ class RemoteWorker:
         return await self.wait()
 
     def _kill_actor(self) -> None:
-        import ray
-        try:
-            ray.kill(self.actor, no_restart=True)
-        except Exception as exc:  # already gone
-            log.debug("ray.kill: %r", exc)
+        _kill(self.actor)
+
+
+def _kill(actor) -> None:
+    """End an actor (its worker dies with it); its resources are free again."""
+    import ray
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception as exc:  # already gone, or Ray is disconnected
+        log.debug("ray.kill: %r", exc)
 
 
 def _detach(ref) -> None:
@@ -299,7 +323,7 @@ class RayLauncher:
                     raise OSError(f"no Ray node took it within load_timeout_s={self.cfg.load_timeout_s:g} "
                                   f"(it needs {self.needs()})") from None
                 except ray.exceptions.RayActorError as exc:  # its node died while it was placed: once more
-                    ray.kill(actor, no_restart=True)
+                    _kill(actor)
                     if loop.time() >= deadline:
                         raise OSError(f"its Ray actor died before the worker started: {exc}") from None
                     log.warning("%s: its Ray actor died before the worker started; placing it again",
@@ -309,7 +333,7 @@ class RayLauncher:
                     raise OSError(f"the Ray actor could not start the worker: {exc}") from None
         except BaseException:  # no worker (or cancelled): no actor left holding its resources, no key let in
             if actor is not None:
-                ray.kill(actor, no_restart=True)
+                _kill(actor)
             listener.revoke(public)
             raise
         log.info("%s: worker pid %d started on Ray node %s (%s, %s)", log_path.stem, info["pid"], info["host"],
@@ -327,6 +351,7 @@ class RayCluster:
         self.endpoint: str | None = None  # tcp://host:port, once connected and listening
         self.error: str | None = None
         self._connecting: asyncio.Future | None = None
+        self._init: concurrent.futures.Future | None = None  # ray.init, in its own thread
         self._connected = False
 
     @property
@@ -347,10 +372,13 @@ class RayCluster:
 
     async def _connect(self) -> None:
         address = self.server.ray_address
-        try:
-            # in a thread: it blocks for seconds, and in the main thread ray.init would
-            # replace the server's SIGTERM handler (the one that drains)
-            node_ip = await asyncio.to_thread(self._init, address)
+        if self._init is None or (self._init.done() and self._init.exception() is not None):
+            self._init = _in_daemon_thread(self._ray_init, address)
+        try:  # an attempt still under way (a slow cluster) is waited for again, not doubled
+            node_ip = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self._init)), CONNECT_TIMEOUT_S)
+        except TimeoutError:
+            self.error = f"cannot connect to the Ray cluster at {address!r}: no answer within {CONNECT_TIMEOUT_S:g}s"
+            raise OSError(self.error) from None
         except Exception as exc:
             self.error = f"cannot connect to the Ray cluster at {address!r}: {type(exc).__name__}: {exc}"
             raise OSError(self.error) from None
@@ -368,7 +396,11 @@ class RayCluster:
                  listener.server_public.decode())
 
     @staticmethod
-    def _init(address: str) -> str:
+    def _ray_init(address: str) -> str:
+        if address != "auto":  # nothing listening there: say so now (ray.init would wait minutes)
+            host, _, port = address.rpartition(":")
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
+                pass
         # Ray's core worker would print a stack dump for the SIGTERM that starts a graceful drain
         os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
         import ray
@@ -380,5 +412,5 @@ class RayCluster:
     async def close(self) -> None:
         if self._connected:
             import ray
-            await asyncio.to_thread(ray.shutdown)
+            await asyncio.wrap_future(_in_daemon_thread(ray.shutdown))
             self._connected = False

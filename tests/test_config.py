@@ -175,7 +175,8 @@ def test_a_ray_placed_model_without_ray_installed_says_what_to_install(tmp_path,
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
     path = tmp_path / "pool.toml"
     path.write_text(RAY_MODEL)
-    with pytest.raises(ConfigError, match=r"model 'a': key 'placement': \"ray\" needs Ray: pip install 'llm-pool\[ray\]'"):
+    with pytest.raises(ConfigError,
+                       match=r"model 'a': key 'placement': \"ray\" needs Ray: pip install 'llm-pool\[ray\]'"):
         load_config(path)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import IGNORE_EOS, llama, synthetic
+from tests.conftest import llama, synthetic
 from tests.pool import ROOT, wait_for
 
 pytestmark = pytest.mark.ray
@@ -156,7 +155,8 @@ def test_two_replicas_one_per_node_serve_concurrent_load(ray_pool, ray_cluster):
 
 def first_content(events) -> None:
     for e in events:
-        if e.get("type") == "response.output_text.delta" or (e.get("choices") and e["choices"][0]["delta"].get("content")):
+        if e.get("type") == "response.output_text.delta" or (
+                e.get("choices") and e["choices"][0]["delta"].get("content")):
             return
     raise AssertionError("the stream ended before its first token")
 
@@ -187,6 +187,27 @@ def test_ray_assigns_each_replica_its_gpus(ray_pool, ray_cluster):
     assert [ray_cluster.name_of(w["node_id"]) for w in workers] == ["node_b", "node_b"]  # the node with GPUs
     devices = sorted(psutil.Process(w["pid"]).environ().get("CUDA_VISIBLE_DEVICES") for w in workers)
     assert devices == ["0", "1"], devices  # one each, as Ray assigned them
+
+
+def test_a_replica_no_node_can_take_fails_its_load_with_the_reason(ray_pool, ray_cluster):
+    pool = ray_pool([on_ray(synthetic("nowhere", load_timeout_s=2), resources={"node_c": 1}),
+                     on_ray(synthetic("somewhere"), resources={"node_a": 1})], wait_ready=False)
+    failed = wait_for(lambda: (m := pool.model("nowhere"))["state"] == "failed" and m, 30, what="load failed")
+    assert "no Ray node took it within load_timeout_s=2 (it needs num_cpus=1, num_gpus=0, node_c=1)" \
+        in failed["error"], failed
+    wait_for(lambda: pool.model("somewhere")["state"] == "loaded", 30, what="the other model loaded")
+    assert chat(pool, "somewhere").status_code == 200  # a placement that can be made is not held up
+
+
+def test_an_unreachable_cluster_fails_the_load_at_once_with_the_reason(ray_pool, ray_cluster):
+    from tests.pool import free_port
+    address = f"127.0.0.1:{free_port()}"
+    pool = ray_pool([on_ray(synthetic("far")), synthetic("near")], server={"ray_address": address},
+                    wait_ready=False)
+    failed = wait_for(lambda: (m := pool.model("far"))["state"] == "failed" and m, 30, what="load failed")
+    assert f"cannot connect to the Ray cluster at {address!r}: ConnectionRefusedError" in failed["error"], failed
+    wait_for(lambda: pool.model("near")["state"] == "loaded", 30, what="the local model loaded")
+    assert chat(pool, "near").status_code == 200
 
 
 def test_a_worker_with_a_wrong_curve_key_is_refused_and_logged(ray_pool, ray_cluster):
