@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -262,6 +263,26 @@ def test_a_sigkilled_supervisor_leaves_no_runtime_process_on_any_node(ray_pool, 
     wait_for(lambda: all(gone(pid) for pid in pids + actors), liveness_s + 2, interval=0.05,
              what="every remote worker and its actor gone within the liveness window")
     print(f"supervisor SIGKILL -> no remote worker left: {(time.monotonic() - killed_at) * 1000:.0f} ms")
+
+
+def test_a_hung_remote_worker_is_detected_killed_on_its_node_and_restarted(ray_pool, ray_cluster):
+    pool = ray_pool([on_ray(synthetic("h", tps=10, tokens=200), resources={"slot": 1})],
+                    server={"heartbeat_s": 0.25, "liveness_s": 1.5})
+    pid = pool.workers("h")[0]["pid"]
+    try:
+        with stream_chat(pool, "h") as s:
+            events = sse(s)
+            first_content(events)
+            os.kill(pid, signal.SIGSTOP)  # hung: it neither answers nor exits
+            assert list(events)[-1]["error"]["code"] == "runtime_timeout"
+        wait_for(lambda: gone(pid), 10, what="the hung worker killed on its node, by its actor")
+        fresh = wait_for(lambda: (w := pool.workers("h")[0])["state"] == "ready" and w["pid"] != pid and w,
+                         20, what="a new worker")
+        assert fresh["restarts"] == 1
+        assert chat(pool, "h", max_tokens=2).status_code == 200
+    finally:
+        if not gone(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_unload_drains_remote_replicas_like_local_ones(ray_pool, ray_cluster):
