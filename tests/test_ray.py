@@ -314,21 +314,22 @@ def test_remote_time_to_first_token_against_local(ray_pool, ray_cluster):
 
     def ttft(model: str) -> float:
         started = time.perf_counter()
-        with stream_chat(pool, model) as s:
+        with pool.http.stream("POST", "/v1/chat/completions", json={  # one kept-alive connection
+                "model": model, "stream": True, "messages": [{"role": "user", "content": "x"}]}) as s:
             first_content(sse(s))
             return time.perf_counter() - started
 
     for model in ("here", "there"):  # warm both paths
         ttft(model)
     samples = {"here": [], "there": []}
-    for _ in range(40):  # interleaved, so that load on the machine hits both alike
+    for _ in range(60):  # interleaved, so that load on the machine hits both alike
         for model in samples:
             samples[model].append(ttft(model))
     p50 = {m: statistics.median(v) * 1000 for m, v in samples.items()}
     p90 = {m: statistics.quantiles(v, n=10)[-1] * 1000 for m, v in samples.items()}
     print(f"TTFT p50 local (ipc) {p50['here']:.2f} ms, remote (TCP+CURVE) {p50['there']:.2f} ms, "
           f"added {p50['there'] - p50['here']:+.2f} ms; p90 {p90['here']:.2f} / {p90['there']:.2f} ms")
-    assert p50["there"] < p50["here"] + 20, p50  # the link adds little: no Ray call on the token path
+    assert p50["there"] < p50["here"] + 10, p50  # the link adds little: no Ray call on the token path
 
 
 def test_losing_a_node_mid_stream_fails_in_flight_reruns_queued_and_restarts_elsewhere(ray_pool, ray_cluster):
