@@ -50,10 +50,14 @@ class RayTestCluster:
 
 
 def _ray_processes(session_dir: str) -> list[psutil.Process]:
+    """The cluster's daemons (their command lines name its session directory) and
+    Ray's worker processes (which retitle themselves "ray::...") of this user."""
     found = []
-    for proc in psutil.process_iter(["cmdline"]):
+    for proc in psutil.process_iter(["cmdline", "uids"]):
         try:
-            if any(session_dir in part for part in proc.info["cmdline"] or []):
+            cmdline = proc.info["cmdline"] or []
+            if any(session_dir in part for part in cmdline) or (
+                    cmdline and cmdline[0].startswith("ray::") and proc.info["uids"].real == os.getuid()):
                 found.append(proc)
         except psutil.Error:
             pass
