@@ -44,7 +44,8 @@ class RayTestCluster:
         return next(name for name, node in self.nodes.items() if node.node_id == node_id)
 
     def add(self, name: str):
-        self.nodes[name] = self.cluster.add_node(num_cpus=2, num_gpus=GPUS[name], resources={name: 1, "slot": 1})
+        self.nodes[name] = self.cluster.add_node(num_cpus=2, num_gpus=GPUS[name], resources={name: 1, "slot": 1},
+                                                 labels={"zone": name.removeprefix("node_")})
         self.cluster.wait_for_nodes()
         return self.nodes[name]
 
@@ -192,6 +193,15 @@ def test_ray_assigns_each_replica_its_gpus(ray_pool, ray_cluster):
     assert [ray_cluster.name_of(w["node_id"]) for w in workers] == ["node_b", "node_b"]  # the node with GPUs
     devices = sorted(psutil.Process(w["pid"]).environ().get("CUDA_VISIBLE_DEVICES") for w in workers)
     assert devices == ["0", "1"], devices  # one each, as Ray assigned them
+
+
+def test_a_node_label_chooses_the_node(ray_pool, ray_cluster):
+    pool = ray_pool([on_ray(synthetic("labelled", replicas=2), node_labels={"zone": "b"}),
+                     on_ray(synthetic("unmatched", load_timeout_s=2), node_labels={"zone": "c"})], wait_ready=False)
+    wait_for(lambda: pool.model("labelled")["state"] == "loaded", 30, what="loaded")
+    assert [ray_cluster.name_of(w["node_id"]) for w in pool.workers("labelled")] == ["node_b", "node_b"]
+    failed = wait_for(lambda: (m := pool.model("unmatched"))["state"] == "failed" and m, 30, what="load failed")
+    assert "label zone=c" in failed["error"], failed  # no node has it: never placed elsewhere
 
 
 def test_a_replica_no_node_can_take_fails_its_load_with_the_reason(ray_pool, ray_cluster):
