@@ -47,6 +47,8 @@ log = logging.getLogger("llm_pool.ray")
 ACTOR_LOST = -1  # exit code when the actor (or its node) died without telling how the worker ended
 POLL_S = 1.0  # how often the process view and new log output are fetched from the node
 LOG_KEEP_BYTES = 1 << 20  # the actor keeps this much of the worker's output for the supervisor to fetch
+# output per poll: under Ray's inline limit (100 KB), so that none of it goes through the object store
+LOG_CHUNK_BYTES = 64 * 1024
 KILL_GRACE_S = 5.0  # a kill the actor does not carry out in this long: Ray kills the actor itself
 WILDCARD_HOSTS = {"0.0.0.0", "::", "*", "[::]"}
 CONNECT_TIMEOUT_S = 60.0  # ray.init waits long for a cluster that does not answer
@@ -117,13 +119,16 @@ class WorkerHost:
         self.worker.kill_tree()
 
     async def poll(self, offset: int) -> dict:
-        """The process view, and the output written since `offset` (some may have
-        been dropped, if the supervisor fell more than LOG_KEEP_BYTES behind)."""
+        """The process view, and up to LOG_CHUNK_BYTES of the output written since
+        `offset` (`more` if there is more; `dropped` what the supervisor fell too far
+        behind to get: over LOG_KEEP_BYTES)."""
         from supervisor.observe import gpu_memory_by_pid, process_view
         start = self.output_end - len(self.output)
-        data = bytes(self.output[max(0, offset - start):])
+        begin = max(offset, start)
+        data = bytes(self.output[begin - start:begin - start + LOG_CHUNK_BYTES])
         view = process_view(self.worker.pid, gpu_memory_by_pid()) if self.worker.returncode is None else None
-        return {"view": view, "output": data, "end": self.output_end, "dropped": max(0, start - offset)}
+        end = begin + len(data)
+        return {"view": view, "output": data, "end": end, "dropped": begin - offset, "more": end < self.output_end}
 
 
 # -- in the supervisor ----------------------------------------------------------------------------
@@ -179,7 +184,7 @@ class RemoteWorker:
         await asyncio.gather(poller, return_exceptions=True)
         if code != ACTOR_LOST:
             try:
-                await asyncio.wait_for(self._poll_once(), 5.0)  # its last words: why it exited
+                await asyncio.wait_for(self._poll_rest(), 5.0)  # its last words: why it exited
             except Exception:
                 pass
         self.returncode = code
@@ -191,21 +196,28 @@ class RemoteWorker:
     async def _poll_loop(self) -> None:
         while True:
             try:
-                await self._poll_once()
+                more = await self._poll_once()
             except Exception as exc:  # a slow or lost node: the watch reports a lost actor
                 log.debug("poll of worker pid %d on %s failed: %r", self.pid, self.node, exc)
-            await asyncio.sleep(POLL_S)
+                more = False
+            if not more:
+                await asyncio.sleep(POLL_S)
 
     async def refresh(self) -> None:
         """Fetch the process view and new log output now (GET /admin/workers, ps)."""
         if self.returncode is None:
             await self._poll_once()
 
-    async def _poll_once(self) -> None:
-        async with self._polling:
-            await self._poll_locked()
+    async def _poll_rest(self) -> None:
+        while await self._poll_once():
+            pass
 
-    async def _poll_locked(self) -> None:
+    async def _poll_once(self) -> bool:
+        """One poll; True if the node has more output waiting."""
+        async with self._polling:
+            return await self._poll_locked()
+
+    async def _poll_locked(self) -> bool:
         got = await _result(self.actor.poll.remote(self._log_offset))
         if got["view"] is not None:
             self.view = got["view"]
@@ -216,6 +228,7 @@ class RemoteWorker:
             with open(self._log_path, "ab") as f:
                 f.write(output)
         self._log_offset = got["end"]
+        return bool(got.get("more"))
 
     async def wait(self) -> int:
         return await asyncio.shield(self._exit)

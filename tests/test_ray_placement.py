@@ -119,3 +119,26 @@ def test_a_kill_the_actor_does_not_carry_out_kills_the_actor(tmp_path, fast):
         assert await worker.wait() == ACTOR_LOST
 
     asyncio.run(go())
+
+
+def test_the_actor_hands_out_its_output_in_chunks_under_rays_inline_limit(monkeypatch):
+    from types import SimpleNamespace
+
+    from supervisor.ray_placement import WorkerHost
+    monkeypatch.setattr(ray_placement, "LOG_CHUNK_BYTES", 4)
+    monkeypatch.setattr(ray_placement, "LOG_KEEP_BYTES", 8)
+    host = WorkerHost()
+    host.worker = SimpleNamespace(pid=1, returncode=0)  # exited: no process view
+
+    async def go():
+        stream = asyncio.StreamReader()
+        stream.feed_data(b"0123456789ab")  # 12 bytes: the first 4 fall out of what it keeps
+        stream.feed_eof()
+        await host._keep_output(stream)
+        got = await host.poll(0)
+        assert (got["output"], got["dropped"], got["end"], got["more"]) == (b"4567", 4, 8, True)
+        got = await host.poll(8)
+        assert (got["output"], got["dropped"], got["end"], got["more"]) == (b"89ab", 0, 12, False)
+        assert (await host.poll(12))["output"] == b""
+
+    asyncio.run(go())
