@@ -416,6 +416,9 @@ class RayCluster:
                 pass
         # Ray's core worker would print a stack dump for the SIGTERM that starts a graceful drain
         os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+        # ...and ray.init warns that, off the main thread, it leaves SIGTERM alone: as intended here
+        logging.getLogger("ray._private.worker").addFilter(
+            lambda record: "SIGTERM handler is not set" not in record.getMessage())
         import ray
         if not ray.is_initialized():
             # log_to_driver=False: a worker's output reaches its replica's log through the actor
