@@ -108,7 +108,7 @@ class WorkerHost:
         self.worker.kill_tree()
         try:
             await asyncio.wait_for(asyncio.shield(self._relay), 2.0)  # its last lines
-        except (TimeoutError, Exception):
+        except Exception:  # TimeoutError: a runtime child still holds the pipe; it is killed
             pass
         return code
 
@@ -178,7 +178,7 @@ class RemoteWorker:
             code = await _result(self.actor.wait.remote())
         except Exception as exc:  # RayActorError: the actor died, or its node was lost
             log.error("worker pid %d on node %s (%s): its Ray actor is gone (%s: %s); counted as a crash",
-                      self.pid, self.node, self.node_id[:12], type(exc).__name__, str(exc).splitlines()[0][:200])
+                      self.pid, self.node, self.node_id[:12], type(exc).__name__, _first_line(exc))
             code = ACTOR_LOST
         poller.cancel()
         await asyncio.gather(poller, return_exceptions=True)
@@ -270,6 +270,10 @@ def _kill(actor) -> None:
         ray.kill(actor, no_restart=True)
     except Exception as exc:  # already gone, or Ray is disconnected
         log.debug("ray.kill: %r", exc)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [""])[0][:200]
 
 
 def _detach(ref) -> None:
