@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -85,6 +86,7 @@ def ray_cluster():
     finally:
         cluster.shutdown()
         leftovers = wait_for_gone(lambda: _ray_processes(session_dir), 30)
+        shutil.rmtree(session_dir, ignore_errors=True)  # its logs and sockets
         assert not leftovers, f"Ray processes left: {[p.cmdline()[:2] for p in leftovers]}"
 
 
