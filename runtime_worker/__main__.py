@@ -16,6 +16,7 @@ import time
 import zmq
 
 import protocol as p
+from protocol.curve import take_curve_keys
 from protocol.errors import ErrorCode, WorkerExit
 from protocol.loop_socket import LoopSocket
 from runtime_worker.backends import backend_class
@@ -35,6 +36,10 @@ class Worker:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, args.replica.encode())
         sock.setsockopt(zmq.LINGER, 500)
+        if keys := take_curve_keys():  # a worker on another host: TCP, encrypted and authenticated
+            sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys
+        elif args.endpoint.startswith("tcp://"):
+            raise SystemExit("a tcp:// endpoint needs the CURVE keys in the environment (see protocol/curve.py)")
         sock.connect(args.endpoint)
         self.sock = LoopSocket(sock, self.on_frames)
         self.outbox = Outbox(self.sock, on_job_failed=self.cancel_job)
@@ -216,7 +221,8 @@ class Worker:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="runtime_worker")
-    ap.add_argument("--endpoint", required=True, help="supervisor ROUTER endpoint (ipc://...)")
+    ap.add_argument("--endpoint", required=True,
+                    help="supervisor ROUTER endpoint (ipc://..., or tcp://... with CURVE keys in the environment)")
     ap.add_argument("--replica", required=True, help="routing identity, e.g. model/0")
     ap.add_argument("--backend", required=True)
     ap.add_argument("--options", default="{}", help="backend options as JSON")

@@ -22,7 +22,7 @@ from supervisor.http_guard import AccessGate, BodySizeLimit, error_response
 from supervisor.inference import add_inference_routes
 from supervisor.live import Activity
 from supervisor.metrics import Metrics
-from supervisor.observe import worker_views
+from supervisor.observe import refresh_remote_views, worker_views
 from supervisor.states import ModelState
 
 log = logging.getLogger("llm_pool.api")
@@ -128,6 +128,7 @@ def create_app(config: PoolConfig) -> FastAPI:
     @app.get("/admin/workers")
     async def admin_workers():
         replicas = [r for e in engine.models.values() if e.executor for r in e.executor.replicas]
+        await refresh_remote_views(replicas)
         return {"workers": worker_views(replicas)}
 
     @app.get("/admin/models/{name}/logs")

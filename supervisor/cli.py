@@ -237,14 +237,20 @@ def ps(url: Url = DEFAULT_URL, as_json: AsJson = False) -> None:
     if not workers:
         typer.echo("no replicas running", err=True)
         return
-    _table(["MODEL", "REPLICA", "PID", "STATE", "UPTIME", "RESTARTS", "INFLIGHT", "RSS", "CPU%",
+    _table(["MODEL", "REPLICA", "NODE", "PID", "STATE", "UPTIME", "RESTARTS", "INFLIGHT", "RSS", "CPU%",
             "GPU MEM", "CHILDREN"],
-           [(w["model"], str(w["replica"]), _dash(w["pid"]), w["state"], _duration(w["uptime_s"]),
+           [(w["model"], str(w["replica"]), _node(w), _dash(w["pid"]), w["state"], _duration(w["uptime_s"]),
              str(w["restarts"]), f"{w['inflight']}/{w['capacity']}", _bytes(w["rss_bytes"]),
              "-" if w["cpu_percent"] is None else f"{w['cpu_percent']:.1f}",
              _bytes(w["gpu_memory_bytes"]),  # None (no GPU, no NVML) stays "-"
              ", ".join(f"{c['name']}:{c['pid']}" for c in w["children"]) or "-")
             for w in workers])
+
+
+def _node(worker: dict) -> str:
+    """The host a replica runs on; a Ray node also by its id (several may share a host)."""
+    node = worker.get("node") or "-"
+    return f"{node} (ray {worker['node_id'][:8]})" if worker.get("node_id") else node
 
 
 @_client

@@ -3,6 +3,7 @@ the model and the key."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import tomllib
 from pathlib import Path
@@ -51,6 +52,12 @@ class ServerConfig(_Strict):
     # A load waiting for memory held by busy models: they finish their running jobs and make way
     # after this long (their queued requests wait for their next load); None: only idle ones go.
     max_swap_wait_s: float | None = Field(10.0, ge=0)
+    # Replicas on other hosts (models with placement = "ray"; supervisor/ray_placement.py):
+    ray_address: str | None = None  # the Ray cluster: "auto" (this host's), or the head's "host:port"
+    # The ROUTER's TCP endpoint for their workers (CURVE), bound only when one exists; a wildcard
+    # host (0.0.0.0, ::) binds every interface and workers dial this host's address in the cluster.
+    ray_bind_host: str | None = Field(None, min_length=1)  # default: this host's address in the cluster
+    ray_bind_port: int = Field(0, ge=0, le=65535)  # 0: any free port
 
     @field_validator("allowed_hosts")
     @classmethod
@@ -59,6 +66,14 @@ class ServerConfig(_Strict):
             if not h or any(c.isspace() or c in "/@?#," for c in h):
                 raise ValueError(f"{h!r} is not a host name (expected 'name', 'name:port' or '*')")
         return hosts
+
+    @field_validator("ray_address")
+    @classmethod
+    def _cluster_address(cls, address: str | None) -> str | None:
+        if address is not None and (not address or "://" in address or any(c.isspace() for c in address)):
+            raise ValueError(f'{address!r}: expected "auto" or the head node\'s host:port (the supervisor runs '
+                             "on a host of the cluster; Ray Client ray:// addresses are not supported)")
+        return address
 
     @field_validator("liveness_s")
     @classmethod
@@ -121,6 +136,24 @@ class SyntheticOptions(_Options):
     grandchild: bool = False  # tests: start a process in its own session that must die with the worker
 
 
+class RayPlacement(_Strict):
+    """[models.ray]: what a node must have to take one replica (one Ray actor each)."""
+    num_cpus: float = Field(1, ge=0)
+    num_gpus: float = Field(0, ge=0)  # Ray sets CUDA_VISIBLE_DEVICES from what it assigns
+    resources: dict[str, float] = Field(default_factory=dict)  # custom resources (ray start --resources)
+    node_labels: dict[str, str] = Field(default_factory=dict)  # required node labels (ray start --labels)
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_only(cls, resources: dict[str, float]) -> dict[str, float]:
+        for name, amount in resources.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(f"{name!r} is not a custom resource: use num_cpus / num_gpus")
+            if amount <= 0:
+                raise ValueError(f"{name!r}: the amount must be greater than 0")
+        return resources
+
+
 BACKEND_OPTIONS: dict[str, type[_Options]] = {
     "llama_server": LlamaServerOptions, "vllm_serve": VllmServeOptions, "exllamav3": ExLlamaV3Options,
     "openai_remote": OpenAIRemoteOptions, "synthetic": SyntheticOptions,
@@ -157,6 +190,8 @@ class ModelConfig(_Strict):
     retry_unstarted_on_crash: bool = True  # a crash before the first token: run it once more elsewhere
     stop_timeout_s: float = Field(10.0, gt=0)  # drain-free stop: SIGTERM .. SIGKILL, worker and runtime
     replica_devices: list[str] | None = None  # CUDA_VISIBLE_DEVICES per replica
+    placement: Literal["local", "ray"] = "local"  # "ray": each replica on a Ray node that fits [models.ray]
+    ray: RayPlacement | None = None
     log_bodies: bool = False  # the request log keeps prompts and outputs (truncated): debugging only
     options: dict = Field(default_factory=dict)  # checked against BACKEND_OPTIONS by parse_config
 
@@ -173,6 +208,10 @@ class ModelConfig(_Strict):
             raise ValueError(f"replica_devices has {len(self.replica_devices)} entries "
                              f"for {self.replicas} replicas")
         return self
+
+    @property
+    def remote(self) -> bool:
+        return self.placement == "ray"
 
 
 class PoolConfig(_Strict):
@@ -222,12 +261,14 @@ def parse_config(raw: dict, source: str = "<config>") -> PoolConfig:
                                   f"the name or an alias of a model")
             seen.add(alias)
         budget = cfg.server.memory_budget_mb
-        if budget is not None and m.memory_mb is not None and m.memory_mb > budget:
+        if budget is not None and m.memory_mb is not None and m.memory_mb > budget and not m.remote:
             raise ConfigError(f"{source}: model {m.name!r}: key 'memory_mb': {m.memory_mb:g} MB is more than "
                               f"the whole server.memory_budget_mb ({budget:g} MB)")
+    for m in cfg.models:
+        _check_placement(source, cfg.server, m)
     gpu_budget = cfg.server.gpu_memory_budget_mb
     for m in cfg.models:
-        if gpu_budget is None or m.gpu_memory_mb is None:
+        if gpu_budget is None or m.gpu_memory_mb is None or m.remote:
             continue
         if m.replica_devices is None:
             raise ConfigError(f"{source}: model {m.name!r}: key 'gpu_memory_mb': with server.gpu_memory_budget_mb "
@@ -237,7 +278,7 @@ def parse_config(raw: dict, source: str = "<config>") -> PoolConfig:
             raise ConfigError(f"{source}: model {m.name!r}: key 'gpu_memory_mb': {share:g} MB on one device is "
                               f"more than server.gpu_memory_budget_mb ({gpu_budget:g} MB)")
     budget = cfg.server.memory_budget_mb
-    at_start = sum(m.memory_mb or 0 for m in cfg.models if m.load_on_start)
+    at_start = sum(m.memory_mb or 0 for m in cfg.models if m.load_on_start and not m.remote)
     if budget is not None and at_start > budget:
         raise ConfigError(f"{source}: key 'server.memory_budget_mb': the models with load_on_start declare "
                           f"{at_start:g} MB together, more than the budget ({budget:g} MB)")
@@ -247,6 +288,26 @@ def parse_config(raw: dict, source: str = "<config>") -> PoolConfig:
         except ValidationError as exc:
             raise _config_error(source, raw, exc, ("models", i, "options")) from None
     return cfg
+
+
+def _check_placement(source: str, server: ServerConfig, m: ModelConfig) -> None:
+    """placement = "ray" needs a cluster and Ray; [models.ray] and replica_devices each
+    belong to one placement. (The host budgets count this host's models only.)"""
+    where = f"{source}: model {m.name!r}"
+    if not m.remote:
+        if m.ray is not None:
+            raise ConfigError(f'{where}: key \'ray\': [models.ray] applies only with placement = "ray"')
+        return
+    if m.replica_devices is not None:
+        raise ConfigError(f"{where}: key 'replica_devices': with placement = \"ray\", Ray assigns the GPUs "
+                          f"(set ray.num_gpus)")
+    if server.ray_address is None:
+        raise ConfigError(f"{where}: key 'placement': \"ray\" needs server.ray_address (\"auto\", or the "
+                          f"head node's host:port)")
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError(f"{where}: key 'placement': \"ray\" needs Ray: pip install 'llm-pool[ray]'")
+    if m.ray is None:
+        m.ray = RayPlacement()
 
 
 def _config_error(source: str, raw: dict, exc: ValidationError, prefix: tuple = ()) -> ConfigError:

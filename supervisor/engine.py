@@ -20,7 +20,8 @@ from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ConfigError, ModelConfig, PoolConfig, load_config
 from supervisor.jobs import Job, JobState
 from supervisor.observe import gpu_memory_by_pid
-from supervisor.process import sweep_stale_workers
+from supervisor.process import spawn_worker, sweep_stale_workers
+from supervisor.ray_placement import RayCluster
 from supervisor.replica import Replica
 from supervisor.scheduler import Executor
 from supervisor.states import MODEL_TRANSITIONS, ModelState, ReplicaState, transition
@@ -134,6 +135,7 @@ class ModelRouterEngine:
         self.swaps = 0  # loads that had to evict another model first
         self.load_durations = LoadDurations()
         self.transport: Transport | None = None
+        self.cluster: RayCluster | None = None  # replicas on Ray nodes (placement = "ray"), once one loads
         self.log_dir = Path(config.server.state_dir or default_state_dir()) / "logs"
         self.shutting_down = False
         self._drain: asyncio.Future | None = None  # the one drain of a graceful stop
@@ -196,6 +198,8 @@ class ModelRouterEngine:
             await asyncio.gather(*self._tasks, return_exceptions=True)
             if self.transport:
                 await self.transport.close()
+            if self.cluster:
+                await self.cluster.close()
 
     def model_state(self, entry: ModelEntry) -> ModelState:
         """The model's state as ops should see it: `loaded` only while some replica
@@ -304,8 +308,11 @@ class ModelRouterEngine:
         entry.error = None
         entry.load_started = time.monotonic()
         executor = Executor(entry.cfg)
-        executor.replicas = [Replica(entry.cfg, self.config.server, i, self.transport, self.log_dir, executor)
-                             for i in range(entry.cfg.replicas)]
+        if entry.cfg.remote and self.cluster is None:
+            self.cluster = RayCluster(self.config.server, self.transport)
+        launcher = self.cluster.launcher(entry.cfg) if entry.cfg.remote else spawn_worker
+        executor.replicas = [Replica(entry.cfg, self.config.server, i, self.transport, self.log_dir, executor,
+                                     launcher=launcher) for i in range(entry.cfg.replicas)]
         executor.loading = True
         executor.start()
         entry.executor = executor
@@ -350,9 +357,15 @@ class ModelRouterEngine:
             entry.set_state(ModelState.UNLOADING)
             entry.set_state(ModelState.UNLOADED)
             raise
-        results = await asyncio.gather(*(r.start() for r in executor.replicas), return_exceptions=True)
-        errors = [f"{r.name}: {res}" for r, res in zip(executor.replicas, results)
-                  if isinstance(res, BaseException)]
+        try:
+            if entry.cfg.remote:
+                await self.cluster.connect()
+        except OSError as exc:
+            errors = [str(exc)]
+        else:
+            results = await asyncio.gather(*(r.start() for r in executor.replicas), return_exceptions=True)
+            errors = [f"{r.name}: {res}" for r, res in zip(executor.replicas, results)
+                      if isinstance(res, BaseException)]
         if errors:
             entry.error = "; ".join(errors)
             error = PoolError(ErrorCode.LOAD_FAILED, f"model {name!r} failed to load: {entry.error}")
@@ -394,6 +407,12 @@ class ModelRouterEngine:
         for r in entry.executor.replicas if entry.executor else []:
             if r.pid is None:
                 continue
+            if r.cfg.remote:  # on its node, as its actor saw it last
+                view = r.proc.view
+                if view.get("rss_bytes") is not None:
+                    total += view["rss_bytes"] + sum(c["rss_bytes"] for c in view["children"])
+                    seen = True
+                continue
             try:
                 proc = psutil.Process(r.pid)
                 total += proc.memory_info().rss + sum(c.memory_info().rss for c in proc.children(recursive=True))
@@ -432,6 +451,8 @@ class ModelRouterEngine:
 
     def _usage(self, entry: ModelEntry) -> dict[str, float]:
         """What the model takes from each budget: "host", and "GPU <device>" per device."""
+        if entry.cfg.remote:  # on Ray nodes, which Ray fills by their resources
+            return {}
         usage = {"host": self.footprint(entry)[0] or 0}
         if self.config.server.gpu_memory_budget_mb is not None:
             usage.update({f"GPU {d}": mb for d, mb in self.gpu_footprint(entry).items()})

@@ -102,7 +102,13 @@ class _EngineCollector:
                 restarts.add_metric(key, r.restarts)
                 bad.add_metric(key, r.protocol_errors)
                 by_process: dict[str, int] = {}  # summed per process name: one series each
-                if r.pid:
+                if r.pid and r.cfg.remote:  # on a Ray node: what its actor saw last
+                    view = r.proc.view
+                    if view.get("rss_bytes") is not None:
+                        by_process["worker"] = view["rss_bytes"]
+                        for child in view["children"]:
+                            by_process[child["name"]] = by_process.get(child["name"], 0) + child["rss_bytes"]
+                elif r.pid:
                     try:
                         proc = psutil.Process(r.pid)
                         by_process["worker"] = proc.memory_info().rss

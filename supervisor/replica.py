@@ -44,7 +44,8 @@ class ReplicaOwner(Protocol):
 
 
 class Launcher(Protocol):
-    """Starts a worker (process.spawn_worker; a fake in the state-machine tests).
+    """Starts a worker (process.spawn_worker; ray_placement.RayLauncher, which also
+    has the `endpoint` its workers dial; a fake in the state-machine tests).
     Raises OSError when it cannot."""
 
     async def __call__(self, args: list[str], log_path: Path, env: dict[str, str]) -> WorkerProcess: ...
@@ -87,6 +88,7 @@ class Replica:
         self.started_at: float | None = None  # wall clock of the current process
         self.ready_at: float | None = None  # monotonic
         self.last_heard = 0.0
+        self.connected = False  # the current worker has spoken: it can be sent to
         self.restarts = 0
         self.last_exit_code: int | None = None
         self.last_error: str | None = None
@@ -173,14 +175,17 @@ class Replica:
         self.capacity = 0
         self.last_error = None
         self.submits_sent = 0
+        self.connected = False
         self._ready = ready = asyncio.get_running_loop().create_future()
         self.transport.register(self.identity, self._on_message)
         env = {}
         if self.cfg.replica_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.cfg.replica_devices[self.index]
         try:
+            # a remote replica's workers dial the ROUTER's CURVE TCP endpoint (ray_placement.py)
+            endpoint = self.launcher.endpoint if self.cfg.remote else self.transport.endpoint
             self.proc = await self.launcher([
-                "--endpoint", self.transport.endpoint, "--replica", self.identity,
+                "--endpoint", endpoint, "--replica", self.identity,
                 "--backend", self.cfg.backend, "--options", json.dumps(self.cfg.options),
                 "--target-inflight", str(self.cfg.target_inflight),
                 "--heartbeat-s", str(self.server.heartbeat_s), "--liveness-s", str(self.server.liveness_s),
@@ -362,7 +367,8 @@ class Replica:
                 # SIGKILL of the tree: a stopped process ignores SIGTERM
                 self._crash_kill(ErrorCode.RUNTIME_TIMEOUT, f"replica {self.name} stopped responding")
                 return
-        self.transport.send(self.identity, p.Heartbeat(inflight=len(self.inflight)))
+        if self.connected:  # before its Hello there is no peer to send to (a remote one takes seconds)
+            self.transport.send(self.identity, p.Heartbeat(inflight=len(self.inflight)))
 
     def _fail_all(self, code: ErrorCode, message: str) -> None:
         jobs = list(self.inflight.values())
@@ -399,6 +405,7 @@ class Replica:
 
     def _on_message(self, msg: p.Message | p.ProtocolError) -> None:
         self.last_heard = self.clock()
+        self.connected = True
         match msg:
             case p.Delta(job=job_id):
                 if job := self.inflight.get(job_id):

@@ -17,6 +17,7 @@ import zmq
 
 import protocol as p
 from protocol.loop_socket import LoopSocket
+from supervisor.curve_listener import CurveListener
 
 log = logging.getLogger("llm_pool.transport")
 
@@ -57,6 +58,13 @@ class Transport:
         self.sock.bind(self.endpoint)
         self.handlers: dict[bytes, Handler] = {}
         self._loop_sock: LoopSocket | None = None
+        self.remote: CurveListener | None = None  # the CURVE TCP listener, once a remote replica exists
+
+    def listen_tcp(self, host: str, port: int) -> CurveListener:
+        """Also take workers on other hosts, over TCP with CURVE (once; from the running loop)."""
+        if self.remote is None:
+            self.remote = CurveListener(self.ctx, self.sock, host, port)
+        return self.remote
 
     def start(self) -> None:
         """Begin routing incoming frames (call from the running loop)."""
@@ -98,6 +106,8 @@ class Transport:
             log.exception("handler for %r failed on %r", identity, msg)
 
     async def close(self) -> None:
+        if self.remote:
+            self.remote.close()
         if self._loop_sock:
             self._loop_sock.close()
         else:

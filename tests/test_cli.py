@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -90,6 +91,7 @@ def test_synthetic_pool_through_the_cli(make_pool):
         row = rows[w["pid"]]
         assert row["MODEL"] == "syn" and row["REPLICA"] == str(w["replica"]) and row["STATE"] == "ready"
         assert row["INFLIGHT"] == "0/2" and row["CHILDREN"] == "-"
+        assert row["NODE"] == w["node"] == socket.gethostname() and w["node_id"] is None  # local: this host
         assert abs(parse_bytes(row["RSS"]) - w["rss_bytes"]) <= 0.03 * w["rss_bytes"]  # idle: ~stable
         assert (row["GPU MEM"] == "-") == (w["gpu_memory_bytes"] is None)
 

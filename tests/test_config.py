@@ -53,6 +53,24 @@ GOOD_MODEL = '[[models]]\nname = "a"\nbackend = "synthetic"\n'
      ["model 'x'", "'options.cache_tokens'", "greater than"]),
     ('[server]\nheartbeat_s = 2.0\nliveness_s = 2.0\n', ["'server.liveness_s'", "greater than heartbeat_s"]),
     ('[server]\nliveness_s = 0.5\n', ["'server.liveness_s'", "greater than heartbeat_s (1.0)"]),
+    # replicas on a Ray cluster (placement = "ray")
+    (GOOD_MODEL + 'placement = "ray"\n', ["model 'a'", "'placement'", "needs server.ray_address"]),
+    (GOOD_MODEL + 'placement = "k8s"\n', ["model 'a'", "'placement'", "'local' or 'ray'"]),
+    ('[server]\nray_address = "ray://head:10001"\n', ["'server.ray_address'", "ray:// addresses are not supported"]),
+    ('[server]\nray_bind_port = 70000\n', ["'server.ray_bind_port'", "less than or equal"]),
+    (GOOD_MODEL + '[models.ray]\nnum_gpus = 1\n', ["model 'a'", "'ray'", 'only with placement = "ray"']),
+    ('[server]\nray_address = "auto"\n' + GOOD_MODEL + 'placement = "ray"\n[models.ray]\nnum_gpu = 1\n',
+     ["model 'a'", "'ray.num_gpu'", "Extra inputs"]),
+    ('[server]\nray_address = "auto"\n' + GOOD_MODEL + 'placement = "ray"\n[models.ray]\nnum_gpus = -1\n',
+     ["model 'a'", "'ray.num_gpus'", "greater than or equal to 0"]),
+    ('[server]\nray_address = "auto"\n' + GOOD_MODEL + 'placement = "ray"\n[models.ray]\nresources = {GPU = 1}\n',
+     ["model 'a'", "'ray.resources'", "use num_cpus / num_gpus"]),
+    ('[server]\nray_address = "auto"\n' + GOOD_MODEL + 'placement = "ray"\n[models.ray]\nresources = {a = 0}\n',
+     ["model 'a'", "'ray.resources'", "greater than 0"]),
+    ('[server]\nray_address = "auto"\n' + GOOD_MODEL + 'placement = "ray"\n[models.ray]\nnode_labels = {gpu = 1}\n',
+     ["model 'a'", "'ray.node_labels.gpu'", "string"]),
+    ('[server]\nray_address = "auto"\n' + GOOD_MODEL + 'placement = "ray"\nreplica_devices = ["0"]\n',
+     ["model 'a'", "'replica_devices'", "Ray assigns the GPUs"]),
 ])
 def test_config_errors_name_file_model_and_key(tmp_path, text, expected):
     path = tmp_path / "pool.toml"
@@ -130,6 +148,36 @@ chaos = "garbage"
     assert cfg.model("s").options == {"tokens_per_second": 20, "ttft_ms": 0.5, "chaos": "garbage"}
     # vLLM's cold start takes minutes: its default load timeout is longer; a set one is kept
     assert {m.name: m.load_timeout_s for m in cfg.models} == {"l": 120, "v": 600, "x": 900, "r": 120, "s": 120}
+
+
+RAY_MODEL = ('[server]\nray_address = "auto"\nmemory_budget_mb = 100\n' + GOOD_MODEL +
+             'placement = "ray"\nmemory_mb = 500\n[models.ray]\nnum_gpus = 1\nresources = {gpu_host_a = 1}\n'
+             'node_labels = {zone = "a"}\n')
+
+
+def test_a_ray_placed_model_parses_and_stays_out_of_this_hosts_budget(tmp_path, monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "ray" else real(name, *a))
+    path = tmp_path / "pool.toml"
+    path.write_text(RAY_MODEL + GOOD_MODEL.replace('"a"', '"b"') + 'placement = "ray"\n')
+    cfg = load_config(path)
+    a, b = cfg.models
+    assert a.remote and a.ray.num_gpus == 1 and a.ray.resources == {"gpu_host_a": 1}
+    assert a.ray.node_labels == {"zone": "a"}
+    assert b.remote and b.ray.num_cpus == 1 and b.ray.num_gpus == 0  # defaults: one CPU, no GPU
+    assert cfg.server.ray_address == "auto" and cfg.server.ray_bind_port == 0
+
+
+def test_a_ray_placed_model_without_ray_installed_says_what_to_install(tmp_path, monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    path = tmp_path / "pool.toml"
+    path.write_text(RAY_MODEL)
+    with pytest.raises(ConfigError,
+                       match=r"model 'a': key 'placement': \"ray\" needs Ray: pip install 'llm-pool\[ray\]'"):
+        load_config(path)
 
 
 def test_serve_refuses_a_public_bind_without_keys(tmp_path):
