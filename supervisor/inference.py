@@ -124,12 +124,16 @@ def add_inference_routes(app: FastAPI, engine, metrics, config) -> None:
         """The SSE body. What is ready goes out in one write: the opening events
         with the first delta, then each delta (merged if several were waiting),
         then the closing events. A client that leaves cancels the job (see JobStream)."""
+        text_sse = getattr(shape, "text_sse", None)  # a shape's fast path for plain text
         try:
             ready = [sse_frame(e) for e in shape.opening()]
             event = first
             while True:
                 if isinstance(event, Delta):
-                    ready += [sse_frame(e) for e in shape.delta(event)]
+                    if text_sse is not None and not event.parts and event.text:
+                        ready.append(text_sse(event.text))
+                    else:
+                        ready += [sse_frame(e) for e in shape.delta(event)]
                 elif isinstance(event, Done):
                     metrics.job_done(job, event, endpoint)
                     ready += [sse_frame(e) for e in shape.closing(event)]

@@ -43,6 +43,11 @@ def encode_submit(job_id: str, request: dict, endpoint: str = "chat") -> bytes:
     return frame
 
 
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 class Job:
     __slots__ = ("id", "model", "request", "endpoint", "frame", "state", "replica", "events", "created_at",
                  "deadline", "queue_deadline", "cancel_requested", "first_token_at", "attempts", "submit_seq",
@@ -97,30 +102,32 @@ class Job:
         None when nothing came for that long (time for a keep-alive ping)."""
         idle_until = time.monotonic() + idle_s if idle_s else None
         while not self.events:
+            now = time.monotonic()
             until = self.deadline
             if self.state is JobState.QUEUED and self.queue_deadline:
-                until = min(until, self.queue_deadline)
-            if idle_until is not None:
-                if time.monotonic() >= idle_until:
-                    return None
-                until = min(until, idle_until)
-            loop = asyncio.get_running_loop()
-            self._waiter = loop.create_future()
-            try:
-                async with asyncio.timeout_at(loop.time() + max(until - time.monotonic(), 0)):
-                    await self._waiter
-            except TimeoutError:
-                if self.state is JobState.QUEUED and self.queue_deadline and time.monotonic() >= self.queue_deadline:
+                if now >= self.queue_deadline:
                     on_timeout(self)
                     if self.queue_reason is not None:
-                        raise self.queue_reason from None
+                        raise self.queue_reason
                     raise PoolError(ErrorCode.QUEUE_TIMEOUT, "the request waited in the queue longer "
-                                    "than queue_timeout_s", retry_after_s=1) from None
-                if time.monotonic() >= self.deadline:
-                    on_timeout(self)
-                    raise PoolError(ErrorCode.RUNTIME_TIMEOUT,
-                                    "the runtime did not finish the request within its deadline") from None
+                                    "than queue_timeout_s", retry_after_s=1)
+                until = min(until, self.queue_deadline)
+            if now >= self.deadline:
+                on_timeout(self)
+                raise PoolError(ErrorCode.RUNTIME_TIMEOUT, "the runtime did not finish the request within its deadline")
+            if idle_until is not None:
+                if now >= idle_until:
+                    return None
+                until = min(until, idle_until)
+            # a plain timer that wakes the waiter: cheaper per token than asyncio.timeout's
+            # cancellation machinery; the deadlines are checked again above on every wake-up
+            loop = asyncio.get_running_loop()
+            self._waiter = waiter = loop.create_future()
+            timer = loop.call_at(loop.time() + (until - now), _wake, waiter)
+            try:
+                await waiter
             finally:
+                timer.cancel()
                 self._waiter = None
         event = self.events.popleft()
         if isinstance(event, PoolError):
