@@ -43,15 +43,10 @@ def encode_submit(job_id: str, request: dict, endpoint: str = "chat") -> bytes:
     return frame
 
 
-def _wake(waiter: asyncio.Future) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
-
-
 class Job:
     __slots__ = ("id", "model", "request", "endpoint", "frame", "state", "replica", "events", "created_at",
                  "deadline", "queue_deadline", "cancel_requested", "first_token_at", "attempts", "submit_seq",
-                 "_waiter", "submitted_at", "transcript", "queue_reason")
+                 "_waiter", "submitted_at", "transcript", "queue_reason", "_timer", "_timer_at")
 
     def __init__(self, model: str, request: dict, timeout_s: float, queue_timeout_s: float | None = None,
                  endpoint: str = "chat") -> None:
@@ -66,6 +61,8 @@ class Job:
         # waits on `_waiter`: cheaper per token than an asyncio.Queue under wait_for
         self.events: deque[Delta | Done | PoolError] = deque()
         self._waiter: asyncio.Future | None = None
+        self._timer: asyncio.TimerHandle | None = None  # wakes the waiter at the next deadline (see _arm_timer)
+        self._timer_at = 0.0  # loop time
         self.created_at = time.monotonic()
         self.deadline = self.created_at + timeout_s
         self.queue_deadline = self.created_at + queue_timeout_s if queue_timeout_s else None
@@ -89,6 +86,26 @@ class Job:
         if self.state is not JobState.FINISHED:
             self.state = JobState.FINISHED
             self._put(outcome)
+            if self._timer is not None:  # nothing more to wait for: the loop lets go of the job now
+                self._timer.cancel()
+                self._timer = None
+
+    def _arm_timer(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
+        """Make sure the waiter wakes by loop time `at`. One timer serves many
+        waits: a wait whose deadline is no earlier than the armed one keeps it
+        (waking early is harmless: next_event checks the deadlines on every
+        wake-up and waits again), so a stream costs a timer per idle period,
+        not one per token."""
+        if self._timer is None or self._timer_at > at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = loop.call_at(at, self._on_timer)
+            self._timer_at = at
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def _put(self, event: Delta | Done | PoolError) -> None:
         self.events.append(event)
@@ -119,15 +136,12 @@ class Job:
                 if now >= idle_until:
                     return None
                 until = min(until, idle_until)
-            # a plain timer that wakes the waiter: cheaper per token than asyncio.timeout's
-            # cancellation machinery; the deadlines are checked again above on every wake-up
             loop = asyncio.get_running_loop()
+            self._arm_timer(loop, loop.time() + (until - now))
             self._waiter = waiter = loop.create_future()
-            timer = loop.call_at(loop.time() + (until - now), _wake, waiter)
             try:
                 await waiter
             finally:
-                timer.cancel()
                 self._waiter = None
         event = self.events.popleft()
         if isinstance(event, PoolError):
