@@ -37,6 +37,17 @@ def sse_frame(event: dict) -> bytes:
     return f"data: {event['data']}\n\n".encode()
 
 
+_answer_encoder = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+class AnswerJSON(JSONResponse):
+    """Starlette's JSONResponse with one encoder made once (json.dumps with
+    options builds a new one per call), same bytes."""
+
+    def render(self, content) -> bytes:
+        return _answer_encoder.encode(content).encode("utf-8")
+
+
 class JobStream(StreamingResponse):
     """An SSE response that owns its job: when the response ends for any
     reason (done, client gone before or during the body, a failed write), the
@@ -114,7 +125,7 @@ def add_inference_routes(app: FastAPI, engine, metrics, config) -> None:
                 return Response(status_code=499)
             choices, done = result
             metrics.job_done(job, done, endpoint)
-            return JSONResponse(to_json(choices, done))  # a Response skips FastAPI's generic encoder
+            return AnswerJSON(to_json(choices, done))  # a Response skips FastAPI's generic encoder
         except PoolError as err:
             metrics.request(model, endpoint, err.status, job, error=err)
             raise
@@ -163,12 +174,13 @@ def add_inference_routes(app: FastAPI, engine, metrics, config) -> None:
     def route(path: str, model: type[BaseModel]):
         """Serve `path` as a plain Starlette endpoint: `handle(body, request)` with
         the body read as FastAPI would (read_body), but without FastAPI's
-        per-request dependency solving. FastAPI still declares the route, after
-        the plain one, so that it stays in the OpenAPI document."""
+        per-request dependency solving. It goes first in the routing table (the
+        most requested paths match without trying the others). FastAPI still
+        declares the route, after it, so that it stays in the OpenAPI document."""
         def register(handle):
             async def endpoint(request: Request):
                 return await handle(await read_body(request, model), request)
-            app.router.routes.append(Route(path, endpoint, methods=["POST"]))
+            app.router.routes.insert(0, Route(path, endpoint, methods=["POST"]))
 
             async def documented(body):  # noqa: ARG001 -- never called: the route above answers first
                 raise AssertionError("unreachable")
