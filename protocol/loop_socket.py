@@ -7,9 +7,10 @@ takes all waiting messages at once and hands each to `on_message`.
 
 The ZMQ_FD is edge-triggered and any socket operation can consume its edge.
 Reading until EAGAIN drains the socket's command mailbox, which re-arms the
-FD; a send may consume an edge too, so after sends the socket is read once
-more on the next loop turn (one check per turn, not per message: a syscall
-per message was a sixth of the supervisor's CPU on the token path).
+FD (no EVENTS check per message received: that syscall was a sixth of the
+supervisor's CPU on the token path). A send may consume an edge too, so
+EVENTS is read after each send (senders batch their messages, so that is
+rare) and a waiting input is taken on the next loop turn.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ class LoopSocket:
         try:
             self.sock.send_multipart(parts, zmq.NOBLOCK)
         finally:
-            self._reschedule()  # the send may have taken the FD's edge: read again next turn
+            if self.sock.getsockopt(zmq.EVENTS) & POLLIN:  # the send may have taken the FD's edge
+                self._reschedule()
 
     async def send(self, parts: list[bytes]) -> None:
         """Send, waiting while the peer's queue is full (back-pressure)."""
