@@ -18,7 +18,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
-from starlette.routing import Route
 
 from protocol import Delta, Done
 from protocol.errors import ErrorCode, PoolError
@@ -174,13 +173,13 @@ def add_inference_routes(app: FastAPI, engine, metrics, config) -> None:
     def route(path: str, model: type[BaseModel]):
         """Serve `path` as a plain Starlette endpoint: `handle(body, request)` with
         the body read as FastAPI would (read_body), but without FastAPI's
-        per-request dependency solving. It goes first in the routing table (the
-        most requested paths match without trying the others). FastAPI still
+        per-request dependency solving (add these routes first: the most
+        requested paths then match without trying the others). FastAPI still
         declares the route, after it, so that it stays in the OpenAPI document."""
         def register(handle):
             async def endpoint(request: Request):
                 return await handle(await read_body(request, model), request)
-            app.router.routes.insert(0, Route(path, endpoint, methods=["POST"]))
+            app.router.add_route(path, endpoint, methods=["POST"])
 
             async def documented(body):  # noqa: ARG001 -- never called: the route above answers first
                 raise AssertionError("unreachable")
