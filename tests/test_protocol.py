@@ -60,7 +60,7 @@ def test_malformed_frames_become_typed_errors():
 
 def test_errors_name_the_job_when_they_can():
     assert p.decode(frame(t="delta", job="j7", text=1)).job == "j7"
-    assert p.decode(msgpack.packb({"v": 2, "t": "done", "job": "j8"})).job == "j8"
+    assert p.decode(msgpack.packb({"v": p.PROTOCOL_VERSION, "t": "done", "job": "j8"})).job == "j8"
     assert p.decode(b"\xc1").job is None
 
 
