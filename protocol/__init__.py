@@ -2,7 +2,8 @@
 
 Transport: one ZeroMQ ROUTER socket in the supervisor (bound to an ipc path in
 a private 0700 directory), one DEALER socket per worker whose routing identity
-is the replica id. Every message is ONE frame holding one msgpack map:
+is the replica id. Every message is ONE frame holding one msgpack map (or, from
+a worker, an array of them; see below):
 
     DEALER (worker) --[ msgpack map ]--> ROUTER (supervisor)
                                           sees [ identity | msgpack map ]
@@ -26,11 +27,15 @@ is the replica id. Every message is ONE frame holding one msgpack map:
   An optional field at its default is left off the wire (a plain text delta
   carries only job and text); see messages.Delta for the typed parts.
 
-Frames above MAX_FRAME_BYTES are refused. `decode` never raises: any malformed
-frame comes back as a `ProtocolError` value naming what was wrong.
+A worker may send several messages as one frame, a msgpack array of those
+maps (`encode_batch`): what its sender found ready in one wake-up, across
+jobs, in order. Frames above MAX_FRAME_BYTES are refused. `decode` and
+`decode_many` never raise: any malformed frame (or item of a batch) comes back
+as a `ProtocolError` value naming what was wrong.
 """
 
-from protocol.codec import MAX_FRAME_BYTES, PROTOCOL_VERSION, ProtocolError, decode, encode, find_unencodable
+from protocol.codec import (
+    MAX_FRAME_BYTES, PROTOCOL_VERSION, ProtocolError, decode, decode_many, encode, encode_batch, find_unencodable)
 from protocol.messages import (
     ENDPOINTS,
     Cancel,
@@ -49,7 +54,8 @@ from protocol.messages import (
 )
 
 __all__ = [
-    "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "ProtocolError", "decode", "encode", "find_unencodable",
+    "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "ProtocolError", "decode", "decode_many", "encode", "encode_batch",
+    "find_unencodable",
     "Cancel", "Delta", "Done", "Error", "Heartbeat", "Hello", "Message", "Ready",
     "Shutdown", "Submit", "ENDPOINTS", "delta_parts", "delta_size", "merge_deltas",
 ]

@@ -10,7 +10,7 @@ import msgpack
 
 from protocol.messages import FIELD_TYPES, MESSAGE_TYPES, Delta, Message, part_error
 
-PROTOCOL_VERSION = 2  # 2: Submit.endpoint, Delta.parts, Done.finish_reasons and result
+PROTOCOL_VERSION = 3  # 2: Submit.endpoint, Delta.parts, Done.finish_reasons and result; 3: batches (encode_batch)
 # Twice the largest request body a pool may accept (supervisor config caps
 # max_body_bytes at MAX_FRAME_BYTES // 2): msgpack never makes a JSON request
 # much bigger, so a body under its cap always fits in one Submit frame.
@@ -102,21 +102,57 @@ def find_unencodable(value, path: str = "") -> tuple[str, str] | None:
     return path, f"a value of type {type(value).__name__}"
 
 
+def encode_batch(frames: list[bytes]) -> bytes:
+    """Several encoded messages as one frame: a msgpack array of their maps,
+    made by prefixing the array header (no re-encoding). One message stays a
+    plain map. The caller keeps the total under MAX_FRAME_BYTES."""
+    n = len(frames)
+    if n == 1:
+        return frames[0]
+    head = bytes((0x90 | n,)) if n < 16 else b"\xdc" + n.to_bytes(2, "big") if n < 65536 else \
+        b"\xdd" + n.to_bytes(4, "big")
+    return head + b"".join(frames)
+
+
 def decode(frame: bytes) -> Message | ProtocolError:
+    """One message (a frame holding one map)."""
     if len(frame) > MAX_FRAME_BYTES:
         return ProtocolError(f"frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES} byte cap")
     try:
         data = _unpackb(frame)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         return ProtocolError(f"undecodable msgpack: {type(exc).__name__}: {exc}")
+    return _message(data)
+
+
+def decode_many(frame: bytes) -> list[Message | ProtocolError]:
+    """The messages of a frame: one map, or an array of maps (encode_batch),
+    in order. A bad item is a ProtocolError in its place (naming its job when
+    it can), the others decode as usual; a frame that is neither is one
+    ProtocolError. Never raises."""
+    if len(frame) > MAX_FRAME_BYTES:
+        return [ProtocolError(f"frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES} byte cap")]
+    try:
+        data = _unpackb(frame)
+    except Exception as exc:
+        return [ProtocolError(f"undecodable msgpack: {type(exc).__name__}: {exc}")]
+    if type(data) is list:
+        return [_message(item, "a batch item") for item in data]
+    return [_message(data)]
+
+
+def _message(data, what: str = "frame") -> Message | ProtocolError:
     if not isinstance(data, dict):
-        return ProtocolError(f"frame is a {type(data).__name__}, not a map")
+        return ProtocolError(f"{what} is a {type(data).__name__}, not a map")
     job = data.get("job") if isinstance(data.get("job"), str) else None
     if data.get("v") != PROTOCOL_VERSION:
         return ProtocolError(f"protocol version {data.get('v')!r}, expected {PROTOCOL_VERSION}", job)
-    cls = MESSAGE_TYPES.get(data.get("t")) if isinstance(data.get("t"), str) else None
+    kind = data.get("t")
+    if kind == "delta" and len(data) == 4 and job is not None and type(data.get("text")) is str:
+        return Delta(job, data["text"])  # the token path: {"v", "t", "job", "text"}, checked above
+    cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        return ProtocolError(f"unknown message type {data.get('t')!r}", job)
+        return ProtocolError(f"unknown message type {kind!r}", job)
     kwargs = {}
     for name, expected, optional in _SCHEMA[cls]:
         if name not in data:

@@ -123,7 +123,8 @@ class Worker:
         if len(frames) != 1:
             self.handle(p.ProtocolError(f"a {len(frames)}-part message"))
         else:
-            self.handle(p.decode(frames[0]))
+            for msg in p.decode_many(frames[0]):
+                self.handle(msg)
 
     def handle(self, msg: p.Message | p.ProtocolError) -> None:
         self.last_heard = time.monotonic()

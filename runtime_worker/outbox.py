@@ -1,5 +1,7 @@
 """The worker's one sender: every message to the supervisor goes through one
-FIFO drained by one task.
+FIFO drained by one task. What is ready at one wake-up leaves as one frame
+(a msgpack array, protocol.encode_batch), whichever jobs it belongs to: one
+send and one receive per wake-up, not one per job.
 
 Deltas of the same job that pile up while the sender waits (the event loop is
 busy running a backend that produces tokens faster than they are sent) leave
@@ -22,6 +24,7 @@ from protocol.loop_socket import LoopSocket
 log = logging.getLogger("runtime_worker")
 
 MERGE_LIMIT_CHARS = 64 * 1024  # well under the frame cap, whatever the encoding
+BATCH_LIMIT_BYTES = p.MAX_FRAME_BYTES // 2  # a batch's messages together; one bigger message goes alone
 
 
 def coalesce(batch: list[p.Message | bytes]) -> list[p.Message | bytes]:
@@ -81,8 +84,23 @@ class Outbox:
             await self._wake.wait()
             self._wake.clear()
             batch, self._items = self._items, []
+            frames: list[bytes] = []
+            size = 0
             for item in coalesce(batch):
-                await self.sock.send([item if isinstance(item, bytes) else encode_or_fail(item, self.on_job_failed)])
+                if isinstance(item, bytes):  # a raw frame (fault injection) travels alone, as it is
+                    if frames:
+                        await self.sock.send([p.encode_batch(frames)])
+                        frames, size = [], 0
+                    await self.sock.send([item])
+                    continue
+                frame = encode_or_fail(item, self.on_job_failed)
+                if frames and size + len(frame) > BATCH_LIMIT_BYTES:
+                    await self.sock.send([p.encode_batch(frames)])
+                    frames, size = [], 0
+                frames.append(frame)
+                size += len(frame)
+            if frames:
+                await self.sock.send([p.encode_batch(frames)])
             if not self._items:
                 self._empty.set()
 

@@ -45,6 +45,7 @@ def create_app(config: PoolConfig) -> FastAPI:
     app.state.engine = engine
     app.state.activity = activity = Activity(engine)  # the request log and the live samples
     metrics = Metrics(engine, on_finished=activity.finished)
+    add_inference_routes(app, engine, metrics, config)  # first in the routing table: the most requested
     app.include_router(admin_feeds.router)
     app.include_router(ui.router)
     app.add_middleware(BodySizeLimit, limit=config.server.max_body_bytes)
@@ -77,8 +78,6 @@ def create_app(config: PoolConfig) -> FastAPI:
         return JSONResponse({"error": {"message": str(exc.detail), "type": ERROR_TYPE.get(exc.status_code,
                                        "invalid_request_error"), "param": None, "code": None}},
                             status_code=exc.status_code, headers=exc.headers)
-
-    add_inference_routes(app, engine, metrics, config)
 
     @app.get("/v1/models")
     async def list_models():

@@ -2,14 +2,22 @@
 /v1/embeddings and /v1/responses. Each request becomes one job through the
 engine's scheduler (queue, capacity, drain, cancel on disconnect, metrics,
 the error table); this module only translates bodies and job events, with
-the shapes in openai_shapes."""
+the shapes in openai_shapes. The routes are plain Starlette endpoints (see
+`route`): FastAPI's dependency solving cost more per request than the rest
+of the request's own handling."""
 
 from __future__ import annotations
 
 import asyncio
+import email.message
+import functools
+import json
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 
 from protocol import Delta, Done
 from protocol.errors import ErrorCode, PoolError
@@ -26,6 +34,17 @@ def sse_frame(event: dict) -> bytes:
     if "event" in event:
         return f"event: {event['event']}\ndata: {event['data']}\n\n".encode()
     return f"data: {event['data']}\n\n".encode()
+
+
+_answer_encoder = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+class AnswerJSON(JSONResponse):
+    """Starlette's JSONResponse with one encoder made once (json.dumps with
+    options builds a new one per call), same bytes."""
+
+    def render(self, content) -> bytes:
+        return _answer_encoder.encode(content).encode("utf-8")
 
 
 class JobStream(StreamingResponse):
@@ -105,7 +124,7 @@ def add_inference_routes(app: FastAPI, engine, metrics, config) -> None:
                 return Response(status_code=499)
             choices, done = result
             metrics.job_done(job, done, endpoint)
-            return JSONResponse(to_json(choices, done))  # a Response skips FastAPI's generic encoder
+            return AnswerJSON(to_json(choices, done))  # a Response skips FastAPI's generic encoder
         except PoolError as err:
             metrics.request(model, endpoint, err.status, job, error=err)
             raise
@@ -124,12 +143,16 @@ def add_inference_routes(app: FastAPI, engine, metrics, config) -> None:
         """The SSE body. What is ready goes out in one write: the opening events
         with the first delta, then each delta (merged if several were waiting),
         then the closing events. A client that leaves cancels the job (see JobStream)."""
+        text_sse = getattr(shape, "text_sse", None)  # a shape's fast path for plain text
         try:
             ready = [sse_frame(e) for e in shape.opening()]
             event = first
             while True:
                 if isinstance(event, Delta):
-                    ready += [sse_frame(e) for e in shape.delta(event)]
+                    if text_sse is not None and not event.parts and event.text:
+                        ready.append(text_sse(event.text))
+                    else:
+                        ready += [sse_frame(e) for e in shape.delta(event)]
                 elif isinstance(event, Done):
                     metrics.job_done(job, event, endpoint)
                     ready += [sse_frame(e) for e in shape.closing(event)]
@@ -147,27 +170,88 @@ def add_inference_routes(app: FastAPI, engine, metrics, config) -> None:
     def include_usage(body) -> bool:
         return bool(body.stream_options and body.stream_options.include_usage)
 
-    @app.post("/v1/responses")
+    def route(path: str, model: type[BaseModel]):
+        """Serve `path` as a plain Starlette endpoint: `handle(body, request)` with
+        the body read as FastAPI would (read_body), but without FastAPI's
+        per-request dependency solving (add these routes first: the most
+        requested paths then match without trying the others). FastAPI still
+        declares the route, after it, so that it stays in the OpenAPI document."""
+        def register(handle):
+            async def endpoint(request: Request):
+                return await handle(await read_body(request, model), request)
+            app.router.add_route(path, endpoint, methods=["POST"])
+
+            async def documented(body):  # noqa: ARG001 -- never called: the route above answers first
+                raise AssertionError("unreachable")
+            documented.__annotations__ = {"body": model}  # a type, not the string this module's annotations are
+            documented.__name__ = handle.__name__  # the same operationId as when FastAPI served it
+            app.post(path)(documented)
+            return handle
+        return register
+
+    @route("/v1/responses", rshapes.ResponsesRequest)
     async def create_response(body: rshapes.ResponsesRequest, request: Request):
         return await serve_job(request, "responses", body.model, rshapes.job_request_from_responses(body),
                                rshapes.ResponsesStream(body) if body.stream else None,
                                lambda choices, done: rshapes.response_json(body, choices, done))
 
-    @app.post("/v1/chat/completions")
+    @route("/v1/chat/completions", shapes.ChatRequest)
     async def chat_completions(body: shapes.ChatRequest, request: Request):
         return await serve_job(
             request, "chat_completions", body.model, body.job_request(),
             shapes.ChatStream(body.model, include_usage(body)) if body.stream else None,
             lambda choices, done: shapes.chat_completion(body.model, choices, done))
 
-    @app.post("/v1/completions")
+    @route("/v1/completions", shapes.CompletionRequest)
     async def completions(body: shapes.CompletionRequest, request: Request):
         return await serve_job(
             request, "completions", body.model, body.job_request(),
             shapes.CompletionStream(body.model, include_usage(body)) if body.stream else None,
             lambda choices, done: shapes.text_completion(body.model, choices, done), "completions")
 
-    @app.post("/v1/embeddings")
+    @route("/v1/embeddings", shapes.EmbeddingRequest)
     async def create_embeddings(body: shapes.EmbeddingRequest, request: Request):
         return await serve_job(request, "embeddings", body.model, body.job_request(), None,
                                lambda choices, done: shapes.embeddings(body.model, done), "embeddings")
+
+
+# -- the request body, as FastAPI reads it ----------------------------------------------------------------
+_MISSING = object()
+
+
+@functools.lru_cache(maxsize=64)
+def _is_json(content_type: str) -> bool:
+    """FastAPI's test: application/json or application/*+json, parameters allowed."""
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+async def read_body(request: Request, model: type[BaseModel]) -> BaseModel:
+    """The request's body validated as `model`, with the errors a FastAPI
+    `body: model` parameter gives (and so the same handlers, statuses and
+    messages): a body that is not JSON is a json_invalid error at its offset;
+    one that cannot be parsed at all (nested too deep) a 400 HTTPException;
+    a missing body "Field required"; a body sent under another content type
+    is validated as bytes (and refused). Field errors are located under "body"."""
+    raw = await request.body()
+    data = _MISSING
+    if raw:
+        content_type = request.headers.get("content-type")
+        data = raw
+        if content_type and _is_json(content_type):
+            try:
+                data = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.pos),
+                                               "msg": "JSON decode error", "input": {},
+                                               "ctx": {"error": exc.msg}}]) from None
+            except Exception:
+                raise HTTPException(status_code=400, detail="There was an error parsing the body") from None
+    if data is _MISSING:
+        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
+    try:
+        return model.model_validate(data, from_attributes=True)
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None

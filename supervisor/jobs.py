@@ -46,7 +46,7 @@ def encode_submit(job_id: str, request: dict, endpoint: str = "chat") -> bytes:
 class Job:
     __slots__ = ("id", "model", "request", "endpoint", "frame", "state", "replica", "events", "created_at",
                  "deadline", "queue_deadline", "cancel_requested", "first_token_at", "attempts", "submit_seq",
-                 "_waiter", "submitted_at", "transcript", "queue_reason")
+                 "_waiter", "submitted_at", "transcript", "queue_reason", "_timer", "_timer_at")
 
     def __init__(self, model: str, request: dict, timeout_s: float, queue_timeout_s: float | None = None,
                  endpoint: str = "chat") -> None:
@@ -61,6 +61,8 @@ class Job:
         # waits on `_waiter`: cheaper per token than an asyncio.Queue under wait_for
         self.events: deque[Delta | Done | PoolError] = deque()
         self._waiter: asyncio.Future | None = None
+        self._timer: asyncio.TimerHandle | None = None  # wakes the waiter at the next deadline (see _arm_timer)
+        self._timer_at = 0.0  # loop time
         self.created_at = time.monotonic()
         self.deadline = self.created_at + timeout_s
         self.queue_deadline = self.created_at + queue_timeout_s if queue_timeout_s else None
@@ -84,6 +86,26 @@ class Job:
         if self.state is not JobState.FINISHED:
             self.state = JobState.FINISHED
             self._put(outcome)
+            if self._timer is not None:  # nothing more to wait for: the loop lets go of the job now
+                self._timer.cancel()
+                self._timer = None
+
+    def _arm_timer(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
+        """Make sure the waiter wakes by loop time `at`. One timer serves many
+        waits: a wait whose deadline is no earlier than the armed one keeps it
+        (waking early is harmless: next_event checks the deadlines on every
+        wake-up and waits again), so a stream costs a timer per idle period,
+        not one per token."""
+        if self._timer is None or self._timer_at > at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = loop.call_at(at, self._on_timer)
+            self._timer_at = at
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def _put(self, event: Delta | Done | PoolError) -> None:
         self.events.append(event)
@@ -97,29 +119,28 @@ class Job:
         None when nothing came for that long (time for a keep-alive ping)."""
         idle_until = time.monotonic() + idle_s if idle_s else None
         while not self.events:
+            now = time.monotonic()
             until = self.deadline
             if self.state is JobState.QUEUED and self.queue_deadline:
+                if now >= self.queue_deadline:
+                    on_timeout(self)
+                    if self.queue_reason is not None:
+                        raise self.queue_reason
+                    raise PoolError(ErrorCode.QUEUE_TIMEOUT, "the request waited in the queue longer "
+                                    "than queue_timeout_s", retry_after_s=1)
                 until = min(until, self.queue_deadline)
+            if now >= self.deadline:
+                on_timeout(self)
+                raise PoolError(ErrorCode.RUNTIME_TIMEOUT, "the runtime did not finish the request within its deadline")
             if idle_until is not None:
-                if time.monotonic() >= idle_until:
+                if now >= idle_until:
                     return None
                 until = min(until, idle_until)
             loop = asyncio.get_running_loop()
-            self._waiter = loop.create_future()
+            self._arm_timer(loop, loop.time() + (until - now))
+            self._waiter = waiter = loop.create_future()
             try:
-                async with asyncio.timeout_at(loop.time() + max(until - time.monotonic(), 0)):
-                    await self._waiter
-            except TimeoutError:
-                if self.state is JobState.QUEUED and self.queue_deadline and time.monotonic() >= self.queue_deadline:
-                    on_timeout(self)
-                    if self.queue_reason is not None:
-                        raise self.queue_reason from None
-                    raise PoolError(ErrorCode.QUEUE_TIMEOUT, "the request waited in the queue longer "
-                                    "than queue_timeout_s", retry_after_s=1) from None
-                if time.monotonic() >= self.deadline:
-                    on_timeout(self)
-                    raise PoolError(ErrorCode.RUNTIME_TIMEOUT,
-                                    "the runtime did not finish the request within its deadline") from None
+                await waiter
             finally:
                 self._waiter = None
         event = self.events.popleft()

@@ -30,6 +30,7 @@ class Metrics:
     def __init__(self, engine, on_finished=None) -> None:
         self.engine = engine
         self.on_finished = on_finished  # called with each finished request too (the request log)
+        self._children: dict[tuple, object] = {}
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("llm_pool_requests", "Inference requests by model, endpoint and HTTP status",
                                 ["model", "endpoint", "status"], registry=self.registry)
@@ -46,7 +47,7 @@ class Metrics:
         if endpoint not in _ENDPOINT_LABELS:
             endpoint = ENDPOINTS.get(endpoint, OTHER_ENDPOINT)
         model = self.engine.aliases.get(model, model)  # an alias counts, and is logged, as its model
-        self.requests.labels(self._model(model), endpoint, str(status)).inc()
+        self._child(self.requests, self._model(model), endpoint, str(status)).inc()
         if self.on_finished is not None:
             self.on_finished(model, endpoint, status, job, done, error)
 
@@ -55,9 +56,18 @@ class Metrics:
         now = time.monotonic()
         model = self._model(job.model)
         if job.first_token_at is not None:
-            self.ttft.labels(model).observe(job.first_token_at - job.created_at)
-        self.latency.labels(model).observe(now - job.created_at)
-        self.tokens.labels(model).inc(int(done.usage.get("output_tokens", 0)))
+            self._child(self.ttft, model).observe(job.first_token_at - job.created_at)
+        self._child(self.latency, model).observe(now - job.created_at)
+        self._child(self.tokens, model).inc(int(done.usage.get("output_tokens", 0)))
+
+    def _child(self, metric, *labels: str):
+        """metric.labels(*labels), remembered: the label values are bounded (see above), and
+        prometheus_client's lookup (a lock, a tuple of str()) is on every request's path."""
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def _model(self, name: str | None) -> str:
         return name if name in self.engine.models else UNKNOWN_MODEL

@@ -80,6 +80,9 @@ class EmbeddingRequest(_PassThrough):
     stream: Literal[False] = False  # embeddings are never streamed
 
 
+_json_str = json.JSONEncoder().encode  # a str goes straight to the C escaper (ensure_ascii, as json.dumps)
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}_{os.urandom(16).hex()}"
 
@@ -215,6 +218,7 @@ class ChatStream:
         self.opened = {0}  # choices whose first chunk (with the role) is out
         self._head = json.dumps({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                                  "model": model}, separators=(",", ":"))[:-1]  # ends before the closing brace
+        self._text_pre = self._text_prefix()
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         tail = {"choices": choices}
@@ -228,6 +232,16 @@ class ChatStream:
 
     def opening(self) -> list[dict]:
         return [self.chunk({"role": "assistant", "content": ""})]
+
+    def text_sse(self, text: str) -> bytes:
+        """The SSE bytes of a plain text delta (the token path): what
+        sse_frame(self.chunk({"content": text})) gives, without building the dicts."""
+        return b"".join((self._text_pre, _json_str(text).encode(), self._text_post))
+
+    def _text_prefix(self) -> bytes:
+        return f'data: {self._head},"choices":[{{"index":0,"delta":{{"content":'.encode()
+
+    _text_post = b'},"finish_reason":null,"logprobs":null}]}\n\n'
 
     def delta(self, event: Delta) -> list[dict]:
         events = [self.chunk({"content": event.text})] if event.text else []
@@ -272,6 +286,7 @@ class CompletionStream(ChatStream):
         self.id = new_id("cmpl")
         self._head = json.dumps({"id": self.id, "object": "text_completion", "created": self.created,
                                  "model": model}, separators=(",", ":"))[:-1]
+        self._text_pre = self._text_prefix()
 
     def chunk(self, delta: dict, finish_reason: str | None = None, index: int = 0, logprobs=None) -> dict:
         return self._chunk([{"index": index, "text": delta.get("content", ""), "finish_reason": finish_reason,
@@ -279,6 +294,11 @@ class CompletionStream(ChatStream):
 
     def opening(self) -> list[dict]:
         return []
+
+    def _text_prefix(self) -> bytes:
+        return f'data: {self._head},"choices":[{{"index":0,"text":'.encode()
+
+    _text_post = b',"finish_reason":null,"logprobs":null}]}\n\n'
 
     def delta(self, event: Delta) -> list[dict]:
         events = [self.chunk({"content": event.text})] if event.text else []

@@ -93,17 +93,17 @@ class Transport:
             log.error("dropping a %d-part message", len(frames))
             return
         identity, frame = frames
-        msg = p.decode(frame)
-        if isinstance(msg, p.ProtocolError):
-            log.error("bad frame from %r: %s", identity, msg.reason)
         handler = self.handlers.get(identity)
-        if handler is None:  # a worker already unregistered (stopped or replaced): its last words
-            log.debug("dropping a frame from unknown peer %r", identity)
-            return
-        try:
-            handler(msg)
-        except Exception:  # a bug in one replica's handling must not stop routing
-            log.exception("handler for %r failed on %r", identity, msg)
+        for msg in p.decode_many(frame):  # one message, or what a worker had ready at one wake-up
+            if isinstance(msg, p.ProtocolError):
+                log.error("bad frame from %r: %s", identity, msg.reason)
+            if handler is None:  # a worker already unregistered (stopped or replaced): its last words
+                log.debug("dropping a frame from unknown peer %r", identity)
+                return
+            try:
+                handler(msg)
+            except Exception:  # a bug in one replica's handling must not stop routing
+                log.exception("handler for %r failed on %r", identity, msg)
 
     async def close(self) -> None:
         if self.remote:

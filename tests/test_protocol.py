@@ -60,7 +60,7 @@ def test_malformed_frames_become_typed_errors():
 
 def test_errors_name_the_job_when_they_can():
     assert p.decode(frame(t="delta", job="j7", text=1)).job == "j7"
-    assert p.decode(msgpack.packb({"v": 2, "t": "done", "job": "j8"})).job == "j8"
+    assert p.decode(msgpack.packb({"v": p.PROTOCOL_VERSION, "t": "done", "job": "j8"})).job == "j8"
     assert p.decode(b"\xc1").job is None
 
 
@@ -198,3 +198,66 @@ def test_a_runtimes_streamed_choices_become_typed_parts():
         PartsDelta([{"k": "refusal", "i": 0, "t": "no"}])
     assert choice_event({"index": 0, "text": "x", "logprobs": None}, chat=False) == TextDelta("x")
     assert choice_event({"index": 1, "text": "y"}, chat=False) == PartsDelta([{"k": "text", "i": 1, "t": "y"}])
+
+
+def test_a_batch_decodes_to_the_same_messages_in_order():
+    for count in (1, 2, 15, 16, 300, 70_000):  # each msgpack array header size
+        msgs = [MESSAGES[i % len(MESSAGES)] for i in range(count)]
+        batch = p.encode_batch([p.encode(m) for m in msgs])
+        assert p.decode_many(batch) == msgs
+    assert p.encode_batch([p.encode(MESSAGES[0])]) == p.encode(MESSAGES[0])  # one message stays a map
+    assert p.decode_many(p.encode(MESSAGES[4])) == [MESSAGES[4]]
+
+
+def test_a_bad_batch_item_is_an_error_in_its_place_and_the_rest_decode():
+    good = {"v": p.PROTOCOL_VERSION, "t": "delta", "job": "a", "text": "x"}
+    got = p.decode_many(msgpack.packb([good, {**good, "job": "b", "text": 5}, 7, good]))
+    assert got[0] == got[3] == p.Delta(job="a", text="x")
+    assert isinstance(got[1], p.ProtocolError) and got[1].job == "b" and "'text' has type int" in got[1].reason
+    assert isinstance(got[2], p.ProtocolError) and got[2].job is None and "batch item is a int" in got[2].reason
+    assert p.decode_many(msgpack.packb([])) == []
+    for raw in (b"\xc1", b"\x93\x01", msgpack.packb("text")):  # garbage, a truncated array, no map
+        [err] = p.decode_many(raw)
+        assert isinstance(err, p.ProtocolError) and err.job is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.none(), st.integers(-2**63, 2**63 - 1), st.text(), st.dictionaries(
+    st.sampled_from(["v", "t", "job", "text", "parts", "finish_reason"]),
+    st.one_of(st.integers(-9, 9), st.text(), st.sampled_from(["delta", "done"]), st.lists(st.integers(-9, 9)))))))
+def test_decode_many_never_raises(items):
+    for msg in p.decode_many(msgpack.packb(items)):
+        assert isinstance(msg, (p.ProtocolError, *p.messages.MESSAGE_TYPES.values()))
+
+
+def test_the_outbox_sends_what_is_ready_across_jobs_as_one_frame():
+    import asyncio
+    from runtime_worker.outbox import Outbox
+
+    class Sock:
+        def __init__(self):
+            self.sent: list[bytes] = []
+
+        async def send(self, parts):
+            [frame_] = parts
+            self.sent.append(frame_)
+
+    async def go():
+        sock = Sock()
+        box = Outbox(sock)
+        sender = asyncio.create_task(box.run())
+        box.put(p.Delta(job="a", text="1"))
+        box.put(p.Delta(job="b", text="2"))
+        box.put(p.Delta(job="a", text="3"))
+        box.put(p.Done(job="b", finish_reason="stop"))
+        box.put(b"raw")  # an opaque frame goes alone, in its place
+        box.put(p.Delta(job="a", text="4"))
+        await box.flush(5)
+        sender.cancel()
+        return sock.sent
+
+    sent = asyncio.run(go())
+    assert sent[1] == b"raw" and len(sent) == 3
+    assert p.decode_many(sent[0]) == [p.Delta(job="a", text="13"), p.Delta(job="b", text="2"),
+                                      p.Done(job="b", finish_reason="stop")]
+    assert p.decode_many(sent[2]) == [p.Delta(job="a", text="4")]

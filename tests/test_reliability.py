@@ -254,7 +254,8 @@ def test_flood_is_bounded(make_pool):
     assert pool.model("f")["queue_depth"] == 0
 
 
-@pytest.mark.parametrize("chaos", ["garbage", "wrong_types", "bad_version", "oversized", "unknown_job"])
+@pytest.mark.parametrize("chaos", ["garbage", "wrong_types", "bad_version", "oversized", "unknown_job",
+                                   "bad_batch_item", "bad_batch"])
 def test_misbehaving_worker_is_contained(make_pool, chaos):
     bad = synthetic("bad", tokens=3)
     bad["options"]["chaos"] = chaos
@@ -266,7 +267,9 @@ def test_misbehaving_worker_is_contained(make_pool, chaos):
         assert pool.workers("bad")[0]["unknown_job_replies"] >= 1
     else:
         assert r.status_code == 502 and r.json()["error"]["code"] == "protocol_error", r.text
-    if chaos in ("garbage", "oversized"):  # no job id in the frame: the worker is restarted
+    if chaos in ("garbage", "oversized", "bad_batch"):  # no job id in the frame: the worker is restarted
         wait_for(lambda: gone(pid), 10, what="corrupt worker killed")
+    elif chaos != "unknown_job":  # the frame named its job: that job fails, the worker goes on
+        assert pool.workers("bad")[0]["pid"] == pid
     good = pool.http.post("/v1/responses", json={"model": "good", "input": "x"})
     assert good.status_code == 200 and pool.http.get("/health").status_code == 200

@@ -11,7 +11,9 @@ only the supervisor's tree kill can end it if the worker dies.
 `chaos` (fault injection for tests) makes every job's first event a bad
 frame instead of a token: "garbage" (not msgpack), "wrong_types", "bad_version",
 "oversized" (over the frame cap), "unknown_job" (a done for a job that does
-not exist, after which the job runs normally); "lone_surrogate" makes the
+not exist, after which the job runs normally), "bad_batch_item" (a batch of a
+good delta and a malformed one of the job), "bad_batch" (a batch holding an
+item that is not a message); "lone_surrogate" makes the
 first token text that cannot be encoded (half of a UTF-16 pair, as a
 runtime's JSON can carry). With `chaos_prompt`, only jobs whose last
 message is that text get the chaos; the others run normally.
@@ -47,6 +49,9 @@ def chaos_frame(kind: str, job: str) -> bytes:
         "oversized": lambda: msgpack.packb({**delta, "text": "x" * (MAX_FRAME_BYTES + 10)}),
         "unknown_job": lambda: msgpack.packb({"v": PROTOCOL_VERSION, "t": "done", "job": "no-such-job",
                                               "finish_reason": "stop", "usage": {}}),
+        # batches (several messages in one frame): one bad item naming the job; an item that is no map
+        "bad_batch_item": lambda: msgpack.packb([delta, {**delta, "text": 12345}]),
+        "bad_batch": lambda: msgpack.packb([delta, 7]),
     }
     return frames[kind]()
 

@@ -1,0 +1,341 @@
+"""Relay of many concurrent streams: the pool (synthetic runtime) against one
+bare Starlette process that streams the same SSE chunks on the same schedule.
+
+    python scripts/pool_bench/relay.py [--quick] [--cases 64x200,256x50] [--seconds S] [--rounds R]
+
+Each case is N streams x R tokens/s per stream, for about `seconds`. The
+streams start spread over one token interval (real streams are not in phase)
+and each produces rate x seconds tokens on an absolute schedule. The client
+is one aiohttp process on the same machine. Measured per target:
+- delivered tok/s: content tokens received / wall time of the case;
+- CPU per token: user + system CPU of the server side (bare: its one process;
+  pool: the supervisor and its workers) / tokens;
+- inter-token gap p99: per stream, the time between one token's arrival and
+  the next one's (the first token, TTFT, is not a gap; tokens that arrive in
+  one read count as gap 0 after the first).
+Bare and pool runs alternate within one invocation, so both see the same
+machine load; the ratios are what to read on a shared machine.
+
+Self-contained apart from tests/pool.py (free_port, wait_for, Pool) and the
+synthetic backend's token text."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import aiohttp  # noqa: E402
+import psutil  # noqa: E402
+
+from runtime_worker.backends.synthetic import synthetic_tokens  # noqa: E402
+from tests.pool import Pool, free_port, wait_for  # noqa: E402
+
+DEFAULT_CASES = [(16, 50.0), (64, 50.0), (256, 50.0), (512, 50.0), (64, 200.0)]
+QUICK_CASES = [(16, 50.0), (64, 200.0)]
+PROMPT = "relay"
+TOKEN_MARK = b'"delta":{"content":'  # a content chunk (the opening one has a role first)
+
+
+def model_name(rate: float) -> str:
+    return f"relay-{rate:g}"
+
+
+# -- the bare server ----------------------------------------------------------------------------------
+
+def bare_app():
+    """One Starlette app that streams chat chunks shaped as the pool's, on the
+    synthetic runtime's schedule: token i at start + i / rate."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    def dumps(obj) -> str:
+        return json.dumps(obj, separators=(",", ":"))
+
+    async def chat(request: Request):
+        body = await request.json()
+        model = body["model"]
+        rate = float(model.rsplit("-", 1)[1])
+        count = int(body.get("max_tokens") or 16)
+        tokens = synthetic_tokens(str(body["messages"][-1]["content"]), count)
+        head = dumps({"id": "chatcmpl_" + os.urandom(16).hex(), "object": "chat.completion.chunk",
+                      "created": int(time.time()), "model": model})[:-1]
+
+        def chunk(delta: dict, finish_reason=None) -> bytes:
+            tail = dumps({"choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
+                                       "logprobs": None}]})
+            return f"data: {head},{tail[1:]}\n\n".encode()
+
+        async def stream():
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            opening = chunk({"role": "assistant", "content": ""})
+            for i, token in enumerate(tokens):
+                delay = start + i / rate - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                out = chunk({"content": token})
+                if opening:
+                    out, opening = opening + out, b""
+                yield out
+            yield chunk({}, "length") + b"data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def health(request: Request):
+        return JSONResponse({"status": "ok"})
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
+                             Route("/health", health)])
+
+
+def serve_bare(port: int) -> None:
+    import uvicorn
+    uvicorn.run(bare_app(), host="127.0.0.1", port=port, loop="uvloop", http="httptools",
+                access_log=False, log_level="warning")
+
+
+class Bare:
+    def __init__(self, tmp: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(tmp / "relay-bare.log", "ab")
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve-bare", str(self.port)],
+                                     cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def start(self) -> Bare:
+        import httpx
+
+        def up() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the bare server exited with {self.proc.returncode}")
+            try:
+                return httpx.get(self.url + "/health", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+        wait_for(up, 30, what="bare relay server")
+        return self
+
+    def pids(self) -> list[int]:
+        return [self.proc.pid]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def pool_pids(pool: Pool) -> list[int]:
+    return [pool.proc.pid, *(p.pid for p in pool.descendants())]
+
+
+# -- measuring ----------------------------------------------------------------------------------------
+
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+async def one_stream(session: aiohttp.ClientSession, url: str, body: bytes, delay: float,
+                     gaps: list[float]) -> int:
+    """One streamed request; returns the tokens it received, appends its gaps."""
+    await asyncio.sleep(delay)
+    tokens = 0
+    last = None
+    rest = b""
+    async with session.post(url + "/v1/chat/completions", data=body,
+                            headers={"Content-Type": "application/json"}) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:200]!r}")
+        async for data in resp.content.iter_any():
+            now = time.perf_counter()
+            events = (rest + data).split(b"\n\n")
+            rest = events.pop()
+            # every synthetic token is one word after a space, and the compact JSON has no other
+            # space than the one of "data: ": merged deltas (a client behind) still count token by token
+            k = sum(e.count(b" ") - 1 for e in events if TOKEN_MARK in e)
+            if k:
+                if last is not None:
+                    gaps.append(now - last)
+                gaps.extend([0.0] * (k - 1))  # tokens that came in the same read
+                tokens += k
+                last = now
+    return tokens
+
+
+async def drive(url: str, n: int, rate: float, seconds: float) -> dict:
+    count = max(2, int(rate * seconds))
+    body = json.dumps({"model": model_name(rate), "stream": True, "max_tokens": count,
+                       "messages": [{"role": "user", "content": PROMPT}]}).encode()
+    gaps: list[float] = []
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        started = time.perf_counter()
+        results = await asyncio.gather(*(one_stream(session, url, body, i / n / rate, gaps) for i in range(n)),
+                                       return_exceptions=True)
+        wall = time.perf_counter() - started
+    errors = [r for r in results if isinstance(r, BaseException)]
+    tokens = sum(r for r in results if isinstance(r, int))
+    return {"tokens": tokens, "wall": wall, "gaps": gaps, "errors": [repr(e)[:200] for e in errors[:3]],
+            "error_count": len(errors), "expected": n * count}
+
+
+def arun(coro):
+    try:
+        import uvloop  # a cheaper client leaves more of the cores to the servers under test
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def measure(url: str, pids: list[int], n: int, rate: float, seconds: float) -> dict:
+    before = cpu_seconds(pids)
+    r = arun(drive(url, n, rate, seconds))
+    cpu = cpu_seconds(pids) - before
+    tokens = r["tokens"]
+    return {"tok_s": tokens / r["wall"] if r["wall"] else 0.0,
+            "cpu_us_per_tok": cpu * 1e6 / tokens if tokens else None,
+            "gap_p99_ms": (pct(r["gaps"], 99) or 0) * 1000, "tokens": tokens, "expected": r["expected"],
+            "errors": r["error_count"], "error_sample": r["errors"]}
+
+
+# -- the section --------------------------------------------------------------------------------------
+
+def run(cases: list[tuple[int, float]], seconds: float, tmp: Path, rounds: int = 1,
+        say=lambda msg: print(msg, file=sys.stderr, flush=True)) -> list[dict]:
+    """Measure each case on both targets, alternating which goes first. With
+    several rounds, tok/s and CPU per token are the rounds' mean, the gap p99
+    the worst round's."""
+    rates = sorted({rate for _, rate in cases})
+    most = max(n for n, _ in cases)
+    models = [{"name": model_name(rate), "backend": "synthetic", "target_inflight": most, "max_queue": 4 * most,
+               "options": {"capacity": most, "tokens_per_second": rate, "output_tokens": 1_000_000}}
+              for rate in rates]
+    pool = Pool(tmp, models, server={"max_connections": 4 * most + 64})
+    bare = Bare(tmp)
+    out = []
+    try:
+        pool.start()
+        bare.start()
+        targets = {"bare": (bare.url, bare.pids()), "pool": (pool.url, pool_pids(pool))}
+        for rate in rates:  # warm-up: connections, imports, first-request paths
+            for url, _ in targets.values():
+                arun(drive(url, 4, rate, 0.2))
+        for i, (n, rate) in enumerate(cases):
+            got: dict[str, list[dict]] = {"bare": [], "pool": []}
+            for rnd in range(rounds):
+                order = ["bare", "pool"] if (i + rnd) % 2 == 0 else ["pool", "bare"]
+                for name in order:
+                    url, pids = targets[name]
+                    m = measure(url, pids, n, rate, seconds)
+                    got[name].append(m)
+                    say(f"relay {n}x{rate:g} {name}: {m['tok_s']:.0f} tok/s, "
+                        f"{m['cpu_us_per_tok'] or 0:.0f} us/tok, gap p99 {m['gap_p99_ms']:.1f} ms"
+                        + (f", {m['errors']} errors {m['error_sample']}" if m["errors"] else ""))
+
+            def avg(name: str, key: str) -> float | None:
+                values = [m[key] for m in got[name] if m[key] is not None]
+                return sum(values) / len(values) if values else None
+            out.append({"n": n, "rate": rate,
+                        "bare_tok_s": avg("bare", "tok_s"), "pool_tok_s": avg("pool", "tok_s"),
+                        "bare_cpu_us_per_tok": avg("bare", "cpu_us_per_tok"),
+                        "pool_cpu_us_per_tok": avg("pool", "cpu_us_per_tok"),
+                        "bare_gap_p99_ms": max(m["gap_p99_ms"] for m in got["bare"]),
+                        "pool_gap_p99_ms": max(m["gap_p99_ms"] for m in got["pool"]),
+                        "bare_errors": sum(m["errors"] for m in got["bare"]),
+                        "pool_errors": sum(m["errors"] for m in got["pool"]),
+                        "bare_tokens": sum(m["tokens"] for m in got["bare"]),
+                        "pool_tokens": sum(m["tokens"] for m in got["pool"]),
+                        "expected_tokens": sum(m["expected"] for m in got["pool"])})
+    finally:
+        bare.stop()
+        pool.stop()
+    return out
+
+
+def markdown(rows: list[dict]) -> str:
+    def num(v, fmt="{:,.0f}") -> str:
+        return "-" if v is None else fmt.format(v)
+
+    def ratio(a, b) -> str:
+        return "-" if not a or not b else f"{a / b:.2f}"
+    lines = ["| N streams × tok/s | delivered bare / pool (tok/s) | CPU per token bare / pool | pool/bare CPU "
+             "| gap p99 bare / pool | pool/bare gap |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['n']} × {r['rate']:g} | {num(r['bare_tok_s'])} / {num(r['pool_tok_s'])} "
+            f"| {num(r['bare_cpu_us_per_tok'])} / {num(r['pool_cpu_us_per_tok'])} µs "
+            f"| {ratio(r['pool_cpu_us_per_tok'], r['bare_cpu_us_per_tok'])} "
+            f"| {num(r['bare_gap_p99_ms'], '{:.1f}')} / {num(r['pool_gap_p99_ms'], '{:.1f}')} ms "
+            f"| {ratio(r['pool_gap_p99_ms'], r['bare_gap_p99_ms'])} |")
+    errors = [f"{r['n']}x{r['rate']:g}: bare {r['bare_errors']}, pool {r['pool_errors']} failed streams"
+              for r in rows if r["bare_errors"] or r["pool_errors"]]
+    return "\n".join(lines + ([""] + errors if errors else []))
+
+
+def parse_cases(text: str) -> list[tuple[int, float]]:
+    cases = []
+    for item in text.split(","):
+        n, rate = item.lower().split("x")
+        cases.append((int(n), float(rate)))
+    return cases
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="two small cases, 3 s each (a smoke test)")
+    ap.add_argument("--cases", help="comma-separated NxRATE, e.g. 64x200,256x50")
+    ap.add_argument("--seconds", type=float, help="length of each stream (default 10, quick 3)")
+    ap.add_argument("--rounds", type=int, default=1, help="bare/pool pairs per case")
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument("--serve-bare", type=int, help=argparse.SUPPRESS)  # the bare server's own process
+    args = ap.parse_args(argv)
+    if args.serve_bare:
+        serve_bare(args.serve_bare)
+        return 0
+    cases = parse_cases(args.cases) if args.cases else QUICK_CASES if args.quick else DEFAULT_CASES
+    seconds = args.seconds or (3.0 if args.quick else 10.0)
+    with tempfile.TemporaryDirectory(prefix="relay-bench-") as tmp:
+        rows = run(cases, seconds, Path(tmp), rounds=args.rounds)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    print(markdown(rows))
+    print(f"\n{seconds:g} s streams, {args.rounds} round(s) per case, bare and pool alternating; "
+          f"{os.cpu_count()} CPUs, 1-min load {os.getloadavg()[0]:.2f} after.")
+    return 1 if any(r["bare_errors"] or r["pool_errors"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
