@@ -78,7 +78,7 @@ CPU = 1e7  # µs per request or ms per 1k tokens: loose upper bounds, at 0 when 
 
 
 def check_figures(found: dict[str, list[dict[str, str]]]) -> None:
-    assert set(found) == {"1", "2", "4"}, found.keys()  # 3 (LiteLLM) is skipped
+    assert set(found) == {"1", "2", "4", "5", "6"}, found.keys()  # 3 (LiteLLM) is skipped
 
     streaming = found["1"]
     assert [(r["model"], r["conc"]) for r in streaming] == [("tiny", "1"), ("tiny", "2"), ("tiny", "4")]
@@ -107,6 +107,26 @@ def check_figures(found: dict[str, list[dict[str, str]]]) -> None:
             assert p50 <= p99, (column, r[column])
         number(r["bare CPU µs/req"], 0, CPU)
         pair(r["pool CPU µs/req (supervisor + worker)"], " + ", 0, CPU)
+
+    relay = found["5"]
+    assert [r["N streams × tok/s"] for r in relay] == ["16 × 50", "64 × 200"]
+    for r in relay:
+        n, rate = (float(x) for x in r["N streams × tok/s"].split(" × "))
+        for delivered in pair(r["delivered bare / pool (tok/s)"], " / ", 1, 1e6):
+            assert delivered <= 1.1 * n * rate, (r, "more tokens/s than were sent")
+        bare, pool = pair(r["CPU per token bare / pool"].removesuffix(" µs"), " / ", 0.1, CPU)
+        ratio_of(r["pool/bare CPU"], pool, bare)
+        bare, pool = pair(r["gap p99 bare / pool"].removesuffix(" ms"), " / ", 0, MS)
+        if bare and pool:
+            ratio_of(r["pool/bare gap"], pool, bare)
+
+    (ttft,) = found["6"]
+    pair(ttft["requests direct/pool"], "/", 10, 10)  # 2 rounds of 5, none failed
+    direct = pair(ttft["direct TTFT p50 / p95 ms"], " / ", 0, MS)
+    pool = pair(ttft["pool TTFT p50 / p95 ms"], " / ", 0, MS)
+    assert direct[0] <= direct[1] and pool[0] <= pool[1], ttft
+    added = pair(ttft["added p50 / p95 ms"], " / ", -MS, MS)
+    assert abs(added[0] - (pool[0] - direct[0])) <= 0.1 + 0.02 * abs(pool[0]), ttft  # printed rounded
 
     memory = {r["process"]: r for r in found["4"]}
     assert set(memory) == {"llama_server pool (tiny)", "synthetic pool (c<=64)"}, memory.keys()

@@ -32,13 +32,16 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "scripts"):  # run alone too: the packages, tests/, pool_bench
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 import aiohttp  # noqa: E402
 import psutil  # noqa: E402
 
 from runtime_worker.backends.synthetic import synthetic_tokens  # noqa: E402
+from pool_bench.children import CpuMeter  # noqa: E402
+from pool_bench.load import pct  # noqa: E402
 from tests.pool import Pool, free_port, wait_for  # noqa: E402
 
 DEFAULT_CASES = [(16, 50.0), (64, 50.0), (256, 50.0), (512, 50.0), (64, 200.0)]
@@ -149,24 +152,6 @@ def pool_pids(pool: Pool) -> list[int]:
 
 # -- measuring ----------------------------------------------------------------------------------------
 
-def cpu_seconds(pids: list[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        try:
-            t = psutil.Process(pid).cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
-
-
 async def one_stream(session: aiohttp.ClientSession, url: str, body: bytes, delay: float,
                      gaps: list[float]) -> int:
     """One streamed request; returns the tokens it received, appends its gaps."""
@@ -220,9 +205,10 @@ def arun(coro):
 
 
 def measure(url: str, pids: list[int], n: int, rate: float, seconds: float) -> dict:
-    before = cpu_seconds(pids)
+    meter = CpuMeter(pids)
+    before = meter.total()
     r = arun(drive(url, n, rate, seconds))
-    cpu = cpu_seconds(pids) - before
+    cpu = meter.total() - before
     tokens = r["tokens"]
     return {"tok_s": tokens / r["wall"] if r["wall"] else 0.0,
             "cpu_us_per_tok": cpu * 1e6 / tokens if tokens else None,
@@ -303,6 +289,22 @@ def markdown(rows: list[dict]) -> str:
     errors = [f"{r['n']}x{r['rate']:g}: bare {r['bare_errors']}, pool {r['pool_errors']} failed streams"
               for r in rows if r["bare_errors"] or r["pool_errors"]]
     return "\n".join(lines + ([""] + errors if errors else []))
+
+
+def section(bench) -> None:
+    """Section 5 of scripts/bench."""
+    cases, seconds = (QUICK_CASES, 3.0) if bench.quick else (DEFAULT_CASES, 10.0)
+    rows = run(cases, seconds, bench.tmp)
+    bench.out["sections"]["relay"] = rows
+    failures = [f"{r['n']}x{r['rate']:g}: bare {r['bare_errors']}, pool {r['pool_errors']} failed streams"
+                for r in rows if r["bare_errors"] or r["pool_errors"]]
+    failures += [f"{r['n']}x{r['rate']:g}: {name} delivered {r[name + '_tokens']} of {r['expected_tokens']} tokens"
+                 for r in rows for name in ("bare", "pool") if r[name + "_tokens"] != r["expected_tokens"]]
+    text = markdown([{**r, "bare_errors": 0, "pool_errors": 0} for r in rows])  # failures listed by emit
+    text += (f"\n\n{seconds:g} s streams of the synthetic runtime, bare and pool alternating; the bare "
+             "server is one Starlette process streaming the same chunks on the same schedule. CPU: user + "
+             "system of the server side (pool: supervisor and workers) per delivered token.")
+    bench.emit("5. Relay of many streams: a bare SSE server vs the pool", text, failures)
 
 
 def parse_cases(text: str) -> list[tuple[int, float]]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from pool_bench import capacity, memory, peer, streaming
+from pool_bench import capacity, memory, peer, relay, streaming, ttft
 from pool_bench.bench import Bench
 
 SECTIONS: dict[str, Callable[[Bench], None]] = {
@@ -14,6 +14,6 @@ SECTIONS: dict[str, Callable[[Bench], None]] = {
     "2": capacity.run,  # scheduler capacity: synthetic backend vs bare FastAPI
     "3": peer.run,  # a peer: LiteLLM's proxy vs llm-pool (openai_remote)
     "4": memory.run,  # memory: what sections 1-3 recorded
-    # "5": the relay, N streams x rate, pool vs a bare SSE server: a function (bench) that
-    # calls pool_bench/relay.py's run(cases, seconds, bench.tmp) and bench.emit()s its table
+    "5": relay.section,  # relay of N streams x rate: a bare SSE server vs the pool
+    "6": ttft.run,  # added time to first token: tiny GGUF on llama-server -t 1, concurrency 1
 }

@@ -1,0 +1,60 @@
+"""6. Added time to first token: the tiny GGUF on `llama-server -t 1` (one thread, so the
+runtime leaves the other cores to the pool), one request at a time, a llama-server started
+here vs the pool (same binary, model and flags), rounds interleaved."""
+
+from __future__ import annotations
+
+import os
+
+from pool_bench.bench import Bench
+from pool_bench.children import LlamaProc, PoolProc
+from pool_bench.interleave import interleaved
+from pool_bench.load import load, pct, streaming_call
+from pool_bench.report import errors_note, loadavg, ms, table
+
+MAX_TOKENS = 16  # random weights may spend a few tokens on no visible text; the rest is section 1's business
+
+
+def run(bench: Bench) -> None:
+    tiny = next((m for m in bench.llama_models() if m["name"] == "tiny"), None)
+    if not bench.binary or tiny is None:
+        bench.note("section 6 skipped: needs llama-server and the tiny GGUF")
+        return
+    rounds, per_round = (2, 5) if bench.quick else (8, 25)
+    extra = ["-t", "1", "--ignore-eos"]
+    direct = LlamaProc(bench.tmp, "llama-direct-ttft", bench.binary, tiny["path"], 2048, 1, extra)
+    pool = PoolProc(bench.tmp, "pool-ttft", [{
+        "name": "tiny", "backend": "llama_server", "target_inflight": 1, "load_timeout_s": 180.0,
+        "options": {"model": tiny["path"], "binary": bench.binary, "ctx_size": 2048, "extra_args": extra}}])
+    load_before = loadavg()
+    try:
+        direct.ready()
+        pool.ready()
+        targets = {"direct": (direct.url, direct.key), "pool": (pool.url, None)}
+        for url, key in targets.values():  # warm-up, not measured
+            load(streaming_call(url, "tiny", MAX_TOKENS, key), 3, 1, 30)
+
+        def measure(t: str, c: int):
+            url, key = targets[t]
+            return load(streaming_call(url, "tiny", MAX_TOKENS, key), per_round, c, 60)
+
+        results = interleaved(targets, [1], rounds, measure, {}, "ttft", "tok/s")
+    finally:
+        pool.stop()
+        direct.stop()
+    d, p = results[("direct", 1)], results[("pool", 1)]
+    added = {q: pct(p.ttfts, q) - pct(d.ttfts, q) if d.ttfts and p.ttfts else None for q in (50, 95)}
+    bench.out["sections"]["ttft"] = {
+        "direct_p50": pct(d.ttfts, 50), "direct_p95": pct(d.ttfts, 95),
+        "pool_p50": pct(p.ttfts, 50), "pool_p95": pct(p.ttfts, 95),
+        "added_p50": added[50], "added_p95": added[95], "requests": [len(d.ttfts), len(p.ttfts)]}
+    text = table(["requests direct/pool", "direct TTFT p50 / p95 ms", "pool TTFT p50 / p95 ms",
+                  "added p50 / p95 ms"],
+                 [[f"{len(d.ttfts)}/{len(p.ttfts)}", f"{ms(pct(d.ttfts, 50))} / {ms(pct(d.ttfts, 95))}",
+                   f"{ms(pct(p.ttfts, 50))} / {ms(pct(p.ttfts, 95))}",
+                   f"{ms(added[50])} / {ms(added[95])}"]])
+    text += (f"\n\nTime to the first streamed content token, {MAX_TOKENS}-token answers, one request at a "
+             f"time on a kept-alive connection, {rounds} interleaved rounds of {per_round}. 1-min load "
+             f"average: {load_before} before, {loadavg()} after, {os.cpu_count()} CPUs.")
+    notes = [n for n in (errors_note("direct", d), errors_note("pool", p)) if n]
+    bench.emit("6. Added time to first token (tiny GGUF, llama-server -t 1, concurrency 1)", text, notes)
