@@ -24,6 +24,7 @@ from protocol.errors import ErrorCode, PoolError
 from supervisor import openai_shapes as shapes
 from supervisor import responses_shapes as rshapes
 from supervisor.jobs import Job
+from supervisor.metrics import CLIENT_CLOSED
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -53,16 +54,16 @@ class JobStream(StreamingResponse):
     job is cancelled unless it has finished. A generator's own `finally` is
     not enough: a body that never starts never runs it."""
 
-    def __init__(self, job: Job, cancel, body) -> None:
+    def __init__(self, job: Job, end, body) -> None:
         super().__init__(body, media_type="text/event-stream", headers=SSE_HEADERS)
         self.job = job
-        self.cancel = cancel
+        self.end = end  # cancels the job unless finished; counts a client that left
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.cancel(self.job)
+            self.end(self.job)
 
 
 def add_inference_routes(app: FastAPI, engine, metrics, config) -> None:
@@ -116,12 +117,13 @@ def add_inference_routes(app: FastAPI, engine, metrics, config) -> None:
             if sse_shape is not None:
                 first = await first_event(request, job)
                 if first is None:
-                    return Response(status_code=499)
-                streaming = JobStream(job, engine.cancel, _sse(job, endpoint, sse_shape, first))
+                    return client_gone(job, endpoint)
+                streaming = JobStream(job, lambda job: end_stream(job, endpoint),
+                                      _sse(job, endpoint, sse_shape, first))
                 return streaming
             result = await unless_disconnected(request, job, collect(job))
             if result is None:
-                return Response(status_code=499)
+                return client_gone(job, endpoint)
             choices, done = result
             metrics.job_done(job, done, endpoint)
             return AnswerJSON(to_json(choices, done))  # a Response skips FastAPI's generic encoder
@@ -131,6 +133,16 @@ def add_inference_routes(app: FastAPI, engine, metrics, config) -> None:
         finally:
             if streaming is None:  # else the stream owns the job until its last write
                 engine.cancel(job)  # a no-op once the job has finished
+
+    def client_gone(job: Job, endpoint: str) -> Response:
+        metrics.client_gone(job, endpoint)
+        return Response(status_code=CLIENT_CLOSED)  # nobody reads it: for the access log
+
+    def end_stream(job: Job, endpoint: str) -> None:
+        """A stream's last act, however it ended: its job is cancelled unless finished,
+        and a client that left before the end is counted."""
+        engine.cancel(job)
+        metrics.client_gone(job, endpoint)
 
     async def first_event(request: Request, job: Job):
         """Hold the response headers until the job's first event, so that a

@@ -46,7 +46,7 @@ def encode_submit(job_id: str, request: dict, endpoint: str = "chat") -> bytes:
 class Job:
     __slots__ = ("id", "model", "request", "endpoint", "frame", "state", "replica", "events", "created_at",
                  "deadline", "queue_deadline", "cancel_requested", "first_token_at", "attempts", "submit_seq",
-                 "_waiter", "submitted_at", "transcript", "queue_reason", "_timer", "_timer_at")
+                 "_waiter", "submitted_at", "transcript", "queue_reason", "_timer", "_timer_at", "counted")
 
     def __init__(self, model: str, request: dict, timeout_s: float, queue_timeout_s: float | None = None,
                  endpoint: str = "chat") -> None:
@@ -72,6 +72,7 @@ class Job:
         self.submit_seq = 0  # its Submit's number among those sent to its current worker
         self.submitted_at: float | None = None  # monotonic; first hand-over to a worker
         self.transcript: list[str] | None = None  # the output, kept only for a model with log_bodies
+        self.counted = False  # its outcome is in the metrics and the request log (Metrics.request)
         self.queue_reason: PoolError | None = None  # why it waits, when not for a slot (e.g. memory)
 
     def push(self, event: Delta) -> None:

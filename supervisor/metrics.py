@@ -22,6 +22,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 ENDPOINTS = {"/v1/responses": "responses", "/v1/chat/completions": "chat_completions",
              "/v1/completions": "completions", "/v1/embeddings": "embeddings"}
 OTHER_ENDPOINT = "other"  # a request refused before it reached an inference route
+CLIENT_CLOSED = 499  # status counted for a request whose client left before its answer was complete
 UNKNOWN_MODEL = "unknown"  # a model name that is not configured
 _ENDPOINT_LABELS = frozenset(ENDPOINTS.values())
 
@@ -48,8 +49,16 @@ class Metrics:
             endpoint = ENDPOINTS.get(endpoint, OTHER_ENDPOINT)
         model = self.engine.aliases.get(model, model)  # an alias counts, and is logged, as its model
         self._child(self.requests, self._model(model), endpoint, str(status)).inc()
+        if job is not None:
+            job.counted = True
         if self.on_finished is not None:
             self.on_finished(model, endpoint, status, job, done, error)
+
+    def client_gone(self, job: Job, endpoint: str) -> None:
+        """The client left before its answer was complete: counted, and logged, as
+        499 (the usual "client closed request"), unless an outcome was counted first."""
+        if not job.counted:
+            self.request(job.model, endpoint, CLIENT_CLOSED, job)
 
     def job_done(self, job: Job, done: Done, endpoint: str) -> None:
         self.request(job.model, endpoint, 200, job, done)

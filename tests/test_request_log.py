@@ -244,3 +244,31 @@ def test_ui_is_served_from_the_package_with_a_strict_policy(make_pool):
     assert "http" not in pool.http.get("/ui/app.js").text.replace("HTTP ", "")  # nothing fetched from elsewhere
     assert pool.http.get("/ui/pool.toml").status_code == 404
     assert pool.http.get("/ui/..%2Fconfig.py").status_code == 404
+
+
+def test_a_client_that_leaves_is_counted_and_logged_as_499(make_pool):
+    """Streaming or not, before its first token or during the stream: a client that
+    leaves is one row with status 499 (and one count in requests_total), never none."""
+    pool = make_pool([synthetic("slow", tokens=400, tps=40), synthetic("late", ttft_ms=5000, tokens=2)])
+    body = {"model": "slow", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.Client(base_url=pool.url, timeout=10) as client:
+        with client.stream("POST", CHAT, json=body) as r:  # leaves mid-stream
+            assert r.status_code == 200
+            next(r.iter_lines())
+    for stream in (True, False):  # leaves before the first token: nothing was sent back
+        with httpx.Client(base_url=pool.url, timeout=0.3) as client:
+            try:
+                client.post(CHAT, json={"model": "late", "stream": stream,
+                                        "messages": [{"role": "user", "content": "hi"}]})
+            except httpx.ReadTimeout:
+                pass
+            else:
+                raise AssertionError("the answer came before the client left")
+    rows = wait_for(lambda: (rows := logged(pool)) and len(rows) == 3 and rows, 10, what="three rows")
+    assert sorted((r["model"], r["status"]) for r in rows) == [("late", 499), ("late", 499), ("slow", 499)]
+    slow = next(r for r in rows if r["model"] == "slow")
+    assert slow["ttft_ms"] is not None and slow["duration_ms"] >= slow["ttft_ms"]
+    metrics = pool.http.get("/metrics").text
+    assert 'llm_pool_requests_total{endpoint="chat_completions",model="late",status="499"} 2.0' in metrics
+    wait_for(lambda: pool.model("slow")["runtime_inflight"] == 0 == pool.model("late")["runtime_inflight"], 10,
+             what="the slots freed")
