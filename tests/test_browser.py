@@ -97,6 +97,7 @@ def test_page_shows_models_workers_activity_and_log(pool, open_page):
         expect(model_row(page, name).locator(".state")).to_have_text("loaded")
         worker = pool.workers(name)[0]
         expect(page.locator(f'#workers tr[data-worker="{name}/0"] .pid')).to_have_text(str(worker["pid"]))
+        expect(page.locator(f'#workers tr[data-worker="{name}/0"] .node')).to_have_text(worker["node"])
     llama_child = pool.workers("tiny")[0]["children"][0]
     expect(page.locator('#workers tr[data-worker="tiny/0"]')).to_contain_text(f"llama-server:{llama_child['pid']}")
 

@@ -223,7 +223,9 @@ async function act(name, action) {
 async function refreshWorkers() {
   const {workers} = await api("/admin/workers");
   fill("#workers", workers.map((w) => el("tr", {"data-worker": `${w.model}/${w.replica}`},
-    el("td", {}, `${w.model}/${w.replica}`), el("td", {class: "pid num"}, w.pid ?? "-"), stateCell(w.state),
+    el("td", {}, `${w.model}/${w.replica}`),
+    el("td", {class: "node", title: w.node_id ? `Ray node ${w.node_id}` : "this host"}, w.node ?? "-"),
+    el("td", {class: "pid num"}, w.pid ?? "-"), stateCell(w.state),
     num(duration(w.uptime_s)), num(w.restarts), num(w.last_exit_code), num(`${w.inflight}/${w.capacity}`),
     num(bytes(w.rss_bytes)), num(w.cpu_percent == null ? "-" : w.cpu_percent.toFixed(1) + "%"),
     num(w.gpu_memory_bytes == null ? "-" : bytes(w.gpu_memory_bytes)),
