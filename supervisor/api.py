@@ -41,7 +41,10 @@ def create_app(config: PoolConfig) -> FastAPI:
         await engine.shutdown(config.server.shutdown_grace_s)
         await activity.close()
 
-    app = FastAPI(title="llm-pool", version="0.1.0", lifespan=lifespan)
+    # FastAPI's OpenTelemetry hooks off: unused here (metrics are Prometheus), and checking
+    # whether a provider is configured costs on every request
+    app = FastAPI(title="llm-pool", version="0.1.0", lifespan=lifespan,
+                  telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False})
     app.state.engine = engine
     app.state.activity = activity = Activity(engine)  # the request log and the live samples
     metrics = Metrics(engine, on_finished=activity.finished)
