@@ -88,11 +88,12 @@ class Disconnect:
     handler. A callback costs nothing until it fires, where a task that waits
     on receive() for http.disconnect costs a task per request."""
 
-    __slots__ = ("gone", "callback")
+    __slots__ = ("gone", "callback", "_listen")
 
-    def __init__(self) -> None:
+    def __init__(self, listen=None) -> None:
         self.gone = False
         self.callback = None
+        self._listen = listen  # resumes reading the connection, as receive() does
 
     def fire(self) -> None:
         self.gone = True
@@ -103,9 +104,12 @@ class Disconnect:
     def on_gone(self, callback) -> None:
         """Call `callback` once when the client goes, at once if it has gone already."""
         if self.gone:
-            callback()
-        else:
-            self.callback = callback
+            return callback()
+        self.callback = callback
+        if self._listen is not None:
+            # uvicorn pauses reading past a large body or at a pipelined request: a close
+            # is only seen while reading
+            self._listen()
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -192,7 +196,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm()
         self._phase = _Phase.BODY
         self._header_bytes = 0
-        self.scope[DISCONNECT_KEY] = Disconnect()
+        self.scope[DISCONNECT_KEY] = Disconnect(self.flow.resume_reading)
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
