@@ -105,12 +105,17 @@ class Transport:
                     size += len(queued[end][0])
                     end += 1
                 try:
+                    if self._loop_sock is None:
+                        raise zmq.ZMQError(zmq.ENOTSUP, "the transport is not started")
                     self._loop_sock.send_nowait([identity, p.encode_batch([f for f, _ in queued[start:end]])])
                 except zmq.ZMQError as exc:  # EHOSTUNREACH: the worker is gone; EAGAIN: it is not reading
                     log.warning("send to %s failed: %s", identity.decode(errors="replace"), exc)
                     for _, on_failed in queued[start:]:  # what follows must not overtake what failed
                         if on_failed is not None:
-                            on_failed()
+                            try:
+                                on_failed()
+                            except Exception:  # one replica's handling must not stop the others' frames
+                                log.exception("handling a failed send to %r failed", identity)
                     break
                 start = end
 
