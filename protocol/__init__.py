@@ -2,8 +2,8 @@
 
 Transport: one ZeroMQ ROUTER socket in the supervisor (bound to an ipc path in
 a private 0700 directory), one DEALER socket per worker whose routing identity
-is the replica id. Every message is ONE frame holding one msgpack map (or, from
-a worker, an array of them; see below):
+is the replica id. Every message is ONE frame holding one msgpack map (or an
+array of them; see below):
 
     DEALER (worker) --[ msgpack map ]--> ROUTER (supervisor)
                                           sees [ identity | msgpack map ]
@@ -27,9 +27,10 @@ a worker, an array of them; see below):
   An optional field at its default is left off the wire (a plain text delta
   carries only job and text); see messages.Delta for the typed parts.
 
-A worker may send several messages as one frame, a msgpack array of those
-maps (`encode_batch`): what its sender found ready in one wake-up, across
-jobs, in order. Frames above MAX_FRAME_BYTES are refused. `decode` and
+Either side may send several messages as one frame, a msgpack array of those
+maps (`encode_batch`): what its sender had ready in one wake-up, across jobs,
+in order (a worker's deltas and results; the supervisor's submits, cancels
+and heartbeats of one loop turn). Frames above MAX_FRAME_BYTES are refused. `decode` and
 `decode_many` never raise: any malformed frame (or item of a batch) comes back
 as a `ProtocolError` value naming what was wrong.
 """

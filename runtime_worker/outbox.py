@@ -28,21 +28,38 @@ BATCH_LIMIT_BYTES = p.MAX_FRAME_BYTES // 2  # a batch's messages together; one b
 
 
 def coalesce(batch: list[p.Message | bytes]) -> list[p.Message | bytes]:
-    """Merge consecutive (per job) deltas; everything else passes as is."""
+    """Merge consecutive (per job) deltas; everything else passes as is. A run of
+    plain-text deltas is joined once at the end (not a new Delta per token)."""
     out: list[p.Message | bytes] = []
     open_delta: dict[str, int] = {}  # job -> index in `out` of its delta still open for merging
+    sizes: dict[int, int] = {}  # index in `out` -> p.delta_size of what it holds (texts included)
+    texts: dict[int, list[str]] = {}  # index in `out` -> its plain-text run, joined at the end
     for item in batch:
         if isinstance(item, p.Delta):
             at = open_delta.get(item.job)
-            if at is not None and p.delta_size(out[at]) + p.delta_size(item) <= MERGE_LIMIT_CHARS:
-                out[at] = p.merge_deltas(out[at], item)
+            if at is not None and sizes[at] + (size := p.delta_size(item)) <= MERGE_LIMIT_CHARS:
+                run = texts.get(at)
+                if run is not None and not item.parts:
+                    run.append(item.text)
+                    sizes[at] += size
+                else:
+                    if run is not None:
+                        out[at] = p.Delta(job=item.job, text="".join(texts.pop(at)))
+                    out[at] = p.merge_deltas(out[at], item)
+                    sizes[at] = p.delta_size(out[at])
                 continue
-            open_delta[item.job] = len(out)
+            at = open_delta[item.job] = len(out)
+            sizes[at] = p.delta_size(item)
+            if not item.parts:
+                texts[at] = [item.text]
         elif isinstance(item, bytes):
             open_delta.clear()  # a raw frame (fault injection) is opaque: keep every order
         elif (job := getattr(item, "job", None)) is not None:
             open_delta.pop(job, None)
         out.append(item)
+    for at, run in texts.items():
+        if len(run) > 1:
+            out[at] = p.Delta(job=out[at].job, text="".join(run))
     return out
 
 

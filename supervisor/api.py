@@ -18,7 +18,7 @@ from protocol.errors import ERROR_TYPE, ErrorCode, PoolError
 from supervisor import admin_feeds, ui
 from supervisor.config import PoolConfig
 from supervisor.engine import ModelRouterEngine
-from supervisor.http_guard import AccessGate, BodySizeLimit, error_response
+from supervisor.http_guard import HttpEdge, error_response
 from supervisor.inference import add_inference_routes
 from supervisor.live import Activity
 from supervisor.metrics import Metrics
@@ -41,15 +41,17 @@ def create_app(config: PoolConfig) -> FastAPI:
         await engine.shutdown(config.server.shutdown_grace_s)
         await activity.close()
 
-    app = FastAPI(title="llm-pool", version="0.1.0", lifespan=lifespan)
+    # FastAPI's OpenTelemetry hooks off: unused here (metrics are Prometheus), and checking
+    # whether a provider is configured costs on every request
+    app = FastAPI(title="llm-pool", version="0.1.0", lifespan=lifespan,
+                  telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False})
     app.state.engine = engine
     app.state.activity = activity = Activity(engine)  # the request log and the live samples
     metrics = Metrics(engine, on_finished=activity.finished)
-    add_inference_routes(app, engine, metrics, config)  # first in the routing table: the most requested
+    direct = add_inference_routes(app, engine, metrics, config)
     app.include_router(admin_feeds.router)
     app.include_router(ui.router)
-    app.add_middleware(BodySizeLimit, limit=config.server.max_body_bytes)
-    app.add_middleware(AccessGate, server=config.server, api_key=api_key, admin_key=admin_key)  # runs first
+    app.add_middleware(HttpEdge, server=config.server, api_key=api_key, admin_key=admin_key, direct=direct)
 
     # -- errors -------------------------------------------------------------------------------
     @app.exception_handler(PoolError)

@@ -5,9 +5,12 @@
   value's pieces as it goes, so a huge one costs memory and quadratic time on
   the event loop), and uvicorn has no header or body read timeout and no
   connection cap; this subclass adds them and keeps the parser.
-- `AccessGate`: API keys, and the browser rules for the admin surface
-  (Host, Origin, Sec-Fetch-Site) against cross-site and DNS-rebinding requests.
-- `BodySizeLimit`: the request body cap.
+  It also tells a request's handler when its client goes away (`Disconnect`),
+  without a task per request that waits for http.disconnect.
+- `HttpEdge`: one ASGI layer for every request: API keys, the browser rules
+  for the admin surface (Host, Origin, Sec-Fetch-Site) against cross-site and
+  DNS-rebinding requests, and the request body cap; it hands the inference
+  routes their body directly (see `HttpEdge`).
 """
 
 from __future__ import annotations
@@ -76,6 +79,39 @@ class _Phase(enum.Enum):
     BODY = "body"  # headers complete, body not yet
 
 
+DISCONNECT_KEY = "llm_pool.disconnect"  # in the ASGI scope of each request this protocol reads
+
+
+class Disconnect:
+    """Whether a request's client has gone, and what to do when it goes: set by
+    the connection (`GuardedHttpToolsProtocol.connection_lost`), read by the
+    handler. A callback costs nothing until it fires, where a task that waits
+    on receive() for http.disconnect costs a task per request."""
+
+    __slots__ = ("gone", "callback", "_listen")
+
+    def __init__(self, listen=None) -> None:
+        self.gone = False
+        self.callback = None
+        self._listen = listen  # resumes reading the connection, as receive() does
+
+    def fire(self) -> None:
+        self.gone = True
+        callback, self.callback = self.callback, None
+        if callback is not None:
+            callback()
+
+    def on_gone(self, callback) -> None:
+        """Call `callback` once when the client goes, at once if it has gone already."""
+        if self.gone:
+            return callback()
+        self.callback = callback
+        if self._listen is not None:
+            # uvicorn pauses reading past a large body or at a pipelined request: a close
+            # is only seen while reading
+            self._listen()
+
+
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with bounds (see `guarded_protocol`):
     - at most `max_connections` open connections; more are closed at once;
@@ -109,7 +145,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc) -> None:
         self._disarm()
         if not self._refused:
+            cycle = self.cycle
             super().connection_lost(exc)
+            if cycle is not None and cycle.disconnected:  # uvicorn's test: a request still unanswered
+                cycle.scope[DISCONNECT_KEY].fire()
 
     def data_received(self, data: bytes) -> None:
         if self._refused or self.transport.is_closing():
@@ -157,6 +196,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm()
         self._phase = _Phase.BODY
         self._header_bytes = 0
+        self.scope[DISCONNECT_KEY] = Disconnect(self.flow.resume_reading)
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
@@ -199,6 +239,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 return self.transport.abort()
             cycle.disconnected = True  # the app's request is over: it must not answer after this
             cycle.message_event.set()
+            cycle.scope[DISCONNECT_KEY].fire()
         body = json.dumps(err.envelope()).encode()
         head = (f"HTTP/1.1 {err.status} {_REASONS.get(err.status, '')}\r\n"
                 f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
@@ -233,8 +274,10 @@ def guarded_protocol(server: ServerConfig) -> type[GuardedHttpToolsProtocol]:
 
 
 # -- requests -----------------------------------------------------------------------------------------
-class AccessGate:
-    """Who may call what, checked before anything reads the request.
+class HttpEdge:
+    """Every request's first layer: who may call what, checked before anything
+    reads the request, then the body cap. One pure ASGI layer (each layer
+    costs on every request).
 
     Keys: /v1/* needs the inference key or the admin key when an inference key
     is set. The admin surface (/admin/*, /docs, /redoc, /openapi.json) needs the
@@ -245,10 +288,18 @@ class AccessGate:
     the configured host or an IP address (each with the pool's port), or one
     of `allowed_hosts`; an Origin must be that same host and port;
     Sec-Fetch-Site, when sent, must be same-origin or none.
-    (An ASGI layer, not a FastAPI dependency: it is on every request's path.)"""
 
-    def __init__(self, app, server: ServerConfig, api_key: str | None, admin_key: str | None) -> None:
+    Body: over `max_body_bytes` is refused with 413, at once when the
+    Content-Length says so, else while reading (the body is buffered up to the
+    cap). `direct` maps a POST path to `handle(scope, receive, send, body)`,
+    which gets the body read here; every other request goes on to `app` with
+    the body replayed."""
+
+    def __init__(self, app, server: ServerConfig, api_key: str | None, admin_key: str | None,
+                 direct: dict | None = None) -> None:
         self.app = app
+        self.limit = server.max_body_bytes
+        self.direct = direct if direct is not None else {}
         self.inference = [k.encode() for k in (api_key, admin_key) if k] if api_key else []
         self.admin = [admin_key.encode()] if admin_key else []
         self.admin_refused = bool(api_key) and not admin_key
@@ -258,11 +309,49 @@ class AccessGate:
         self.local_names = {"localhost"} | (set() if wildcard else {f"[{host}]" if ":" in host else host})
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            refusal = self._refusal(scope)
-            if refusal is not None:
-                return await error_response(refusal)(scope, receive, send)
-        return await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            return await error_response(refusal)(scope, receive, send)
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
+                return await self._too_large()(scope, receive, send)
+        message = await receive()
+        if message["type"] != "http.request":  # the client left while sending
+            return
+        body = message.get("body", b"")
+        if message.get("more_body"):
+            chunks, size = [body], len(body)
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                chunks.append(message.get("body", b""))
+                size += len(chunks[-1])
+                if size > self.limit:
+                    return await self._too_large()(scope, receive, send)
+                if not message.get("more_body"):
+                    break
+            body = b"".join(chunks)
+        elif len(body) > self.limit:
+            return await self._too_large()(scope, receive, send)
+        handle = self.direct.get(scope["path"]) if scope["method"] == "POST" else None
+        if handle is not None:
+            return await handle(scope, receive, send, body)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: disconnect notices pass through
+
+        return await self.app(scope, replay, send)
+
+    def _too_large(self) -> JSONResponse:
+        return error_response(PoolError(ErrorCode.REQUEST_TOO_LARGE, f"request body over {self.limit} bytes"))
 
     def _refusal(self, scope) -> PoolError | None:
         path = scope["path"]
@@ -362,45 +451,3 @@ def _same_origin(origin: str, host: str) -> bool:
     name, port = _split_host(host)
     origin_name = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     return name == origin_name and (port or default) == (origin_port or default)
-
-
-class BodySizeLimit:
-    """Refuse request bodies over `limit` bytes with 413: at once when the
-    Content-Length says so, else while reading (the body is buffered up to the
-    limit and then replayed to the app)."""
-
-    def __init__(self, app, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        def too_large() -> JSONResponse:
-            return error_response(PoolError(ErrorCode.REQUEST_TOO_LARGE, f"request body over {self.limit} bytes"))
-
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
-                return await too_large()(scope, receive, send)
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left while sending
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.limit:
-                return await too_large()(scope, receive, send)
-            if not message.get("more_body"):
-                break
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()  # after the body: disconnect notices pass through
-
-        return await self.app(scope, replay, send)

@@ -2,9 +2,9 @@
 /v1/embeddings and /v1/responses. Each request becomes one job through the
 engine's scheduler (queue, capacity, drain, cancel on disconnect, metrics,
 the error table); this module only translates bodies and job events, with
-the shapes in openai_shapes. The routes are plain Starlette endpoints (see
-`route`): FastAPI's dependency solving cost more per request than the rest
-of the request's own handling."""
+the shapes in openai_shapes. The routes are served straight from the HTTP
+edge (see `route`): FastAPI's dependency solving, and the layers between the
+edge and a route, cost more per request than the request's own handling."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from protocol import Delta, Done
 from protocol.errors import ErrorCode, PoolError
 from supervisor import openai_shapes as shapes
 from supervisor import responses_shapes as rshapes
+from supervisor.http_guard import DISCONNECT_KEY, Disconnect
 from supervisor.jobs import Job
 from supervisor.metrics import CLIENT_CLOSED
 
@@ -66,7 +67,8 @@ class JobStream(StreamingResponse):
             self.end(self.job)
 
 
-def add_inference_routes(app: FastAPI, engine, metrics, config) -> None:
+def add_inference_routes(app: FastAPI, engine, metrics, config) -> dict:
+    """Declare the inference routes; returns what HttpEdge serves directly: {path: handler}."""
     # -- running a job for a client ------------------------------------------------------------------
     async def collect(job: Job) -> tuple[shapes.Choices, Done]:
         choices = shapes.Choices()
@@ -80,26 +82,31 @@ def add_inference_routes(app: FastAPI, engine, metrics, config) -> None:
     async def unless_disconnected(request: Request, job: Job, waiting):
         """Await `waiting` (about `job`). If the client goes away first, the job
         is cancelled (a queued one dropped, a submitted one stopped by its
-        worker, which frees the slot) and None is returned once it has ended."""
-        gone = False
-
-        async def watch() -> None:
-            nonlocal gone
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            gone = True
-            engine.cancel(job)
-
-        watcher = asyncio.create_task(watch())
+        worker, which frees the slot) and None is returned once it has ended.
+        The connection says when its client goes (http_guard.Disconnect); under
+        another ASGI server, a task waits for http.disconnect instead."""
+        disconnect = request.scope.get(DISCONNECT_KEY)
+        watcher = None
+        if disconnect is None:
+            disconnect = Disconnect()
+            watcher = asyncio.create_task(watch(request, disconnect))
+        disconnect.on_gone(functools.partial(engine.cancel, job))
         try:
             result = await waiting
         except PoolError:
-            if gone:
+            if disconnect.gone:
                 return None
             raise
         finally:
-            watcher.cancel()
-        return None if gone else result
+            disconnect.callback = None
+            if watcher is not None:
+                watcher.cancel()
+        return None if disconnect.gone else result
+
+    async def watch(request: Request, disconnect: Disconnect) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        disconnect.fire()
 
     async def serve_job(request: Request, endpoint: str, model: str, job_request: dict, sse_shape, to_json,
                         job_endpoint: str = "chat"):
@@ -182,24 +189,42 @@ def add_inference_routes(app: FastAPI, engine, metrics, config) -> None:
     def include_usage(body) -> bool:
         return bool(body.stream_options and body.stream_options.include_usage)
 
-    def route(path: str, model: type[BaseModel]):
-        """Serve `path` as a plain Starlette endpoint: `handle(body, request)` with
-        the body read as FastAPI would (read_body), but without FastAPI's
-        per-request dependency solving (add these routes first: the most
-        requested paths then match without trying the others). FastAPI still
-        declares the route, after it, so that it stays in the OpenAPI document."""
-        def register(handle):
-            async def endpoint(request: Request):
-                return await handle(await read_body(request, model), request)
-            app.router.add_route(path, endpoint, methods=["POST"])
+    direct = {}  # path -> the handler that HttpEdge calls with the body
 
-            async def documented(body):  # noqa: ARG001 -- never called: the route above answers first
+    def route(path: str, model: type[BaseModel]):
+        """Serve POST `path` from the HTTP edge (http_guard.HttpEdge): `handle(body,
+        request)` with the body validated as FastAPI would (parse_body), and the
+        app's exception handlers for what it raises; without FastAPI's
+        per-request dependency solving, nor the router and the layers between
+        the edge and it. FastAPI still declares the route, so that it stays in
+        the OpenAPI document (and answers other methods with 405)."""
+        def register(handle):
+            async def serve(scope, receive, send, raw: bytes):
+                request = Request(scope, receive, send)
+                try:
+                    response = await handle(parse_body(raw, request.headers.get("content-type"), model), request)
+                except Exception as exc:
+                    handler = exception_handler(exc)
+                    if handler is None:
+                        raise  # to ServerErrorMiddleware: a 500
+                    response = await handler(request, exc)
+                await response(scope, receive, send)
+            direct[path] = serve
+
+            async def documented(body):  # noqa: ARG001 -- never called: the edge answers POST first
                 raise AssertionError("unreachable")
             documented.__annotations__ = {"body": model}  # a type, not the string this module's annotations are
             documented.__name__ = handle.__name__  # the same operationId as when FastAPI served it
             app.post(path)(documented)
             return handle
         return register
+
+    def exception_handler(exc: Exception):
+        """The app's handler for `exc`, as Starlette looks it up (by class, most specific first)."""
+        for cls in type(exc).__mro__:
+            if cls in app.exception_handlers:
+                return app.exception_handlers[cls]
+        return None
 
     @route("/v1/responses", rshapes.ResponsesRequest)
     async def create_response(body: rshapes.ResponsesRequest, request: Request):
@@ -226,6 +251,8 @@ def add_inference_routes(app: FastAPI, engine, metrics, config) -> None:
         return await serve_job(request, "embeddings", body.model, body.job_request(), None,
                                lambda choices, done: shapes.embeddings(body.model, done), "embeddings")
 
+    return direct
+
 
 # -- the request body, as FastAPI reads it ----------------------------------------------------------------
 _MISSING = object()
@@ -240,17 +267,15 @@ def _is_json(content_type: str) -> bool:
     return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
-async def read_body(request: Request, model: type[BaseModel]) -> BaseModel:
+def parse_body(raw: bytes, content_type: str | None, model: type[BaseModel]) -> BaseModel:
     """The request's body validated as `model`, with the errors a FastAPI
     `body: model` parameter gives (and so the same handlers, statuses and
     messages): a body that is not JSON is a json_invalid error at its offset;
     one that cannot be parsed at all (nested too deep) a 400 HTTPException;
     a missing body "Field required"; a body sent under another content type
     is validated as bytes (and refused). Field errors are located under "body"."""
-    raw = await request.body()
     data = _MISSING
     if raw:
-        content_type = request.headers.get("content-type")
         data = raw
         if content_type and _is_json(content_type):
             try:

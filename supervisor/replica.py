@@ -6,6 +6,7 @@ crash) and its in-flight table. Scheduling decisions are the executor's."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import logging
@@ -335,16 +336,27 @@ class Replica:
         job.submitted_at = job.submitted_at or time.monotonic()
         job.attempts += 1
         self.inflight[job.id] = job
-        if self.transport.send_frame(self.identity, job.frame):
-            self.submits_sent += 1
-            job.submit_seq = self.submits_sent
+        self.submits_sent += 1  # a send that fails means a new worker, which counts from 0
+        job.submit_seq = self.submits_sent
+        self.transport.send_frame(self.identity, job.frame, functools.partial(self._submit_failed, job))
+
+    def _submit_failed(self, job: Job) -> None:
+        """The Submit could not be sent (see submit). Sent after the loop turn that
+        queued it (Transport batches them): by now the job may have ended, or its
+        worker exited (the crash path has dealt with the job then)."""
+        if self.inflight.get(job.id) is not job:
             return
         del self.inflight[job.id]
         job.attempts -= 1  # it never reached a worker
-        self.owner.requeue(job)
+        if job.cancel_requested:  # its client left meanwhile: nothing to run again
+            job.finish(PoolError(ErrorCode.INVALID_REQUEST, "cancelled by the client"))
+        else:
+            self.owner.requeue(job)
+        self.owner.replica_changed()  # the driver looks again: another replica may take it
+        if self.state not in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING):
+            return  # already on its way out
         log.error("replica %s is unreachable (gone, or not reading its socket): restarting it", self.name)
-        if self.state in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING):
-            self._set(ReplicaState.STOPPING)  # out of rotation before the kill
+        self._set(ReplicaState.STOPPING)  # out of rotation before the kill
         if self.proc:
             self.proc.kill_tree()  # its exit takes the crash path: jobs end or run again, a restart follows
 

@@ -1,10 +1,13 @@
 """The supervisor's one ZeroMQ ROUTER socket: binds it in a private directory,
-routes incoming frames to replicas by identity, sends to a replica by identity.
+routes incoming frames to replicas by identity, sends to a replica by identity
+(what is sent during one loop turn goes out after it, as one batch frame per
+worker: one socket send, not one per job).
 A malformed frame is logged and handed to its replica, which counts it; it
 never escapes."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
@@ -58,6 +61,8 @@ class Transport:
         self.sock.bind(self.endpoint)
         self.handlers: dict[bytes, Handler] = {}
         self._loop_sock: LoopSocket | None = None
+        # identity -> (frame, on_failed) queued this loop turn, in order; sent by _flush
+        self._outgoing: dict[bytes, list[tuple[bytes, Callable[[], None] | None]]] = {}
         self.remote: CurveListener | None = None  # the CURVE TCP listener, once a remote replica exists
 
     def listen_tcp(self, host: str, port: int) -> CurveListener:
@@ -76,17 +81,43 @@ class Transport:
     def unregister(self, identity: str) -> None:
         self.handlers.pop(identity.encode(), None)
 
-    def send(self, identity: str, msg: p.Message) -> bool:
-        return self.send_frame(identity, p.encode(msg))
+    def send(self, identity: str, msg: p.Message, on_failed: Callable[[], None] | None = None) -> None:
+        self.send_frame(identity, p.encode(msg), on_failed)
 
-    def send_frame(self, identity: str, frame: bytes) -> bool:
-        """Send an encoded frame to a worker now; False if it cannot be (never raises)."""
-        try:
-            self._loop_sock.send_nowait([identity.encode(), frame])
-            return True
-        except zmq.ZMQError as exc:  # EHOSTUNREACH: the worker is gone; EAGAIN: it is not reading
-            log.warning("send to %s failed: %s", identity, exc)
-            return False
+    def send_frame(self, identity: str, frame: bytes, on_failed: Callable[[], None] | None = None) -> None:
+        """Queue an encoded frame for a worker. Frames queued during one loop turn go out
+        right after it (_flush), in order, batched per worker; if they cannot be sent (the
+        worker is gone or not reading), each one's `on_failed` is called then. Never raises."""
+        out = self._outgoing.get(identity_bytes := identity.encode())
+        if out is None:
+            if not self._outgoing:
+                asyncio.get_running_loop().call_soon(self._flush)
+            out = self._outgoing[identity_bytes] = []
+        out.append((frame, on_failed))
+
+    def _flush(self) -> None:
+        outgoing, self._outgoing = self._outgoing, {}
+        for identity, queued in outgoing.items():
+            start = 0
+            while start < len(queued):
+                end, size = start, 0  # a batch stays under the frame cap (a Submit alone always fits)
+                while end < len(queued) and (end == start or size + len(queued[end][0]) < p.MAX_FRAME_BYTES - 8):
+                    size += len(queued[end][0])
+                    end += 1
+                try:
+                    if self._loop_sock is None:
+                        raise zmq.ZMQError(zmq.ENOTSUP, "the transport is not started")
+                    self._loop_sock.send_nowait([identity, p.encode_batch([f for f, _ in queued[start:end]])])
+                except zmq.ZMQError as exc:  # EHOSTUNREACH: the worker is gone; EAGAIN: it is not reading
+                    log.warning("send to %s failed: %s", identity.decode(errors="replace"), exc)
+                    for _, on_failed in queued[start:]:  # what follows must not overtake what failed
+                        if on_failed is not None:
+                            try:
+                                on_failed()
+                            except Exception:  # one replica's handling must not stop the others' frames
+                                log.exception("handling a failed send to %r failed", identity)
+                    break
+                start = end
 
     def _dispatch(self, frames: list[bytes]) -> None:
         if len(frames) != 2:
@@ -106,6 +137,8 @@ class Transport:
                 log.exception("handler for %r failed on %r", identity, msg)
 
     async def close(self) -> None:
+        if self._loop_sock and self._outgoing:  # last words (a Shutdown) queued this turn
+            self._flush()
         if self.remote:
             self.remote.close()
         if self._loop_sock:

@@ -68,9 +68,10 @@ def test_only_keys_handed_out_get_in_and_refusals_are_logged(caplog):
             assert sorted(heard) == ["good", "local"]
             assert isinstance(heard["good"][0], p.Hello)
             # and the way back works over both endpoints
-            assert transport.send("good", p.Heartbeat()) and transport.send("local", p.Heartbeat())
+            transport.send("good", p.Heartbeat())
+            transport.send("local", p.Heartbeat())
             for sock in peers[:2]:
-                assert sock.poll(2000), "no reply reached the worker"
+                assert await asyncio.to_thread(sock.poll, 2000), "no reply reached the worker"
                 assert isinstance(p.decode(sock.recv()), p.Heartbeat)
             messages = [r.getMessage() for r in caplog.records]
             for public in (stranger_public, revoked_public):
@@ -106,3 +107,38 @@ def test_the_worker_takes_its_keys_out_of_its_environment(monkeypatch):
     import os
     assert not set(env) & set(os.environ)  # a runtime it starts does not inherit the secret
     assert take_curve_keys() is None
+
+
+def test_frames_sent_in_one_loop_turn_reach_a_worker_as_one_batch_in_order():
+    """Transport batches what is sent during a loop turn, per worker; a batch to a
+    peer that is not there calls each frame's on_failed, in order."""
+    async def go() -> None:
+        transport = Transport()
+        transport.start()
+        ctx = zmq.Context.instance()
+        worker = ctx.socket(zmq.DEALER)
+        worker.setsockopt(zmq.IDENTITY, b"w")
+        worker.setsockopt(zmq.LINGER, 0)
+        heard = []
+        transport.register("w", heard.append)
+        try:
+            worker.connect(transport.endpoint)
+            worker.send(p.encode(p.Hello()))
+            await _until(lambda: heard)
+            failed = []
+            for i in range(3):
+                transport.send("w", p.Cancel(job=f"j{i}"))
+                transport.send("nobody", p.Cancel(job=f"x{i}"), on_failed=lambda i=i: failed.append(i))
+            assert not failed and not worker.poll(0)  # nothing goes out before the turn ends
+            await _until(lambda: len(failed) == 3)
+            assert failed == [0, 1, 2]
+            assert worker.poll(2000)
+            frames = worker.recv_multipart()
+            assert len(frames) == 1 and p.decode_many(frames[0]) == [p.Cancel(job=f"j{i}") for i in range(3)]
+            transport.send("w", p.Cancel(job="next"))  # a later turn: a frame of its own, after the batch
+            assert await asyncio.to_thread(worker.poll, 2000)
+            assert p.decode_many(worker.recv()) == [p.Cancel(job="next")]
+        finally:
+            worker.close()
+            await transport.close()
+    asyncio.run(asyncio.wait_for(go(), 20))

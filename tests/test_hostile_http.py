@@ -416,3 +416,19 @@ def make_pool_with_keys(tmp_path_factory):
 def test_edge_settings_are_validated(server, key):
     with pytest.raises(ConfigError, match=key):
         parse_config({"server": server})
+
+
+def test_a_disconnect_calls_back_once_even_when_the_client_left_before_anyone_listened():
+    from supervisor.http_guard import Disconnect
+
+    listened, called = [], []
+    early = Disconnect(lambda: listened.append(1))
+    early.fire()  # the client left while its body was being validated
+    early.on_gone(lambda: called.append("early"))
+    assert called == ["early"] and not listened  # at once; no need to read on
+    late = Disconnect(lambda: listened.append(1))
+    late.on_gone(lambda: called.append("late"))
+    assert listened == [1] and called == ["early"]  # reading resumed, so that a close is seen
+    late.fire()
+    late.fire()
+    assert called == ["early", "late"] and late.gone

@@ -115,6 +115,35 @@ def test_outbox_keeps_raw_frames_in_place_and_caps_merged_text():
     assert all(len(p.encode(m)) < p.MAX_FRAME_BYTES for m in merged)
 
 
+def _coalesce_pairwise(batch):
+    """The reference: each delta merged into its job's open one as it comes (merge_deltas)."""
+    out, open_delta = [], {}
+    for item in batch:
+        if isinstance(item, p.Delta):
+            at = open_delta.get(item.job)
+            if at is not None and p.delta_size(out[at]) + p.delta_size(item) <= MERGE_LIMIT_CHARS:
+                out[at] = p.merge_deltas(out[at], item)
+                continue
+            open_delta[item.job] = len(out)
+        elif (job := getattr(item, "job", None)) is not None:
+            open_delta.pop(job, None)
+        out.append(item)
+    return out
+
+
+_deltas = st.lists(st.one_of(
+    st.builds(lambda j, t: p.Delta(job=j, text=t), st.sampled_from("ab"), st.text(max_size=3)),
+    st.builds(lambda j, t: p.Delta(job=j, parts=[{"k": "reasoning", "t": t}]), st.sampled_from("ab"),
+              st.text(max_size=3)),
+    st.builds(lambda j: p.Done(job=j, finish_reason="stop"), st.sampled_from("ab"))), max_size=12)
+
+
+@given(_deltas)
+@settings(max_examples=300, deadline=None)
+def test_coalesce_joins_text_runs_as_pairwise_merging_would(batch):
+    assert coalesce(batch) == _coalesce_pairwise(batch)
+
+
 def test_heartbeat_lists_the_workers_jobs():
     beat = p.Heartbeat(inflight=2, jobs=["a", "b"])
     assert p.decode(p.encode(beat)) == beat

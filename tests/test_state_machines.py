@@ -33,13 +33,15 @@ class FakeTransport:
     def unregister(self, identity) -> None:
         self.handlers.pop(identity, None)
 
-    def send(self, identity, msg) -> bool:
+    def send(self, identity, msg, on_failed=None) -> None:
+        """As Transport.send: a frame to a peer that is not there fails after this loop turn."""
         self.sent.append((identity, msg))
         self.on_send(identity, msg)
-        return identity in self.handlers
+        if identity not in self.handlers and on_failed is not None:
+            asyncio.get_running_loop().call_soon(on_failed)
 
-    def send_frame(self, identity, frame: bytes) -> bool:
-        return self.send(identity, p.decode(frame))
+    def send_frame(self, identity, frame: bytes, on_failed=None) -> None:
+        self.send(identity, p.decode(frame), on_failed)
 
     def deliver(self, identity, msg) -> None:
         self.handlers[identity](msg)
@@ -584,11 +586,13 @@ async def test_a_job_the_worker_received_and_no_longer_runs_is_lost():
 async def test_a_submit_that_cannot_be_sent_is_requeued_and_its_worker_replaced():
     rig = Rig(target_inflight=2)
     proc = await rig.start()
-    rig.transport.unregister(rig.replica.identity)  # sends to it now fail, as to a gone peer
-    job = rig.job(started=False)
+    rig.transport.unregister(rig.replica.identity)  # sends to it fail (after this loop turn), as to a gone peer
+    job, left = rig.job(started=False), rig.job(started=False)
+    rig.replica.cancel(left)  # its client left before the failure was known: it ends, not runs again
+    await settle(lambda: proc.tree_killed, "the unreachable worker killed")
     assert rig.owner.requeued == [job] and job.attempts == 0
+    assert outcome(left).code is ErrorCode.INVALID_REQUEST
     assert rig.replica.state is not ReplicaState.READY and rig.replica.free_slots == 0  # out of rotation
-    assert proc.tree_killed
     await rig.spawned(2)  # the crash path restarts it
 
 
