@@ -8,6 +8,7 @@ Run with scripts/test-ray (it installs the `ray` extra)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import psutil
@@ -87,6 +89,12 @@ def ray_cluster():
         cluster.shutdown()
         leftovers = wait_for_gone(lambda: _ray_processes(session_dir), 30)
         shutil.rmtree(session_dir, ignore_errors=True)  # its logs and sockets
+        ray_tmp = Path(session_dir).parent  # Ray's temp dir: its "session_latest" link now points nowhere
+        latest = ray_tmp / "session_latest"
+        if latest.is_symlink() and not latest.exists():
+            latest.unlink()
+        with contextlib.suppress(OSError):
+            ray_tmp.rmdir()  # only when nothing else of Ray's is in it
         assert not leftovers, f"Ray processes left: {[p.cmdline()[:2] for p in leftovers]}"
 
 
