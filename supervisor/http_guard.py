@@ -317,25 +317,18 @@ class HttpEdge:
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > self.limit:
                 return await self._too_large()(scope, receive, send)
-        message = await receive()
-        if message["type"] != "http.request":  # the client left while sending
-            return
-        body = message.get("body", b"")
-        if message.get("more_body"):
-            chunks, size = [body], len(body)
-            while True:
-                message = await receive()
-                if message["type"] != "http.request":
-                    return
-                chunks.append(message.get("body", b""))
-                size += len(chunks[-1])
-                if size > self.limit:
-                    return await self._too_large()(scope, receive, send)
-                if not message.get("more_body"):
-                    break
-            body = b"".join(chunks)
-        elif len(body) > self.limit:
-            return await self._too_large()(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left while sending
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._too_large()(scope, receive, send)
+            if not message.get("more_body"):
+                break
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         handle = self.direct.get(scope["path"]) if scope["method"] == "POST" else None
         if handle is not None:
             return await handle(scope, receive, send, body)
