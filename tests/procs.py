@@ -4,6 +4,7 @@ stopping a child with everything it started."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -46,6 +47,15 @@ def wait_for(condition, timeout: float = 10.0, interval: float = 0.02, what: str
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+async def until(condition, timeout: float = 5.0, interval: float = 0.01, what: str = "condition") -> None:
+    """wait_for inside an event loop: poll `condition()` (the loop runs meanwhile); fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(interval)
 
 
 def descendants(pid: int) -> set[int]:

@@ -12,6 +12,7 @@ import zmq
 
 import protocol as p
 from supervisor.transport import Transport
+from tests.procs import until
 
 
 def _dealer(ctx: zmq.Context, identity: str, endpoint: str, keys=None) -> zmq.Socket:
@@ -23,13 +24,6 @@ def _dealer(ctx: zmq.Context, identity: str, endpoint: str, keys=None) -> zmq.So
     sock.connect(endpoint)
     sock.send(p.encode(p.Hello()))
     return sock
-
-
-async def _until(condition, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.02)
 
 
 def test_only_keys_handed_out_get_in_and_refusals_are_logged(caplog):
@@ -61,9 +55,9 @@ def test_only_keys_handed_out_get_in_and_refusals_are_logged(caplog):
                 _dealer(ctx, "plain", endpoint),
                 _dealer(ctx, "revoked", endpoint, (remote.server_public, revoked_public, revoked_secret)),
             ]
-            await _until(lambda: "local" in heard and "good" in heard)
+            await until(lambda: "local" in heard and "good" in heard)
             # the refusals are logged: two unknown keys by ZAP, failed handshakes by the monitor
-            await _until(lambda: sum("refused" in r.getMessage() for r in caplog.records) >= 3)
+            await until(lambda: sum("refused" in r.getMessage() for r in caplog.records) >= 3)
             await asyncio.sleep(0.3)  # a refused peer that got in anyway would have been heard by now
             assert sorted(heard) == ["good", "local"]
             assert isinstance(heard["good"][0], p.Hello)
@@ -124,13 +118,13 @@ def test_frames_sent_in_one_loop_turn_reach_a_worker_as_one_batch_in_order():
         try:
             worker.connect(transport.endpoint)
             worker.send(p.encode(p.Hello()))
-            await _until(lambda: heard)
+            await until(lambda: heard)
             failed = []
             for i in range(3):
                 transport.send("w", p.Cancel(job=f"j{i}"))
                 transport.send("nobody", p.Cancel(job=f"x{i}"), on_failed=lambda i=i: failed.append(i))
             assert not failed and not worker.poll(0)  # nothing goes out before the turn ends
-            await _until(lambda: len(failed) == 3)
+            await until(lambda: len(failed) == 3)
             assert failed == [0, 1, 2]
             assert worker.poll(2000)
             frames = worker.recv_multipart()

@@ -12,6 +12,7 @@ import pytest
 
 from supervisor import ray_placement
 from supervisor.ray_placement import ACTOR_LOST, RemoteWorker
+from tests.procs import until
 
 
 class Ref:
@@ -79,8 +80,7 @@ def test_the_log_is_mirrored_in_order_and_the_exit_reported(tmp_path, fast):
         log_path = tmp_path / "m-0.log"
         worker = RemoteWorker(actor, INFO, log_path, on_exit=lambda: revoked.append(True))
         assert (worker.pid, worker.node, worker.returncode) == (4242, "gpu-host-a", None)
-        while actor.calls.count("poll") < 3:
-            await asyncio.sleep(0.01)
+        await until(lambda: actor.calls.count("poll") >= 3, what="three polls")
         await worker.refresh()
         assert worker.view["rss_bytes"] == 123
         actor.exit.future().set_result(3)
@@ -113,8 +113,8 @@ def test_a_kill_the_actor_does_not_carry_out_kills_the_actor(tmp_path, fast):
         worker = RemoteWorker(actor, INFO, tmp_path / "m-0.log", on_exit=lambda: None)
         worker.kill_tree()
         assert "kill" in actor.calls
-        await asyncio.sleep(0.2)  # past KILL_GRACE_S (0.05 here)
-        assert fast == [actor]  # Ray would now end the actor, and its wait fail
+        await until(lambda: fast == [actor], what="the actor ended")  # after KILL_GRACE_S (0.05 here)
+        # (Ray would now end the actor, and its wait fail)
         actor.exit.future().set_exception(RuntimeError())
         assert await worker.wait() == ACTOR_LOST
 
