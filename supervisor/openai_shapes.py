@@ -5,6 +5,7 @@ a job's deltas. (/v1/responses: responses_shapes.) No I/O here."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -218,7 +219,6 @@ class ChatStream:
         self.opened = {0}  # choices whose first chunk (with the role) is out
         self._head = json.dumps({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                                  "model": model}, separators=(",", ":"))[:-1]  # ends before the closing brace
-        self._text_pre = self._text_prefix()
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         tail = {"choices": choices}
@@ -237,6 +237,10 @@ class ChatStream:
         """The SSE bytes of a plain text delta (the token path): what
         sse_frame(self.chunk({"content": text})) gives, without building the dicts."""
         return b"".join((self._text_pre, _json_str(text).encode(), self._text_post))
+
+    @functools.cached_property
+    def _text_pre(self) -> bytes:  # made on the first token (a subclass has its own _head by then)
+        return self._text_prefix()
 
     def _text_prefix(self) -> bytes:
         return f'data: {self._head},"choices":[{{"index":0,"delta":{{"content":'.encode()
@@ -286,7 +290,6 @@ class CompletionStream(ChatStream):
         self.id = new_id("cmpl")
         self._head = json.dumps({"id": self.id, "object": "text_completion", "created": self.created,
                                  "model": model}, separators=(",", ":"))[:-1]
-        self._text_pre = self._text_prefix()
 
     def chunk(self, delta: dict, finish_reason: str | None = None, index: int = 0, logprobs=None) -> dict:
         return self._chunk([{"index": index, "text": delta.get("content", ""), "finish_reason": finish_reason,
