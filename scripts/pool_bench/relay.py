@@ -37,7 +37,6 @@ for _path in (ROOT, ROOT / "scripts"):  # run alone too: the packages, tests/, p
         sys.path.insert(0, str(_path))
 
 import aiohttp  # noqa: E402
-import psutil  # noqa: E402
 
 from runtime_worker.backends.synthetic import synthetic_tokens  # noqa: E402
 from pool_bench.children import CpuMeter  # noqa: E402
