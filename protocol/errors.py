@@ -7,6 +7,7 @@ Workers send `ErrorCode` values in `error` messages; the supervisor raises
 
 from __future__ import annotations
 
+import signal
 from enum import IntEnum, StrEnum
 
 
@@ -26,6 +27,7 @@ class ErrorCode(StrEnum):
     QUEUE_TIMEOUT = "queue_timeout"
     NO_HEALTHY_REPLICA = "no_healthy_replica"
     RUNTIME_CRASHED = "runtime_crashed"
+    RUNTIME_RESTARTED = "runtime_restarted"  # an operator restart's drain ran out while the job ran
     RUNTIME_TIMEOUT = "runtime_timeout"
     RUNTIME_ERROR = "runtime_error"  # the runtime answered with an error of its own
     UPSTREAM_RATE_LIMITED = "upstream_rate_limited"
@@ -52,6 +54,9 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.NO_HEALTHY_REPLICA: 503,
     ErrorCode.LOAD_FAILED: 503,
     ErrorCode.INSUFFICIENT_MEMORY: 503,
+    # 503, not 502: the pool stopped the runtime on purpose (nothing is broken upstream); a retry
+    # soon is served by another replica or by this one once it is back
+    ErrorCode.RUNTIME_RESTARTED: 503,
     ErrorCode.RUNTIME_CRASHED: 502,
     ErrorCode.RUNTIME_ERROR: 502,
     ErrorCode.PROTOCOL_ERROR: 502,
@@ -99,3 +104,15 @@ class WorkerExit(IntEnum):
     CRASH = 1
     BOOT_FAILURE = 3  # the runtime could not load: retrying will not help
     SUPERVISOR_GONE = 4
+
+
+def exit_text(code: int | None) -> str:
+    """A process's exit for people: "code 1", or the signal that ended it ("SIGKILL")."""
+    if code is None:
+        return "an unknown code"
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"

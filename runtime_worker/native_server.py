@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import logging
 import os
 import secrets
 import signal
@@ -19,7 +20,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import httpx
 
-from protocol.errors import ErrorCode
+from protocol.errors import ErrorCode, exit_text
 from runtime_worker.backends.base import (
     Backend, BackendLoadError, Event, Finished, JobError, PartsDelta, TextDelta)
 from runtime_worker.lifeline import die_with_parent
@@ -87,7 +88,7 @@ class OpenAIClient:
             async for event in self._stream(path, self.body(request, stream=True), chat=path == "/chat/completions"):
                 yield event
         except (aiohttp.ClientError, ConnectionError) as exc:  # refused, or cut mid-stream
-            raise JobError(ErrorCode.RUNTIME_CRASHED, f"lost the connection to the runtime: {exc!r}") from None
+            raise connection_lost(exc) from None
 
     async def fetch(self, request: dict, path: str = "/embeddings") -> AsyncIterator[Event]:
         """One request answered whole (embeddings): a single Finished with the result."""
@@ -100,7 +101,7 @@ class OpenAIClient:
             finally:
                 r.close()
         except (aiohttp.ClientError, ConnectionError) as exc:
-            raise JobError(ErrorCode.RUNTIME_CRASHED, f"lost the connection to the runtime: {exc!r}") from None
+            raise connection_lost(exc) from None
         except ValueError as exc:
             raise JobError(ErrorCode.RUNTIME_ERROR, f"the runtime answered with invalid JSON: {exc}") from None
         if not isinstance(result, dict):
@@ -286,7 +287,8 @@ class NativeServer:
         code = await self.proc.wait()
         if self._relay:
             await asyncio.wait([self._relay], timeout=2)
-        return f"{self.name} exited with code {code}:\n{self.error_text()}"
+        how = f"was killed by {exit_text(code)}" if code < 0 else f"exited with {exit_text(code)}"
+        return f"{self.name} {how}:\n{self.error_text()}"
 
     def error_text(self) -> str:
         lines = [l for l in self.tail if l.strip()]
@@ -299,7 +301,7 @@ class NativeServer:
             if self.proc.returncode is not None:
                 if self._relay:
                     await asyncio.wait([self._relay], timeout=2)
-                raise BackendLoadError(f"{self.name} exited with code {self.proc.returncode} while loading:\n"
+                raise BackendLoadError(f"{self.name} exited with {exit_text(self.proc.returncode)} while loading:\n"
                                        f"{self.error_text()}")
             try:
                 r = await self.get(path, timeout=2)
@@ -359,6 +361,16 @@ async def _read_to_end(r: aiohttp.ClientResponse, timeout_s: float = 2.0) -> Non
             await r.read()
     except TimeoutError:
         pass
+
+
+def connection_lost(exc: Exception) -> JobError:
+    """A broken connection to the runtime, in plain words for the client; the library's
+    own text (which names its internals) goes to the worker's log only."""
+    logging.getLogger("runtime_worker").warning("connection to the runtime lost: %r", exc)
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return JobError(ErrorCode.RUNTIME_CRASHED, "the runtime did not accept the connection (it is down)")
+    return JobError(ErrorCode.RUNTIME_CRASHED, "the runtime's answer broke off before it was complete "
+                    "(the runtime stopped or crashed)")
 
 
 def upstream_error(status: int, text: str) -> JobError:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
+import time
 from datetime import datetime, timezone
 
 from fastapi import APIRouter, Query, Request
@@ -22,6 +24,16 @@ TAIL_POLL_S = 0.25  # how often the log tail looks for new lines
 TAIL_FIRST_LINES = 200
 TAIL_READ_MAX = 256 * 1024  # bytes read per look: a log that floods is skipped ahead, not buffered
 QUIET_PING_S = 5.0  # a comment line when nothing was sent for this long (also finds a client gone)
+
+
+CLIENT_HEADER = "x-llm-pool-client"  # who asks, for the event timeline: the CLI and the page send it
+
+
+def asked_by(request: Request) -> str:
+    """Who asked for an admin action: `cli`, `page` (their header), else `api`. A tenant's key
+    name joins this once keys have names."""
+    said = request.headers.get(CLIENT_HEADER, "")
+    return said if re.fullmatch(r"[a-z][a-z0-9-]{0,19}", said) else "api"
 
 
 def _event(name: str, data) -> bytes:
@@ -51,12 +63,71 @@ async def admin_requests(request: Request, model: str | None = None, status: str
                          since: str | None = None, after_id: int | None = None,
                          limit: int = Query(100, ge=1, le=10_000)):
     """The newest finished requests first, from the request log."""
-    if status not in (None, "", "ok", "error") and not (status.isdigit() and 100 <= int(status) <= 599):
-        raise PoolError(ErrorCode.INVALID_REQUEST, "status: an HTTP status, 'ok' or 'error'", param="status")
+    if status not in (None, "", "ok", "error", "2xx", "3xx", "4xx", "5xx") and not (
+            status.isdigit() and 100 <= int(status) <= 599):
+        raise PoolError(ErrorCode.INVALID_REQUEST, "status: an HTTP status, a class (4xx), 'ok' or 'error'",
+                        param="status")
     log = request.app.state.activity.requests
     rows = await asyncio.to_thread(log.query, model=model, status=status or None, since=_since(since),
                                    after_id=after_id, limit=limit)
     return {"requests": rows, "dropped": log.dropped}
+
+
+@router.get("/admin/requests/summary")
+async def admin_requests_summary(request: Request, window_s: float = Query(300, gt=0, le=86400)):
+    """The error rate over the last `window_s` seconds, and the requests in flight now with their age."""
+    activity = request.app.state.activity
+    counts = await asyncio.to_thread(activity.requests.counts_since, time.time() - window_s)
+    total = sum(counts.values())
+    errors = sum(n for status, n in counts.items() if status >= 400)
+    return {"window_s": window_s, "requests": total, "errors": errors,
+            "error_rate": round(errors / total, 4) if total else None,
+            "by_class": {f"{c}xx": sum(n for st, n in counts.items() if st // 100 == c) for c in (2, 4, 5)},
+            "in_flight": activity.in_flight()}
+
+
+@router.get("/admin/events")
+async def admin_events(request: Request, after_id: int | None = None, model: str | None = None,
+                       limit: int = Query(100, ge=1, le=10_000)):
+    """The event timeline, oldest first: the `limit` events after `after_id` (page on with the
+    last id), or the newest `limit` without it."""
+    events = request.app.state.activity.events
+    rows = await asyncio.to_thread(events.query, after_id=after_id, model=model, limit=limit)
+    return {"events": rows, "last_id": rows[-1]["id"] if rows else after_id, "dropped": events.dropped}
+
+
+@router.get("/admin/logs/supervisor")
+async def admin_supervisor_log(request: Request, after: int = 0, lines: int = Query(200, ge=1, le=10_000)):
+    """The supervisor's own log, its last lines (`after`: only lines after that serial)."""
+    tail = request.app.state.activity.supervisor_log
+    got = tail.after(after, lines)
+    return {"lines": [text for _, text in got], "last": got[-1][0] if got else after}
+
+
+@router.get("/admin/logs/supervisor/live")
+async def admin_supervisor_log_live(request: Request, lines: int = Query(TAIL_FIRST_LINES, ge=0, le=10_000)):
+    """SSE: `lines` events, the supervisor log's last `lines` lines, then new ones as they come."""
+    engine, tail = request.app.state.engine, request.app.state.activity.supervisor_log
+
+    async def body():
+        got = tail.after(0, lines) if lines else []
+        last = got[-1][0] if got else tail.serial
+        if got:
+            yield _event("lines", [text for _, text in got])
+        quiet = 0.0
+        while not engine.shutting_down:
+            await asyncio.sleep(TAIL_POLL_S)
+            quiet += TAIL_POLL_S
+            got = tail.after(last, 1000)
+            if got:
+                last = got[-1][0]
+                yield _event("lines", [text for _, text in got])
+                quiet = 0.0
+            elif quiet >= QUIET_PING_S:
+                yield b": ping\n\n"
+                quiet = 0.0
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 @router.get("/admin/live")

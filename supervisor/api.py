@@ -22,6 +22,7 @@ from supervisor.http_guard import HttpEdge, error_response
 from supervisor.inference import add_inference_routes
 from supervisor.live import Activity
 from supervisor.metrics import Metrics
+from supervisor.model_health import pool_health, shown_replicas
 from supervisor.observe import refresh_remote_views, worker_views
 from supervisor.states import ModelState
 
@@ -61,16 +62,19 @@ def create_app(config: PoolConfig) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        metrics.request(None, request.url.path, 400)
         if err.get("type") == "json_invalid":  # its loc is ("body", offset): name the body, not the offset
             where = err.get("loc", ())[-1]
             reason = (err.get("ctx") or {}).get("error", "")
-            return error_response(PoolError(ErrorCode.INVALID_REQUEST,
-                                            f"body: not valid JSON at offset {where}: {reason}", param="body"))
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        return error_response(PoolError(ErrorCode.INVALID_REQUEST,
-                                        f"{param or 'body'}: {err.get('msg')}", param=param))
+            error = PoolError(ErrorCode.INVALID_REQUEST, f"body: not valid JSON at offset {where}: {reason}",
+                              param="body")
+        else:
+            loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+            param = ".".join(loc) or None
+            error = PoolError(ErrorCode.INVALID_REQUEST, f"{param or 'body'}: {err.get('msg')}", param=param)
+        # the request log names the model the body asked for (clipped there), with the code and message
+        named = exc.body.get("model") if isinstance(exc.body, dict) else None
+        metrics.request(named if isinstance(named, str) else None, request.url.path, 400, error=error)
+        return error_response(error)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -92,7 +96,8 @@ def create_app(config: PoolConfig) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        """200 while the process serves; the body is the whole picture (model_health.pool_health)."""
+        return pool_health(engine)
 
     @app.get("/ready")
     async def ready():
@@ -108,18 +113,19 @@ def create_app(config: PoolConfig) -> FastAPI:
         return {"models": [engine.model_view(e) for e in engine.models.values()]}
 
     @app.post("/admin/models/{name}/load")
-    async def admin_load(name: str):
-        return engine.model_view(await engine.load(name))
+    async def admin_load(request: Request, name: str):
+        return engine.model_view(await engine.load(name, by=admin_feeds.asked_by(request)))
 
     @app.post("/admin/models/{name}/unload")
-    async def admin_unload(name: str):
-        return engine.model_view(await engine.unload(name))
+    async def admin_unload(request: Request, name: str):
+        return engine.model_view(await engine.unload(name, by=admin_feeds.asked_by(request)))
 
     @app.post("/admin/models/{name}/restart")
-    async def admin_restart(name: str, replica: int | None = None):
+    async def admin_restart(request: Request, name: str, replica: int | None = None, now: bool = False):
+        """Drain (up to the model's drain_timeout_s), then restart; `now=true` cuts running jobs."""
         if replica is not None:
             check_replica(name, replica)
-        return engine.model_view(await engine.restart(name, replica))
+        return engine.model_view(await engine.restart(name, replica, now=now, by=admin_feeds.asked_by(request)))
 
     @app.post("/admin/reload")
     async def admin_reload():
@@ -128,7 +134,7 @@ def create_app(config: PoolConfig) -> FastAPI:
 
     @app.get("/admin/workers")
     async def admin_workers():
-        replicas = [r for e in engine.models.values() if e.executor for r in e.executor.replicas]
+        replicas = [r for e in engine.models.values() for r in shown_replicas(e)]  # a failed load's too
         await refresh_remote_views(replicas)
         return {"workers": worker_views(replicas)}
 

@@ -100,8 +100,8 @@ def _call(url: str, method: str, path: str, *, params: dict | None = None,
     """One admin API call; returns its JSON body. Statuses in `accept` count as answers;
     anything else that goes wrong (unreachable, 401, an error envelope) is a Failure."""
     base = url.rstrip("/")
+    headers = _headers()
     key = os.environ.get("LLM_POOL_ADMIN_KEY")
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
         # connect fails fast; reading may be long (load and unload answer when done)
         r = httpx.request(method, base + path, params=params, headers=headers,
@@ -128,6 +128,12 @@ def _call(url: str, method: str, path: str, *, params: dict | None = None,
     if isinstance(error, dict) and error.get("message"):
         raise Failure(str(error["message"]))
     raise Failure(f"{base}{path} answered HTTP {r.status_code}")
+
+
+def _headers() -> dict[str, str]:
+    key = os.environ.get("LLM_POOL_ADMIN_KEY")
+    # who asks, for the pool's event timeline ("restart ... asked by cli")
+    return {"X-LLM-Pool-Client": "cli", **({"Authorization": f"Bearer {key}"} if key else {})}
 
 
 def _error_message(r: httpx.Response) -> str | None:
@@ -237,20 +243,37 @@ def ps(url: Url = DEFAULT_URL, as_json: AsJson = False) -> None:
     if not workers:
         typer.echo("no replicas running", err=True)
         return
-    _table(["MODEL", "REPLICA", "NODE", "PID", "STATE", "UPTIME", "RESTARTS", "INFLIGHT", "RSS", "CPU%",
-            "GPU MEM", "CHILDREN"],
-           [(w["model"], str(w["replica"]), _node(w), _dash(w["pid"]), w["state"], _duration(w["uptime_s"]),
-             str(w["restarts"]), f"{w['inflight']}/{w['capacity']}", _bytes(w["rss_bytes"]),
-             "-" if w["cpu_percent"] is None else f"{w['cpu_percent']:.1f}",
+    with_error = any(w.get("last_error") for w in workers)  # the column only when there is something in it
+    _table(["MODEL", "REPLICA", "NODE", "PID", "STATE", "UPTIME", "RESTARTS", "LAST EXIT", "INFLIGHT", "RSS",
+            "CPU%", "GPU MEM", "CHILDREN"] + ["ERROR"] * with_error,
+           [(_clip(w["model"]), str(w["replica"]), _node(w), _dash(w["pid"]), w["state"], _duration(w["uptime_s"]),
+             str(w["restarts"]), w.get("last_exit") or "-", f"{w['inflight']}/{w['capacity']}",
+             _bytes(w["rss_bytes"]), "-" if w["cpu_percent"] is None else f"{w['cpu_percent']:.1f}",
              _bytes(w["gpu_memory_bytes"]),  # None (no GPU, no NVML) stays "-"
              ", ".join(f"{c['name']}:{c['pid']}" for c in w["children"]) or "-")
+            + (_one_line(w.get("last_error")),) * with_error
             for w in workers])
 
 
 def _node(worker: dict) -> str:
-    """The host a replica runs on; a Ray node also by its id (several may share a host)."""
-    node = worker.get("node") or "-"
-    return f"{node} (ray {worker['node_id'][:8]})" if worker.get("node_id") else node
+    """The host a replica runs on; a Ray node by its address (hosts may share a name) and id."""
+    if worker.get("node_id"):
+        return f"{worker.get('node_address') or worker.get('node') or '-'} (ray {worker['node_id'][:8]})"
+    return worker.get("node") or "-"
+
+
+CELL_CHARS = 60  # a client's or runtime's text in a table cell: never wider (--json has it whole)
+
+
+def _clip(text: str | None, limit: int = CELL_CHARS) -> str:
+    if not text:
+        return "-"
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _one_line(text: str | None, limit: int = 120) -> str:
+    """An error for a table cell: its first line, clipped."""
+    return _clip((text or "").strip().splitlines()[0] if (text or "").strip() else None, limit)
 
 
 @_client
@@ -262,14 +285,14 @@ def models(url: Url = DEFAULT_URL, as_json: AsJson = False) -> None:
     with_error = any(m["error"] for m in views)  # the column only when there is something in it
     _table(["NAME", "BACKEND", "STATE", "READY", "QUEUE", "INFLIGHT", "CAPACITY cfg/eff", "MEMORY",
             "LAST USED", "IDLE UNLOAD IN", "PINNED", "ALIASES"] + ["ERROR"] * with_error,
-           [(m["name"], m["backend"], m["state"], f"{m['replicas_ready']}/{m['replicas']}",
+           [(_clip(m["name"]), m["backend"], m["state"], f"{m['replicas_ready']}/{m['replicas']}",
              str(m["queue_depth"]), str(m["runtime_inflight"]),
              f"{m['configured_target_inflight']}/{m['effective_target_inflight']}",
              "-" if m.get("memory_mb") is None else f"{m['memory_mb']:g} MB ({m['memory_source']})",
              "-" if m.get("last_used_at") is None else f"{_duration(time.time() - m['last_used_at'])} ago",
              _duration(m.get("idle_unload_in_s")), "yes" if m.get("pinned") else "no",
              ", ".join(m.get("aliases") or []) or "-")
-            + (m["error"] or "-",) * with_error
+            + (_one_line(m["error"]),) * with_error
             for m in views])
 
 
@@ -298,15 +321,19 @@ def unload(name: Annotated[str, typer.Argument(help="model name")], url: Url = D
 
 
 @_client
-def restart(target: Target, url: Url = DEFAULT_URL) -> None:
-    """Restart a model's replicas, or just one (NAME/REPLICA)."""
+def restart(target: Target, url: Url = DEFAULT_URL,
+            now: Annotated[bool, typer.Option("--now", help="cut running jobs instead of letting them finish")]
+            = False) -> None:
+    """Restart a model's replicas (one after another), or just one (NAME/REPLICA). Each is first
+    taken out of rotation and its running jobs finish (up to the model's drain_timeout_s)."""
     name, replica = _target(target)
 
     def describe(elapsed: float) -> str:
         view = _model_view(url, name)
-        return f"restarting {target}: {view['replicas_ready']}/{view['replicas']} ready, {elapsed:.0f}s"
+        return (f"restarting {target}: {view['replicas_ready']}/{view['replicas']} ready, "
+                f"{view['runtime_inflight']} running, {elapsed:.0f}s")
 
-    params = None if replica is None else {"replica": replica}
+    params = {**({} if replica is None else {"replica": replica}), **({"now": "true"} if now else {})} or None
     view = _waiting(lambda: _call(url, "POST", _model_path(name, "restart"), params=params,
                                   timeout=None), describe)
     typer.echo(f"{target}: restarted; {name} {view['state']}, "
@@ -323,27 +350,92 @@ def reload(url: Url = DEFAULT_URL, as_json: AsJson = False) -> None:
         typer.echo(f"{key}: {', '.join(result[key]) or '-'}")
 
 
+CHECK_UNHEALTHY = 2  # `check`: the pool serves, but a model is degraded or failed
+
+
 @_client
 def check(url: Url = DEFAULT_URL) -> None:
-    """Exit 0 only when the pool is ready (every load_on_start model loaded)."""
+    """Exit 0 when the pool is ready and every model healthy; 1 when it is not ready (or cannot
+    be reached); 2 when it serves but a model is degraded or failed (each printed with why)."""
     body = _call(url, "GET", "/ready", timeout=10.0, accept=(503,))
-    if body.get("status") == "ready":
+    health = _call(url, "GET", "/health", timeout=10.0)
+    models = health.get("models") if isinstance(health.get("models"), dict) else {}
+
+    def why(name: str) -> str:
+        m = models.get(name) or {}
+        reason = _one_line(m.get("reason"), 200) if m.get("reason") else "no reason recorded"
+        return f"{name} {m.get('state', '?')} ({m.get('ready', 0)}/{m.get('configured', 0)} ready): {reason}"
+
+    if body.get("status") != "ready":
+        waiting = body.get("waiting_for") or []
+        failed = [why(n) for n in waiting if (models.get(n) or {}).get("state") == "failed"]
+        raise Failure(("not ready: waiting for " + ", ".join(waiting) if waiting else "not ready (shutting down)")
+                      + ("; " + "; ".join(failed) if failed else ""))
+    unhealthy = health.get("unhealthy") or []
+    if not unhealthy:
         typer.echo("ready")
         return
-    waiting = body.get("waiting_for") or []
-    raise Failure("not ready: waiting for " + ", ".join(waiting) if waiting
-                  else "not ready (shutting down)")
+    for name in unhealthy:
+        typer.echo(why(name))
+    typer.echo(f"llm-pool: ready, but {len(unhealthy)} model(s) degraded or failed", err=True)
+    raise typer.Exit(CHECK_UNHEALTHY)
+
+
+SUPERVISOR = "supervisor"  # `llm-pool logs supervisor`: the supervisor's own log
 
 
 @_client
-def logs(target: Target,
+def logs(target: Annotated[str, typer.Argument(
+             metavar="NAME[/REPLICA]|supervisor",
+             help="a model (replica 0) or one of its replicas; `supervisor` for the supervisor's own log")],
          lines: Annotated[int, typer.Option("-n", "--lines", min=1, help="how many lines")] = 200,
+         follow: Annotated[bool, typer.Option("--follow", "-f", help="then print new lines as they are "
+                                              "written, until Ctrl-C")] = False,
          url: Url = DEFAULT_URL) -> None:
-    """The tail of a replica's log (the worker's and its backend's output); replica 0 by default."""
-    name, replica = _target(target)
-    body = _call(url, "GET", _model_path(name, "logs"), params={"replica": replica or 0, "lines": lines})
-    for line in body["lines"]:
-        typer.echo(line)
+    """The tail of a replica's log (the worker's and its backend's output), or of the supervisor's."""
+    if target == SUPERVISOR:
+        path, live, params = "/admin/logs/supervisor", "/admin/logs/supervisor/live", {"lines": lines}
+    else:
+        name, replica = _target(target)
+        path, live = _model_path(name, "logs"), _model_path(name, "logs/live")
+        params = {"replica": replica or 0, "lines": lines}
+    if not follow:
+        for line in _call(url, "GET", path, params=params)["lines"]:
+            typer.echo(line)
+        return
+    _call(url, "GET", path, params={**params, "lines": 1})  # a bad name or replica fails here, in one line
+    try:
+        for _event, data in _sse(url, live, params):
+            for line in data:
+                typer.echo(line)
+    except KeyboardInterrupt:
+        pass
+
+
+def _sse(url: str, path: str, params: dict):
+    """Yield (event, data) from an SSE feed of the admin API until it ends; a dropped
+    connection is opened again after a second (the pool may be restarting)."""
+    base = url.rstrip("/")
+    first = True
+    while True:
+        try:
+            with httpx.stream("GET", base + path, params=params if first else {**params, "lines": 0},
+                              headers=_headers(), timeout=httpx.Timeout(None, connect=10.0)) as r:
+                if r.status_code != 200:
+                    raise Failure(f"{base}{path} answered HTTP {r.status_code}")
+                first = False
+                name, data = "message", []
+                for line in r.iter_lines():
+                    if line.startswith("event:"):
+                        name = line[6:].strip()
+                    elif line.startswith("data:"):
+                        data.append(line[5:].lstrip())
+                    elif not line and data:
+                        yield name, json.loads("\n".join(data))
+                        name, data = "message", []
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
 
 
 def _since_param(text: str | None) -> str | None:
@@ -363,7 +455,7 @@ def _ms(value: float | None) -> str:
 
 
 def _request_rows(rows: list[dict]) -> list[tuple[str, ...]]:
-    return [(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["ts"])), r["model"] or "-", r["endpoint"],
+    return [(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["ts"])), _clip(r["model"], 40), r["endpoint"],
              str(r["status"]), r["error_code"] or "-", _ms(r["queued_ms"]), _ms(r["ttft_ms"]),
              _ms(r["duration_ms"]), _dash(r["tokens_in"]), _dash(r["tokens_out"]), _dash(r["tokens_per_s"]))
             for r in rows]
@@ -376,7 +468,8 @@ REQUEST_HEADERS = ["TIME", "MODEL", "ENDPOINT", "STATUS", "ERROR", "QUEUED", "TT
 @_client
 def requests(url: Url = DEFAULT_URL, as_json: AsJson = False,
              model: Annotated[str | None, typer.Option("--model", "-m", help="only this model")] = None,
-             status: Annotated[str | None, typer.Option(help="an HTTP status, 'ok' or 'error'")] = None,
+             status: Annotated[str | None, typer.Option(help="an HTTP status, a class (4xx, 5xx), 'ok' or "
+                                                         "'error'")] = None,
              since: Annotated[str | None, typer.Option(help="e.g. 10m, 2h, 1d, or an ISO 8601 time")] = None,
              limit: Annotated[int, typer.Option("-n", "--limit", min=1, max=10_000,
                                                 help="how many (the newest)")] = 50,
@@ -411,6 +504,50 @@ def requests(url: Url = DEFAULT_URL, as_json: AsJson = False,
             if fresh:
                 last = fresh[-1]["id"]
                 emit(fresh)
+    except KeyboardInterrupt:
+        pass
+
+
+def _event_line(e: dict) -> str:
+    where = e["model"] or "-"
+    if e.get("replica") is not None:
+        where += f"/{e['replica']}"
+    by = f" (asked by {e['by']})" if e.get("by") else ""
+    message = e["message"].replace("\n", " | ")
+    return (f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(e['ts']))}  {e['level']:<7}  {e['kind']:<14}  "
+            f"{_clip(where, 40):<12}  {message}{by}")
+
+
+@_client
+def events(url: Url = DEFAULT_URL, as_json: AsJson = False,
+           model: Annotated[str | None, typer.Option("--model", "-m", help="only this model")] = None,
+           limit: Annotated[int, typer.Option("-n", "--limit", min=1, max=10_000, help="how many (the newest)")]
+           = 50,
+           follow: Annotated[bool, typer.Option("--follow", "-f", help="then print new ones as they happen")]
+           = False) -> None:
+    """The event timeline, oldest first: loads, unloads, evictions, crashes, restarts (and who
+    asked), reloads, models turning degraded or failed. --follow keeps printing until Ctrl-C."""
+    params = {k: v for k, v in {"model": model, "limit": limit}.items() if v is not None}
+    body = _call(url, "GET", "/admin/events", params=params)
+    rows = body["events"]
+    if as_json and not follow:
+        return _print_json(rows)
+
+    def emit(batch: list[dict]) -> None:
+        for e in batch:
+            typer.echo(json.dumps(e) if as_json else _event_line(e))
+
+    emit(rows)
+    if not follow:
+        return
+    last = body.get("last_id") or 0
+    try:
+        while True:
+            time.sleep(1.0)
+            got = _call(url, "GET", "/admin/events", params={**params, "after_id": last, "limit": 10_000})
+            if got["events"]:
+                last = got["last_id"]
+                emit(got["events"])
     except KeyboardInterrupt:
         pass
 

@@ -189,6 +189,7 @@ class ModelConfig(_Strict):
     cancel_grace_s: float = Field(30.0, gt=0)  # a runtime busy this long after a cancel left it idle: restart
     retry_unstarted_on_crash: bool = True  # a crash before the first token: run it once more elsewhere
     stop_timeout_s: float = Field(10.0, gt=0)  # drain-free stop: SIGTERM .. SIGKILL, worker and runtime
+    drain_timeout_s: float = Field(60.0, ge=0)  # an operator restart waits this long for running jobs
     replica_devices: list[str] | None = None  # CUDA_VISIBLE_DEVICES per replica
     placement: Literal["local", "ray"] = "local"  # "ray": each replica on a Ray node that fits [models.ray]
     ray: RayPlacement | None = None

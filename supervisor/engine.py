@@ -18,7 +18,9 @@ import psutil
 
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ConfigError, ModelConfig, PoolConfig, load_config
+from supervisor.events import EventKind, emit
 from supervisor.jobs import Job, JobState
+from supervisor.model_health import derived_state, model_health, reason_text
 from supervisor.observe import gpu_memory_by_pid
 from supervisor.process import spawn_worker, sweep_stale_workers
 from supervisor.ray_placement import RayCluster
@@ -83,6 +85,7 @@ class ModelEntry:
     # During an automatic unload (idle, evicted): requests that wait for the next load on demand.
     pending: list[Job] | None = None
     measured_at: float = 0.0  # monotonic: the footprint's last measurement
+    failed_replicas: list = field(default_factory=list)  # of the last load that failed: still shown (ops)
 
     def used(self, now: float | None = None) -> None:
         self.last_used = now if now is not None else time.monotonic()
@@ -264,7 +267,9 @@ class ModelRouterEngine:
         """Unload with the usual drain; intake stops now, so no request slips in
         between. Requests that come meanwhile (and any still queued) wait for the
         next load on demand, which starts when the unload ends."""
-        log.info("model %s: unloading (%s)", entry.cfg.name, reason)
+        emit(EventKind.EVICTED if reason.startswith("evicted") else EventKind.UNLOADING,
+             f"model {entry.cfg.name}: unloading ({reason})", model=entry.cfg.name,
+             by="memory budget" if reason.startswith("evicted") else "idle timer")
         executor = entry.executor
         executor.accepting_new_requests = False
         if entry.cfg.load_on_demand:
@@ -305,6 +310,7 @@ class ModelRouterEngine:
         (no await: a request that sees `loading` always finds a queue)."""
         entry.set_state(ModelState.LOADING)
         entry.error = None
+        entry.failed_replicas = []
         entry.load_started = time.monotonic()
         executor = Executor(entry.cfg)
         if entry.cfg.remote and self.cluster is None:
@@ -317,7 +323,7 @@ class ModelRouterEngine:
         entry.executor = executor
         return executor
 
-    async def load(self, name: str, reason: str = "operator") -> ModelEntry:
+    async def load(self, name: str, reason: str = "operator", by: str | None = None) -> ModelEntry:
         """Load a model; waits for a load, unload or restart of it under way first."""
         entry = self.entry(name)
         async with entry.busy:
@@ -327,12 +333,13 @@ class ModelRouterEngine:
                 raise PoolError(ErrorCode.MODEL_UNLOADING, "the pool is shutting down")
             if entry.state is not ModelState.LOADING:  # else a request prepared it (load on demand)
                 self._prepare_load(entry)
-            await self._run_load(entry, reason)
+            await self._run_load(entry, reason, by)
             return entry
 
     def _load_on_demand(self, entry: ModelEntry) -> Executor:
         executor = self._prepare_load(entry)
-        log.info("model %s: loading (on demand: a request for it)", entry.cfg.name)
+        emit(EventKind.LOADING, f"model {entry.cfg.name}: loading (on demand: a request for it)",
+             model=entry.cfg.name, by="a request")
 
         async def run() -> None:
             async with entry.busy:
@@ -344,7 +351,8 @@ class ModelRouterEngine:
         self._spawn(run())
         return executor
 
-    async def _run_load(self, entry: ModelEntry, reason: str) -> None:  # holds entry.busy, state LOADING
+    async def _run_load(self, entry: ModelEntry, reason: str,
+                        by: str | None = None) -> None:  # holds entry.busy, state LOADING
         name, executor = entry.cfg.name, entry.executor
         try:
             await self._make_room(entry, waiters_only=reason == "on_demand")
@@ -355,6 +363,8 @@ class ModelRouterEngine:
             entry.error = exc.message
             entry.set_state(ModelState.UNLOADING)
             entry.set_state(ModelState.UNLOADED)
+            emit(EventKind.LOAD_FAILED, f"model {name}: not loaded: {exc.message}", model=name, by=by,
+                 level=logging.ERROR)
             raise
         try:
             if entry.cfg.remote:
@@ -372,8 +382,11 @@ class ModelRouterEngine:
             await asyncio.gather(*(r.stop() for r in executor.replicas), return_exceptions=True)
             await executor.close()
             entry.executor = None
+            entry.failed_replicas = executor.replicas  # listed with their errors and logs until the next load
             entry.holds_memory = False
             entry.set_state(ModelState.FAILED)
+            emit(EventKind.LOAD_FAILED, f"model {name}: load failed: {entry.error}", model=name, by=by,
+                 level=logging.ERROR)
             raise error
         executor.loading = False
         entry.load_seconds = time.monotonic() - entry.load_started
@@ -382,7 +395,7 @@ class ModelRouterEngine:
         self.loads[reason] = self.loads.get(reason, 0) + 1
         self.load_durations.observe(entry.load_seconds)
         self._measure(entry)
-        log.info("model %s loaded in %.2fs (%s)", name, entry.load_seconds, reason)
+        emit(EventKind.LOADED, f"model {name} loaded in {entry.load_seconds:.2f}s ({reason})", model=name, by=by)
 
     @staticmethod
     def _fail_waiters(executor: Executor, error: PoolError) -> None:
@@ -534,9 +547,10 @@ class ModelRouterEngine:
             self.swaps += 1
         entry.holds_memory = True
 
-    async def unload(self, name: str, drain_timeout_s: float | None = None) -> ModelEntry:
+    async def unload(self, name: str, drain_timeout_s: float | None = None, by: str | None = None) -> ModelEntry:
         """Drain and stop a model; waits for a load or restart of it under way first."""
         entry = self.entry(name, removed_too=True)
+        name = entry.cfg.name  # an alias names its model; logs and events use the model's name
         if entry.executor is not None:
             # Stop intake before taking the lock, so requests arriving meanwhile get 503.
             entry.executor.accepting_new_requests = False
@@ -546,7 +560,10 @@ class ModelRouterEngine:
                 if entry.state is ModelState.FAILED:
                     entry.set_state(ModelState.UNLOADING)
                     entry.set_state(ModelState.UNLOADED)
+                    entry.failed_replicas = []
                 return entry
+            if by:
+                emit(EventKind.UNLOADING, f"model {name}: unloading", model=name, by=by)
             entry.set_state(ModelState.UNLOADING)
             for r in executor.replicas:
                 r.drain()
@@ -557,15 +574,19 @@ class ModelRouterEngine:
             entry.executor = None
             entry.holds_memory = False
             entry.set_state(ModelState.UNLOADED)
-            log.info("model %s unloaded", name)
+            emit(EventKind.UNLOADED, f"model {name} unloaded", model=name)
             self._after_auto_unload(entry)
             return entry
 
-    async def restart(self, name: str, replica: int | None = None) -> ModelEntry:
-        """Restart a model's replicas (one, or all), or load it when it is not
-        loaded. Refused (409) while a load, unload or restart of it is under way:
-        it would cut draining jobs or fight the other action."""
+    async def restart(self, name: str, replica: int | None = None, *, now: bool = False,
+                      by: str | None = None) -> ModelEntry:
+        """Restart a model's replicas (one, or all, one after another), or load it
+        when it is not loaded. Each replica first drains: out of rotation, its
+        running jobs get the model's drain_timeout_s to finish (`now`: cut at once).
+        Refused (409) while a load, unload or restart of it is under way: it would
+        cut draining jobs or fight the other action."""
         entry = self.entry(name)
+        name = entry.cfg.name
         # the lock, and the states an automatic load or unload sets a loop turn before taking it
         if entry.busy.locked() or entry.state in (ModelState.LOADING, ModelState.UNLOADING) \
                 or entry.pending is not None:
@@ -576,15 +597,26 @@ class ModelRouterEngine:
         if self.shutting_down:
             raise PoolError(ErrorCode.MODEL_UNLOADING, "the pool is shutting down")
         if entry.executor is None:
-            return await self.load(name, "operator")
+            return await self.load(name, "operator", by)
         async with entry.busy:  # free (checked above, no await since): taken at once
             executor = entry.executor
             targets = executor.replicas if replica is None else [
                 r for r in executor.replicas if r.index == replica]
             if not targets:
                 raise PoolError(ErrorCode.INVALID_REQUEST, f"model {name!r} has no replica {replica}")
-            results = await asyncio.gather(*(r.restart() for r in targets), return_exceptions=True)
-        failed = [f"{r.name}: {res}" for r, res in zip(targets, results) if isinstance(res, BaseException)]
+            drain_s = None if now else entry.cfg.drain_timeout_s
+            failed = []
+            for r in targets:  # one at a time: the others keep serving
+                how = "now (running jobs are cut)" if now else f"after its running jobs finish (up to {drain_s:g}s)"
+                emit(EventKind.RESTARTING, f"replica {r.name}: restarting {how}", model=name, replica=r.index, by=by)
+                try:
+                    await r.restart(drain_s)
+                except Exception as exc:
+                    failed.append(f"{r.name}: {exc}")
+                    emit(EventKind.RESTART_FAILED, f"replica {r.name}: restart failed: {exc}", model=name,
+                         replica=r.index, by=by, level=logging.ERROR)
+                else:
+                    emit(EventKind.RESTARTED, f"replica {r.name} restarted", model=name, replica=r.index, by=by)
         if failed:
             raise PoolError(ErrorCode.LOAD_FAILED, "; ".join(failed))
         return entry
@@ -668,7 +700,8 @@ class ModelRouterEngine:
         self.aliases = {a: m.name for m in new.models for a in m.aliases}
         for name in added:
             self.models[name] = ModelEntry(new_models[name], busy=asyncio.Lock())
-        log.info("config reloaded: added %s, removed %s, reloaded %s, kept %s", added, removed, changed, kept)
+        emit(EventKind.RELOADED, f"config reloaded: added {added}, removed {removed}, reloaded {changed}, "
+             f"kept {kept}")
         for name in removed:
             self.models[name].removed = True  # 404 from now on; a new request cannot load it
             self._spawn(self._retire(name))
@@ -711,7 +744,7 @@ class ModelRouterEngine:
         for name, entry in self.models.items():
             if entry.removed:
                 continue
-            state = self.model_state(entry).value
+            state = derived_state(entry)
             for id_ in (name, *entry.cfg.aliases):
                 out.append({"id": id_, "object": "model", "created": 0, "owned_by": "llm-pool", "state": state,
                             **({"alias_of": name} if id_ != name else {})})
@@ -723,7 +756,7 @@ class ModelRouterEngine:
         return {
             "name": entry.cfg.name,
             "backend": entry.cfg.backend,
-            "state": self.model_state(entry).value,
+            **(health := model_health(entry)),
             "replicas": entry.cfg.replicas,
             "replicas_ready": sum(r.state is ReplicaState.READY for r in ex.replicas) if ex else 0,
             "queue_depth": (ex.queue_depth if ex else 0) + len(entry.pending or ()),
@@ -733,7 +766,7 @@ class ModelRouterEngine:
             "accepting_new_requests": bool(ex and ex.accepting_new_requests),
             "max_queue": entry.cfg.max_queue,
             "load_seconds": entry.load_seconds,
-            "error": entry.error or self._replica_errors(entry),
+            "error": entry.error or (reason_text(health) if health["state"] in ("degraded", "failed") else None),
             "load_on_demand": entry.cfg.load_on_demand,
             "pinned": entry.cfg.pinned,
             "aliases": list(entry.cfg.aliases),
@@ -744,11 +777,6 @@ class ModelRouterEngine:
             "gpu_memory_mb": {d: _round(mb) for d, mb in self.gpu_footprint(entry).items()} or None,
         }
 
-    def _replica_errors(self, entry: ModelEntry) -> str | None:
-        if self.model_state(entry) is not ModelState.FAILED or entry.executor is None:
-            return None
-        return "no replica is running: " + "; ".join(
-            f"{r.name} {r.state.value}: {r.last_error or 'no error recorded'}" for r in entry.executor.replicas)
 
 
 def _round(value: float | None) -> float | None:

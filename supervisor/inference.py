@@ -291,4 +291,5 @@ def parse_body(raw: bytes, content_type: str | None, model: type[BaseModel]) -> 
     try:
         return model.model_validate(data, from_attributes=True)
     except ValidationError as exc:
-        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()],
+                                     body=data) from None  # the request log names the model it asked for

@@ -15,13 +15,41 @@ from pathlib import Path
 from protocol import Done
 from protocol.errors import PoolError
 from supervisor.engine import default_state_dir
+from supervisor.events import EventKind, EventLog, emit
 from supervisor.jobs import Job
+from supervisor.model_health import UNHEALTHY, model_health, reason_text
 from supervisor.request_log import RequestLog, truncate
 
 log = logging.getLogger("llm_pool.live")
 
 SAMPLE_PERIOD_S = 1.0
 SAMPLES_KEPT = 600  # ten minutes, one a second
+SUPERVISOR_LINES = 2000  # the supervisor's own log lines kept for the page
+LINE_CHARS = 2000
+
+
+class LogTail(logging.Handler):
+    """The supervisor's own log (the `llm_pool` loggers), its last lines kept in
+    memory for the page and `llm-pool logs supervisor`; each line is numbered so
+    a follower asks for what came after the last one it saw."""
+
+    def __init__(self, keep: int = SUPERVISOR_LINES) -> None:
+        super().__init__(level=logging.INFO)
+        self.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        self.lines: deque[tuple[int, str]] = deque(maxlen=keep)
+        self.serial = 0
+
+    def emit(self, record: logging.LogRecord) -> None:  # logging.Handler's hook: in memory, no I/O
+        try:
+            text = self.format(record)
+        except Exception:  # a bad format argument must not lose the others
+            text = f"{record.name} {record.levelname} {record.msg!r}"
+        self.serial += 1
+        for line in text.splitlines()[:20] or [""]:
+            self.lines.append((self.serial, line[:LINE_CHARS]))
+
+    def after(self, serial: int, limit: int) -> list[tuple[int, str]]:
+        return [item for item in self.lines if item[0] > serial][-limit:]
 
 
 class Activity:
@@ -31,13 +59,19 @@ class Activity:
         state_dir = Path(server.state_dir or default_state_dir())
         self.requests = RequestLog(state_dir / "requests.sqlite3", server.request_log_max_rows,
                                    server.request_log_days)
+        self.events = EventLog(state_dir / "events.sqlite3")
+        self.supervisor_log = LogTail()
         self.samples: deque[dict] = deque(maxlen=SAMPLES_KEPT)
-        self._tokens: dict[str, int] = {}  # output tokens of finished requests, per model, since start
+        self._tokens: dict[str, int] = {}  # output tokens streamed, per model, since start
+        self._streamed: dict[str, int] = {}  # per model: the replicas' streamed_tokens at the last sample
+        self._shown: dict[str, str] = {}  # per model: the state shown at the last sample (state events)
         self._watchers: set[asyncio.Queue] = set()
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
         self.requests.start()
+        self.events.start()
+        logging.getLogger("llm_pool").addHandler(self.supervisor_log)
         self._start_sampler()
 
     def _start_sampler(self) -> None:
@@ -55,7 +89,9 @@ class Activity:
             task.remove_done_callback(self._sampler_ended)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        logging.getLogger("llm_pool").removeHandler(self.supervisor_log)
         await asyncio.to_thread(self.requests.close)
+        await asyncio.to_thread(self.events.close)
 
     # -- finished requests (from Metrics, on the event loop) ---------------------------------------
     def finished(self, model: str | None, endpoint: str, status: int, job: Job | None = None,
@@ -65,8 +101,6 @@ class Activity:
         if done is not None:
             usage = done.usage
             tokens_in, tokens_out = int(usage.get("input_tokens", 0)), int(usage.get("output_tokens", 0))
-            if tokens_out:
-                self._tokens[model] = self._tokens.get(model, 0) + tokens_out
         if job is not None:
             now = time.monotonic()
             start = job.created_at
@@ -89,9 +123,46 @@ class Activity:
         models = {}
         for name, entry in self.engine.models.items():
             ex = entry.executor
-            models[name] = {"state": self.engine.model_state(entry).value, "queue": ex.queue_depth if ex else 0,
-                            "inflight": ex.runtime_inflight if ex else 0, "tokens": self._tokens.get(name, 0)}
+            # tokens as they stream: what the replicas received since the last sample (a
+            # replica set that was replaced by a new load counts from zero)
+            streamed = sum(r.streamed_tokens for r in ex.replicas) if ex else 0
+            self._tokens[name] = self._tokens.get(name, 0) + max(0, streamed - self._streamed.get(name, 0))
+            self._streamed[name] = streamed
+            health = model_health(entry)
+            self._state_event(name, entry, health)
+            models[name] = {"state": health["state"], "queue": ex.queue_depth if ex else 0,
+                            "inflight": ex.runtime_inflight if ex else 0, "tokens": self._tokens[name]}
         return {"t": round(time.time(), 3), "models": models}
+
+    def _state_event(self, name: str, entry, health: dict) -> None:
+        """A move to degraded or failed (or back) goes to the timeline and the log."""
+        state, before = health["state"], self._shown.get(name)
+        self._shown[name] = state
+        if before == state or (before is None and state not in UNHEALTHY):
+            return
+        if state in UNHEALTHY:
+            health["error"] = entry.error
+            emit(EventKind.STATE, f"model {name} is {state}: {reason_text(health) or 'no reason recorded'}",
+                 model=name, level=logging.WARNING)
+        elif before in UNHEALTHY and state == "loaded":
+            emit(EventKind.STATE, f"model {name} is loaded again ({health['ready']}/{health['configured']} "
+                 "replicas ready)", model=name)
+
+    def in_flight(self) -> list[dict]:
+        """The requests running or queued now, oldest first, with their age."""
+        now = time.monotonic()
+        out = []
+        for name, entry in self.engine.models.items():
+            ex = entry.executor
+            if ex is None:
+                continue
+            running = [(j, r.name) for r in ex.replicas for j in list(r.inflight.values())]
+            queued = [(j, None) for j in list(ex.queue)]
+            for job, replica in running + queued:
+                out.append({"id": job.id, "model": name, "endpoint": job.endpoint, "replica": replica,
+                            "state": "running" if replica else "queued", "age_s": round(now - job.created_at, 1),
+                            "streaming": job.first_token_at is not None})
+        return sorted(out, key=lambda j: -j["age_s"])
 
     async def _sample_loop(self) -> None:
         previous = None

@@ -14,7 +14,8 @@ from protocol import Done
 from protocol.errors import PoolError
 from supervisor.engine import LOAD_BUCKETS
 from supervisor.jobs import Job
-from supervisor.states import ReplicaState
+from supervisor.model_health import DEGRADED
+from supervisor.states import ModelState, ReplicaState
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # Label values come only from these and from the configured model names: never from what a
@@ -25,6 +26,7 @@ OTHER_ENDPOINT = "other"  # a request refused before it reached an inference rou
 CLIENT_CLOSED = 499  # status counted for a request whose client left before its answer was complete
 UNKNOWN_MODEL = "unknown"  # a model name that is not configured
 _ENDPOINT_LABELS = frozenset(ENDPOINTS.values())
+SHOWN_STATES = (*(s.value for s in ModelState), DEGRADED)
 
 
 class Metrics:
@@ -100,7 +102,11 @@ class _EngineCollector:
                                        labels=labels)
         effective = GaugeMetricFamily("llm_pool_effective_capacity",
                                       "min(configured, runtime capability) over ready replicas", labels=labels)
-        loaded = GaugeMetricFamily("llm_pool_model_loaded", "1 when the model is loaded", labels=labels)
+        loaded = GaugeMetricFamily("llm_pool_model_loaded", "1 when the model is loaded (degraded too)",
+                                   labels=labels)
+        # one series per (model, state) that can be shown, 1 for the current one (model_health.derived_state)
+        shown = GaugeMetricFamily("llm_pool_model_state", "1 for the model's current state", labels=["model", "state"])
+        ready = GaugeMetricFamily("llm_pool_model_replicas_ready", "Ready replicas of the model", labels=labels)
         rlabels = ["model", "replica"]
         up = GaugeMetricFamily("llm_pool_worker_up", "1 when the replica is ready", labels=rlabels)
         restarts = CounterMetricFamily("llm_pool_worker_restarts", "Replica restarts", labels=rlabels)
@@ -114,7 +120,10 @@ class _EngineCollector:
             inflight.add_metric([name], view["runtime_inflight"])
             configured.add_metric([name], view["configured_target_inflight"])
             effective.add_metric([name], view["effective_target_inflight"])
-            loaded.add_metric([name], 1 if view["state"] == "loaded" else 0)
+            loaded.add_metric([name], 1 if view["state"] in ("loaded", "degraded") else 0)
+            for state in SHOWN_STATES:
+                shown.add_metric([name, state], 1 if view["state"] == state else 0)
+            ready.add_metric([name], view["ready"])
             for r in entry.executor.replicas if entry.executor else []:
                 key = [name, str(r.index)]
                 up.add_metric(key, 1 if r.state is ReplicaState.READY else 0)
@@ -137,7 +146,7 @@ class _EngineCollector:
                         pass
                 for process, value in by_process.items():
                     rss.add_metric([*key, process], value)
-        yield from (queue, inflight, configured, effective, loaded, up, restarts, bad, rss)
+        yield from (queue, inflight, configured, effective, loaded, shown, ready, up, restarts, bad, rss)
         yield from self._lifecycle()
 
     def _lifecycle(self):

@@ -9,6 +9,7 @@ import time
 
 import psutil
 
+from protocol.errors import exit_text
 from supervisor.replica import Replica
 
 # kept so cpu_percent() measures since the last look; only live processes stay (see _forget_dead)
@@ -101,8 +102,10 @@ def worker_views(replicas: list[Replica]) -> list[dict]:
     for r in replicas:
         view = {
             "model": r.cfg.name, "replica": r.index, "backend": r.cfg.backend, "pid": r.pid,
-            "node": LOCAL_NODE, "node_id": None,
+            "node": LOCAL_NODE, "node_id": None, "node_address": None,
             "state": r.state.value, "restarts": r.restarts, "last_exit_code": r.last_exit_code,
+            # "SIGKILL" for an exit by signal (the code is then negative), else "code N"
+            "last_exit": None if r.last_exit_code is None else exit_text(r.last_exit_code),
             "uptime_s": round(time.time() - r.started_at, 1) if r.pid and r.started_at else None,
             "inflight": len(r.inflight), "capacity": r.capacity, "runtime_capacity": r.runtime_capacity,
             "rss_bytes": None, "cpu_percent": None, "children": [], "gpu_memory_bytes": None,
@@ -112,6 +115,7 @@ def worker_views(replicas: list[Replica]) -> list[dict]:
         if r.cfg.remote:  # on a Ray node (the last one it ran on, while it is down): its actor's view
             view["node"] = getattr(r.proc, "node", None)
             view["node_id"] = getattr(r.proc, "node_id", None)
+            view["node_address"] = getattr(r.proc, "node_ip", None)  # hosts can share a name; addresses differ
             if r.pid:
                 view.update(r.proc.view)
         elif r.pid:

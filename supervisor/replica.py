@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Protocol
 
 import protocol as p
-from protocol.errors import ErrorCode, PoolError
+from protocol.errors import ErrorCode, PoolError, exit_text
 from supervisor.config import ModelConfig, ServerConfig
+from supervisor.events import EventKind, emit
 from supervisor.jobs import Job, JobState
 from supervisor.process import WorkerProcess, spawn_worker
 from supervisor.restart_policy import CrashHistory, RestartPolicy, restart_delay
@@ -97,14 +98,21 @@ class Replica:
         self.last_error: str | None = None
         self.history = CrashHistory()
         self.unknown_job_replies = 0  # late or bogus replies, dropped by job id
+        # output tokens as they stream (the live tokens/s): one per delta; a job's Done adds
+        # what merged deltas (a fast runtime's) held beyond one token each
+        self.streamed_tokens = 0
+        self._job_deltas: dict[str, int] = {}
         self.protocol_errors = 0
         self.submits_sent = 0  # Submits sent to the current worker; its heartbeats say how many it got
         # False once the replica is drained or stopped: an exit then is final, never restarted
         self.wanted = False
+        self.restarting = False  # an operator restart (its drain included) is under way
+        self._drained: asyncio.Event | None = None  # set when a restart's drain may end
         # One lifecycle action at a time (start, stop, operator or crash restart), so a
         # replica never has two workers and a stop never races a start.
         self._lock = asyncio.Lock()
         self._ready: asyncio.Future | None = None
+        self._cut: ErrorCode | None = None  # what a job cut by the current stop is told (None: an unload's)
         self._watcher: asyncio.Task | None = None
         self._restart_task: asyncio.Task | None = None
 
@@ -142,25 +150,51 @@ class Replica:
         """Stop the worker now: a clean Shutdown, then SIGTERM/SIGKILL of its tree.
         A start in progress is abandoned (its worker killed); no restart follows."""
         self.wanted = False
+        if self._drained:  # a restart's drain ends now; the restart then stops, not starts
+            self.restarting = False
+            self._drained.set()
         await self._cancel_restart()
         if self._ready and not self._ready.done():
             self._ready.set_exception(LoadFailed("stopped before it was ready"))
         async with self._lock:
             await self._stop()
 
-    async def restart(self) -> None:
-        """Operator restart: stop whatever runs, clear fatal, start afresh. A
-        draining replica is left alone: its jobs must finish."""
+    async def restart(self, drain_timeout_s: float | None = None) -> None:
+        """Operator restart: out of rotation, running jobs get `drain_timeout_s`
+        to finish (None: cut at once), then stop whatever runs, clear fatal,
+        start afresh. A replica draining for an unload is left alone."""
         if self.state is ReplicaState.DRAINING:
             raise LoadFailed(f"replica {self.name} is draining; not restarted")
         await self._cancel_restart()
         async with self._lock:
             if self.state is ReplicaState.DRAINING:
                 raise LoadFailed(f"replica {self.name} is draining; not restarted")
-            await self._stop()
-            self.history = CrashHistory()
-            self.restarts += 1
-            await self._start()
+            self.restarting = True  # the executor keeps its queue for this replica meanwhile
+            try:
+                if drain_timeout_s and self.state is ReplicaState.READY and self.inflight:
+                    self.drain()  # no new jobs; an exit now is final (the start below follows anyway)
+                    self._drained = asyncio.Event()
+                    try:
+                        await asyncio.wait_for(self._drained.wait(), drain_timeout_s)
+                    except TimeoutError:
+                        log.warning("replica %s: %d jobs still running after drain_timeout_s=%g; cutting them",
+                                    self.name, len(self.inflight), drain_timeout_s)
+                    finally:
+                        self._drained = None
+                    if self.inflight:
+                        self._fail_all(ErrorCode.RUNTIME_RESTARTED, f"replica {self.name} was restarted by the "
+                                       f"operator; the request did not finish within drain_timeout_s "
+                                       f"({drain_timeout_s:g}s)")
+                    if not self.restarting:  # stopped (shutdown, unload) meanwhile
+                        raise LoadFailed(f"replica {self.name} was stopped while it drained; not restarted")
+                self._cut = ErrorCode.RUNTIME_RESTARTED
+                await self._stop()
+                self.history = CrashHistory()
+                self.restarts += 1
+                await self._start()
+            finally:
+                self.restarting = False
+                self._cut = None
 
     def drain(self) -> None:
         """No new jobs (the executor stops sending them); running ones finish.
@@ -198,8 +232,9 @@ class Replica:
             self.transport.unregister(self.identity)
             self.proc = None
             self.last_error = f"cannot spawn the worker: {exc}"
-            log.error("replica %s: %s", self.name, self.last_error)
             self._set(ReplicaState.FATAL)
+            emit(EventKind.FATAL, f"replica {self.name} is fatal: {self.last_error}", model=self.cfg.name,
+                 replica=self.index, level=logging.ERROR)
             raise LoadFailed(self.last_error) from None
         self.started_at = time.time()
         self.last_heard = self.clock()
@@ -281,33 +316,48 @@ class Replica:
         stopped = not self.wanted and self.state is ReplicaState.STOPPING  # on purpose, not a crash
         lost = list(self.inflight.values())
         self.inflight.clear()
+        self._job_deltas.clear()
         for job in lost:
             if self.cfg.retry_unstarted_on_crash and job.first_token_at is None and job.attempts < 2 \
                     and not job.cancel_requested:
                 self.owner.requeue(job)  # nothing reached the client: safe to run once more
-            elif stopped:  # what a drain's grace did not let finish (unload, shutdown, restart)
+            elif stopped and self._cut is ErrorCode.RUNTIME_RESTARTED:
+                job.finish(PoolError(ErrorCode.RUNTIME_RESTARTED, f"replica {self.name} was restarted by "
+                                     "the operator before the request finished"))
+            elif stopped:  # what a drain's grace did not let finish (unload, shutdown)
                 job.finish(PoolError(ErrorCode.MODEL_UNLOADING, f"replica {self.name} was stopped "
-                                     "(unload, shutdown or restart) before the request finished"))
+                                     "(unload or shutdown) before the request finished"))
             else:
                 job.finish(PoolError(ErrorCode.RUNTIME_CRASHED, f"the runtime of replica {self.name} "
-                                     f"exited (code {code}) during the request"))
+                                     f"exited ({exit_text(code)}) during the request"))
         if not self.wanted or up_since is None:
             # stopped, drained (an unload: never restarted), or crashed while loading
             # (start() reports that; no restart loop)
             if self.wanted or self.state is not ReplicaState.STOPPING:
-                log.error("replica %s exited unexpectedly with code %s", self.name, code)
+                self._crash_event(code)
             self._set(ReplicaState.STOPPED)
+            if self._drained:
+                self._drained.set()
             return
-        log.error("replica %s exited unexpectedly with code %s", self.name, code)
+        self._crash_event(code)
         self._crashed(up_since)
+
+    def _crash_event(self, code: int) -> None:
+        why = f": {self.last_error.splitlines()[0]}" if self.last_error else ""
+        emit(EventKind.CRASHED, f"replica {self.name} exited unexpectedly with {exit_text(code)}{why}",
+             model=self.cfg.name, replica=self.index, level=logging.ERROR)
 
     def _crashed(self, up_since: float | None) -> None:
         """A crash of a wanted replica: back off and restart, or give up (fatal)."""
         delay = restart_delay(self.policy, self.history, now=self.clock(), up_since=up_since,
                               exit_code=self.last_exit_code)
         if delay is None:
-            self.last_error = self.last_error or f"too many crashes (last exit code {self.last_exit_code})"
+            exit_ = exit_text(self.last_exit_code)
+            self.last_error = (f"too many crashes (last exit {exit_}): {self.last_error}" if self.last_error
+                               else f"too many crashes (last exit {exit_})")
             self._set(ReplicaState.FATAL)
+            emit(EventKind.FATAL, f"replica {self.name} is fatal: {self.last_error}; it is not restarted "
+                 "until an operator restarts it", model=self.cfg.name, replica=self.index, level=logging.ERROR)
             return
         self._set(ReplicaState.BACKOFF)
         self._restart_task = self._task(self._restart_after(delay), f"restart-{self.name}")
@@ -387,16 +437,24 @@ class Replica:
     def _fail_all(self, code: ErrorCode, message: str) -> None:
         jobs = list(self.inflight.values())
         self.inflight.clear()
+        self._job_deltas.clear()
         for job in jobs:
             job.finish(PoolError(code, message))
+        if self._drained:
+            self._drained.set()
         self.owner.replica_changed()
 
     def _finish(self, job_id: str, outcome: p.Done | PoolError) -> None:
         job = self.inflight.pop(job_id, None)
+        deltas = self._job_deltas.pop(job_id, 0)
         if job is None:
             self.unknown_job_replies += 1  # late reply for a job already ended: dropped
             return
+        if isinstance(outcome, p.Done):
+            self.streamed_tokens += max(0, int(outcome.usage.get("output_tokens", 0) or 0) - deltas)
         job.finish(outcome)
+        if self._drained and not self.inflight:  # a restart's drain is over
+            self._drained.set()
         self.owner.job_finished(self, job)
         self.owner.replica_changed()
 
@@ -424,6 +482,8 @@ class Replica:
         match msg:
             case p.Delta(job=job_id):
                 if job := self.inflight.get(job_id):
+                    self.streamed_tokens += 1
+                    self._job_deltas[job_id] = self._job_deltas.get(job_id, 0) + 1
                     job.push(msg)
                 else:
                     self.unknown_job_replies += 1

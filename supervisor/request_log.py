@@ -125,6 +125,12 @@ class RequestLog:
                    "LIMIT 1 OFFSET ?)", (self.max_rows,))
 
     # -- reading (run in a thread) --------------------------------------------------------------
+    def counts_since(self, since: float) -> dict[int, int]:
+        """Requests per HTTP status since `since` (unix time): the error rate's figures."""
+        with self._connect() as db:
+            return dict(db.execute("SELECT status, COUNT(*) FROM requests WHERE ts >= ? GROUP BY status",
+                                   (since,)).fetchall())
+
     def query(self, *, model: str | None = None, status: str | None = None, since: float | None = None,
               after_id: int | None = None, limit: int = 100) -> list[dict]:
         """Newest first. `status`: an HTTP status, or "ok" (below 400) or "error"."""
@@ -136,6 +142,9 @@ class RequestLog:
             where.append("status < 400")
         elif status == "error":
             where.append("status >= 400")
+        elif status in ("2xx", "3xx", "4xx", "5xx"):  # a status class (operator's filter)
+            where.append("status / 100 = ?")
+            args.append(int(status[0]))
         elif status:
             where.append("status = ?")
             args.append(int(status))

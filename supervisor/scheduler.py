@@ -220,7 +220,8 @@ class Executor:
         if self._all_fatal():
             return self._no_replica_error()
         if self.replicas and not any(r.state in (ReplicaState.READY, ReplicaState.STARTING, ReplicaState.BACKOFF)
-                                     or (r.state is ReplicaState.STOPPING and r.wanted) for r in self.replicas):
+                                     or (r.state is ReplicaState.STOPPING and r.wanted) or r.restarting
+                                     for r in self.replicas):
             return PoolError(ErrorCode.NO_HEALTHY_REPLICA, f"no replica of model {self.cfg.name!r} is running; "
                              f"see /admin/workers and POST /admin/models/{self.cfg.name}/restart")
         return None

@@ -445,6 +445,7 @@ class StubReplica:
         self.capacity = capacity
         self.inflight: dict[str, Job] = {}
         self.wanted = state is not ReplicaState.STOPPED
+        self.restarting = False  # an operator restart under way (Replica.restarting)
         self.submitted: list[Job] = []
 
     @property

@@ -1,0 +1,159 @@
+"""The event timeline: what happened to the pool's models and replicas (loads,
+unloads, evictions, crashes, restarts, reloads, moves to fatal or degraded),
+and who asked for it. One call, `emit`, writes the supervisor's log line and
+the timeline's row, so the two always say the same thing.
+
+Rows go to SQLite (`events.sqlite3` beside the request log) the way the
+request log's do: the event loop appends to a deque, one writer thread
+inserts and trims to EVENTS_MAX_ROWS; reads run in a thread."""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+from collections import deque
+from enum import StrEnum
+from pathlib import Path
+
+log = logging.getLogger("llm_pool.events")
+log.setLevel(logging.INFO)  # the timeline records every event, whatever the console's level
+
+EVENTS_MAX_ROWS = 20_000
+MESSAGE_CHARS = 2000  # an event's text (a runtime's last words can be long)
+NAME_CHARS = 200
+QUEUE_MAX = 10_000  # rows waiting for the writer; past it rows are dropped (and counted)
+FLUSH_S = 0.1
+
+
+class EventKind(StrEnum):
+    LOADING = "loading"
+    LOADED = "loaded"
+    LOAD_FAILED = "load_failed"
+    UNLOADING = "unloading"
+    UNLOADED = "unloaded"
+    EVICTED = "evicted"
+    CRASHED = "crashed"
+    FATAL = "fatal"
+    RESTARTING = "restarting"
+    RESTARTED = "restarted"
+    RESTART_FAILED = "restart_failed"
+    RELOADED = "reloaded"
+    STATE = "state"  # a model's shown state changed (degraded, failed, recovered)
+
+
+def emit(kind: EventKind, message: str, *, model: str | None = None, replica: int | None = None,
+         by: str | None = None, level: int = logging.INFO) -> None:
+    """Log the event (the supervisor's log) and record it (the timeline)."""
+    who = f" (asked by {by})" if by else ""
+    log.log(level, "%s%s", message, who,
+            extra={"pool_event": {"kind": str(kind), "model": model, "replica": replica, "by": by,
+                                  "message": message}})
+
+
+def clip(text: str | None, limit: int) -> str | None:
+    if text is None or len(text) <= limit:
+        return text
+    return text[:limit] + f"... [{len(text) - limit} more characters]"
+
+
+COLUMNS = ("ts", "kind", "level", "model", "replica", "by", "message")
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    ts REAL NOT NULL,      -- unix time
+    kind TEXT NOT NULL,    -- EventKind
+    level TEXT NOT NULL,   -- info, warning, error
+    model TEXT,
+    replica INTEGER,
+    by TEXT,               -- who asked: cli, page, api, idle timer, memory budget, ...
+    message TEXT NOT NULL
+);
+"""
+
+
+class EventLog(logging.Handler):
+    """A logging handler on `llm_pool.events` that keeps the events in SQLite."""
+
+    def __init__(self, path: Path, max_rows: int = EVENTS_MAX_ROWS, flush_s: float = FLUSH_S) -> None:
+        super().__init__(level=logging.INFO)
+        self.path = Path(path)
+        self.max_rows = max_rows
+        self.flush_s = flush_s
+        self.dropped = 0
+        self._rows: deque[tuple] = deque()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self._connect() as db:
+            db.executescript(SCHEMA)
+            db.execute("PRAGMA journal_mode=WAL")
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, timeout=10, check_same_thread=False)
+        db.row_factory = sqlite3.Row
+        db.execute("PRAGMA synchronous=NORMAL")
+        return db
+
+    # -- writing ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._writer, name="event-log", daemon=True)
+        self._thread.start()
+        log.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:  # logging.Handler's hook: no I/O here
+        event = getattr(record, "pool_event", None)
+        if event is None:
+            return
+        if len(self._rows) >= QUEUE_MAX:
+            self.dropped += 1
+            return
+        self._rows.append((record.created, event["kind"], record.levelname.lower(),
+                           clip(event["model"], NAME_CHARS), event["replica"], clip(event["by"], NAME_CHARS),
+                           clip(event["message"], MESSAGE_CHARS)))
+
+    def close(self) -> None:
+        log.removeHandler(self)
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(5.0)
+            self._thread = None
+        super().close()
+
+    def _writer(self) -> None:
+        db = self._connect()
+        insert = f"INSERT INTO events ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
+        while True:
+            stopping = self._stop.wait(self.flush_s)
+            rows = []
+            while self._rows:
+                rows.append(self._rows.popleft())
+            if rows:
+                try:
+                    with db:
+                        db.executemany(insert, rows)
+                        db.execute("DELETE FROM events WHERE id <= (SELECT id FROM events ORDER BY id DESC "
+                                   "LIMIT 1 OFFSET ?)", (self.max_rows,))
+                except sqlite3.Error:
+                    logging.getLogger("llm_pool.events.store").exception(
+                        "event log: %d rows not written to %s", len(rows), self.path)
+            if stopping:
+                break
+        db.close()
+
+    # -- reading (in a thread) ------------------------------------------------------------------
+    def query(self, *, after_id: int | None = None, model: str | None = None, limit: int = 100) -> list[dict]:
+        """Oldest first: the `limit` events after `after_id`, or (without it) the newest `limit`."""
+        where, args = [], []
+        if model:
+            where.append("model = ?")
+            args.append(model)
+        if after_id is not None:
+            where.append("id > ?")
+            args.append(after_id)
+        sql = "SELECT * FROM events" + (" WHERE " + " AND ".join(where) if where else "")
+        sql += " ORDER BY id " + ("ASC" if after_id is not None else "DESC") + " LIMIT ?"
+        args.append(limit)
+        with self._connect() as db:
+            rows = [dict(r) for r in db.execute(sql, args)]
+        return rows if after_id is not None else rows[::-1]

@@ -1,0 +1,86 @@
+"""How healthy each model is, as ops sees it: the one place a model's shown
+state is derived from its lifecycle state and its replicas (loaded, degraded,
+failed), with the reason of every replica that is not ready. /admin/models,
+/health, /metrics, the page and the CLI all read it from here."""
+
+from __future__ import annotations
+
+from protocol.errors import exit_text
+from supervisor.states import ModelState, ReplicaState
+
+DEGRADED = "degraded"  # loaded, with fewer ready replicas than configured (it still serves)
+UNHEALTHY = frozenset({DEGRADED, ModelState.FAILED.value})
+
+
+def derived_state(entry) -> str:
+    """`entry.state`, except that a loaded model with no live replica shows
+    `failed`, and one with fewer ready replicas than configured `degraded`."""
+    ex = entry.executor
+    if entry.state is ModelState.LOADED and ex is not None:
+        if not any(r.live for r in ex.replicas):
+            return ModelState.FAILED.value
+        if sum(r.state is ReplicaState.READY for r in ex.replicas) < entry.cfg.replicas:
+            return DEGRADED
+    return entry.state.value
+
+
+def replica_reasons(entry) -> list[dict]:
+    """Each replica that is not ready, with its state and why (its last error or exit)."""
+    out = []
+    for r in shown_replicas(entry):
+        if r.state is ReplicaState.READY:
+            continue
+        out.append({"replica": r.index, "name": r.name, "state": r.state.value, "reason": replica_reason(r)})
+    return out
+
+
+def replica_reason(r) -> str:
+    if r.last_error:
+        return r.last_error
+    if r.state in (ReplicaState.DRAINING, ReplicaState.STOPPING) and getattr(r, "restarting", False):
+        return "restarting (asked by the operator)"
+    if r.last_exit_code is not None and r.state is not ReplicaState.STARTING:
+        return f"exited with {exit_text(r.last_exit_code)}"
+    return {ReplicaState.STARTING: "starting", ReplicaState.DRAINING: "draining",
+            ReplicaState.STOPPING: "stopping", ReplicaState.BACKOFF: "waiting to restart after a crash",
+            ReplicaState.STOPPED: "stopped", ReplicaState.FATAL: "gave up restarting"}.get(r.state, r.state.value)
+
+
+def shown_replicas(entry) -> list:
+    """The replicas ops should see: the running ones, or those of the last load that failed."""
+    if entry.executor is not None:
+        return list(entry.executor.replicas)
+    return list(getattr(entry, "failed_replicas", None) or [])
+
+
+def model_health(entry) -> dict:
+    """The health part of a model's view."""
+    state = derived_state(entry)
+    ex = entry.executor
+    ready = sum(r.state is ReplicaState.READY for r in ex.replicas) if ex else 0
+    reasons = replica_reasons(entry) if state in UNHEALTHY or entry.state is ModelState.LOADING else []
+    return {"state": state, "ready": ready, "configured": entry.cfg.replicas, "replica_errors": reasons}
+
+
+def reason_text(view: dict) -> str | None:
+    """One line: why a model is degraded or failed."""
+    parts = [f"{e['name']} {e['state']}: {e['reason']}" for e in view.get("replica_errors") or []]
+    if view.get("error"):
+        parts.insert(0, view["error"])
+    return "; ".join(dict.fromkeys(parts)) or None
+
+
+def pool_health(engine) -> dict:
+    """GET /health: the whole picture in one JSON object (200 while the process lives)."""
+    models = {}
+    for name, entry in engine.models.items():
+        if entry.removed:
+            continue
+        h = model_health(entry)
+        h["error"] = entry.error
+        models[name] = {"state": h["state"], "ready": h["ready"], "configured": h["configured"],
+                        "reason": reason_text(h)}
+    bad = sorted(n for n, m in models.items() if m["state"] in UNHEALTHY)
+    status = ("shutting_down" if engine.shutting_down else "failed" if any(
+        models[n]["state"] == ModelState.FAILED.value for n in bad) else DEGRADED if bad else "ok")
+    return {"status": status, "ready": engine.ready(), "unhealthy": bad, "models": models}

@@ -1,0 +1,250 @@
+"""The operator at 3 a.m.: a degraded model is visible everywhere (admin, /health,
+/metrics, the CLI), every failure says why, an operator restart drains, and the
+event timeline (GET /admin/events, `llm-pool events`) tells what happened and
+who asked. Real pools, real workers, the real CLI as a subprocess."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+
+from tests.conftest import synthetic
+from tests.pool import ROOT, wait_for
+from tests.test_cli import cli, table_rows, with_options
+from tests.test_ops import scrape, value
+
+
+def break_spawns(pool) -> tuple:
+    """Make every new worker spawn fail (its log directory is a file now): a crash
+    restart then goes fatal at once, with a reason."""
+    logs = pool.config_path.parent / "state" / "logs"
+    saved = logs.with_name("logs.saved")
+    shutil.move(logs, saved)
+    logs.write_text("not a directory")
+    return logs, saved
+
+
+def mend_spawns(logs, saved) -> None:
+    logs.unlink()
+    shutil.move(saved, logs)
+
+
+def events(pool, **params) -> list[dict]:
+    return pool.http.get("/admin/events", params=params).json()["events"]
+
+
+def test_a_degraded_model_is_visible_everywhere_and_check_fails(make_pool):
+    pool = make_pool([synthetic("syn", replicas=2), synthetic("ok")])
+    broken = break_spawns(pool)
+    victim = pool.workers("syn")[1]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: pool.workers("syn")[1]["state"] == "fatal", 20, what="syn/1 fatal")
+
+    view = pool.model("syn")
+    assert (view["state"], view["ready"], view["configured"]) == ("degraded", 1, 2)
+    [bad] = view["replica_errors"]
+    assert bad["replica"] == 1 and bad["state"] == "fatal" and "cannot spawn the worker" in bad["reason"]
+    assert "syn/1 fatal" in view["error"] and "cannot spawn" in view["error"]
+    assert pool.model("ok")["state"] == "loaded" and pool.model("ok")["error"] is None
+    worker = pool.workers("syn")[1]
+    assert worker["last_exit"] == "SIGKILL" and worker["last_exit_code"] == -signal.SIGKILL
+
+    # it still serves: /ready stays 200; /health and /metrics tell the truth
+    assert pool.http.get("/ready").status_code == 200
+    health = pool.http.get("/health").json()
+    assert health["status"] == "degraded" and health["unhealthy"] == ["syn"] and health["ready"] is True
+    assert health["models"]["syn"]["state"] == "degraded" and "cannot spawn" in health["models"]["syn"]["reason"]
+    samples = scrape(pool)
+    assert value(samples, "llm_pool_model_state", model="syn", state="degraded") == 1
+    assert value(samples, "llm_pool_model_state", model="syn", state="loaded") == 0
+    assert value(samples, "llm_pool_model_state", model="ok", state="loaded") == 1
+    assert value(samples, "llm_pool_model_replicas_ready", model="syn") == 1
+
+    # the CLI: check exits 2 and says why; models and ps show the state and the reason
+    done = cli("check", url=pool.url)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stdout.startswith("syn degraded (1/2 ready): ") and "cannot spawn" in done.stdout
+    assert "degraded or failed" in done.stderr
+    models = {r["NAME"]: r for r in table_rows(cli("models", url=pool.url).stdout)}
+    assert models["syn"]["STATE"] == "degraded" and "cannot spawn" in models["syn"]["ERROR"]
+    ps = {(r["MODEL"], r["REPLICA"]): r for r in table_rows(cli("ps", url=pool.url).stdout)}
+    assert ps[("syn", "1")]["STATE"] == "fatal" and ps[("syn", "1")]["LAST EXIT"] == "SIGKILL"
+    assert "cannot spawn" in ps[("syn", "1")]["ERROR"]
+
+    # the timeline: crash, fatal, degraded; the supervisor log says the same
+    wait_for(lambda: any(e["kind"] == "state" for e in events(pool)), 5, what="the degraded event")
+    kinds = [(e["kind"], e["model"], e["replica"]) for e in events(pool, model="syn")]
+    assert ("crashed", "syn", 1) in kinds and ("fatal", "syn", 1) in kinds and ("state", "syn", None) in kinds
+    assert kinds.index(("crashed", "syn", 1)) < kinds.index(("fatal", "syn", 1))
+    crash = next(e for e in events(pool) if e["kind"] == "crashed")
+    assert "SIGKILL" in crash["message"]
+    assert "replica syn/1 is fatal" in pool.log() and "model syn is degraded" in pool.log()
+
+    # an operator restart (by the CLI) brings it back; check is happy again
+    mend_spawns(*broken)
+    done = cli("restart", "syn/1", url=pool.url)
+    assert done.returncode == 0, done.stderr
+    assert pool.model("syn")["state"] == "loaded"
+    assert cli("check", url=pool.url).returncode == 0
+    restart = [e for e in events(pool) if e["kind"] == "restarting"]
+    assert restart and restart[-1]["by"] == "cli" and restart[-1]["replica"] == 1
+    assert "asked by cli" in pool.log()
+
+    # paging: after_id gives what came after, oldest first
+    first = events(pool, limit=2)
+    later = events(pool, after_id=first[0]["id"], limit=1)
+    assert [e["id"] for e in later] == [first[1]["id"]]
+    out = cli("events", "--model", "syn", url=pool.url)
+    assert out.returncode == 0 and "fatal" in out.stdout and "asked by cli" in out.stdout
+
+
+def test_check_exit_codes(make_pool):
+    pool = make_pool([synthetic("a")])
+    assert cli("check", url=pool.url).returncode == 0
+    # a model whose load failed: not ready (exit 1), the reason on the one line
+    pool2 = make_pool([synthetic("quick"), with_options(synthetic("stuck", load_timeout_s=1), load_ms=60_000)],
+                      wait_ready=False)
+    wait_for(lambda: pool2.model("stuck")["state"] == "failed", 30, what="stuck failed")
+    done = cli("check", url=pool2.url)
+    assert done.returncode == 1 and "waiting for stuck" in done.stderr and "load_timeout_s" in done.stderr
+
+
+def test_a_failed_loads_replicas_stay_listed_with_their_reason_and_log(make_pool):
+    pool = make_pool([synthetic("quick"), with_options(synthetic("stuck", load_timeout_s=1), load_ms=60_000)],
+                     wait_ready=False)
+    wait_for(lambda: pool.model("stuck")["state"] == "failed", 30, what="stuck failed")
+    [worker] = pool.workers("stuck")
+    assert worker["state"] == "stopped" and "load_timeout_s" in worker["last_error"] and worker["pid"] is None
+    assert "load_timeout_s" in pool.model("stuck")["error"]
+    r = pool.http.get("/admin/models/stuck/logs", params={"replica": 0})
+    assert r.status_code == 200 and r.json()["path"].endswith("stuck-0.log")  # selectable (empty: it never loaded)
+    rows = {(r["MODEL"], r["REPLICA"]): r for r in table_rows(cli("ps", url=pool.url).stdout)}
+    assert "load_timeout_s" in rows[("stuck", "0")]["ERROR"]
+    failed = [e for e in events(pool) if e["kind"] == "load_failed"]
+    assert failed and failed[0]["model"] == "stuck" and failed[0]["level"] == "error"
+
+
+def chat(pool, model: str, **extra) -> httpx.Response:
+    return httpx.post(pool.url + "/v1/chat/completions", timeout=60,
+                      json={"model": model, "messages": [{"role": "user", "content": "hi"}], **extra})
+
+
+def test_restart_drains_then_now_cuts_with_runtime_restarted(make_pool):
+    pool = make_pool([synthetic("syn", tps=20, tokens=40)])  # 2 s a request
+    before = pool.workers("syn")[0]
+    result = {}
+    runner = threading.Thread(target=lambda: result.setdefault("r", chat(pool, "syn")))
+    runner.start()
+    wait_for(lambda: pool.model("syn")["runtime_inflight"] == 1, 5, what="the request in flight")
+    done = cli("restart", "syn", url=pool.url)
+    runner.join(30)
+    assert done.returncode == 0, done.stderr
+    r = result["r"]
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40  # it finished whole
+    after = pool.workers("syn")[0]
+    assert after["pid"] != before["pid"] and after["restarts"] == before["restarts"] + 1
+
+    # --now (the API's now=true): the running request is cut, with a plain code and message
+    result.clear()
+    runner = threading.Thread(target=lambda: result.setdefault("r", chat(pool, "syn")))
+    runner.start()
+    wait_for(lambda: pool.model("syn")["runtime_inflight"] == 1, 5, what="the request in flight")
+    assert cli("restart", "syn", "--now", url=pool.url).returncode == 0
+    runner.join(30)
+    error = result["r"].json()["error"]
+    assert result["r"].status_code == 503 and error["code"] == "runtime_restarted"
+    assert "restarted by the operator" in error["message"]
+
+
+def test_a_drain_that_runs_out_cuts_with_runtime_restarted(make_pool):
+    pool = make_pool([synthetic("syn", tps=10, tokens=100, drain_timeout_s=0.5)])  # 10 s a request
+    result = {}
+    runner = threading.Thread(target=lambda: result.setdefault("r", chat(pool, "syn")))
+    runner.start()
+    wait_for(lambda: pool.model("syn")["runtime_inflight"] == 1, 5, what="the request in flight")
+    r = pool.http.post("/admin/models/syn/restart", headers={"X-LLM-Pool-Client": "page"})
+    runner.join(30)
+    assert r.status_code == 200
+    error = result["r"].json()["error"]
+    assert result["r"].status_code == 503 and error["code"] == "runtime_restarted"
+    assert "drain_timeout_s (0.5s)" in error["message"]
+    assert [e["by"] for e in events(pool) if e["kind"] == "restarting"] == ["page"]
+
+
+def test_validation_errors_are_logged_with_model_code_and_message(make_pool):
+    pool = make_pool([synthetic("syn")])
+    r = httpx.post(pool.url + "/v1/chat/completions", json={"model": "syn", "messages": "not a list"})
+    assert r.status_code == 400
+    row = wait_for(lambda: (rows := pool.http.get("/admin/requests", params={"limit": 1}).json()["requests"])
+                   and rows[0], 5, what="the row")
+    assert row["model"] == "syn" and row["status"] == 400 and row["error_code"] == "invalid_request"
+    assert row["error_message"] == r.json()["error"]["message"]
+    classes = pool.http.get("/admin/requests", params={"status": "4xx"}).json()["requests"]
+    assert [c["id"] for c in classes] == [row["id"]]
+    assert pool.http.get("/admin/requests", params={"status": "5xx"}).json()["requests"] == []
+    summary = pool.http.get("/admin/requests/summary").json()
+    assert summary["errors"] == 1 and summary["error_rate"] == 1.0 and summary["in_flight"] == []
+
+
+def follow(*args: str, url: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("LLM_POOL_URL", "LLM_POOL_ADMIN_KEY")}
+    return subprocess.Popen([sys.executable, "-m", "supervisor.cli", *args, "--url", url], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def read_until(proc: subprocess.Popen, text: str, timeout: float = 15) -> list[str]:
+    """Lines of a following CLI until one holds `text` (a reader thread: never blocks past the deadline)."""
+    seen: list[str] = []
+    found = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            seen.append(line)
+            if text in line:
+                found.set()
+                return
+
+    threading.Thread(target=read, daemon=True).start()
+    assert found.wait(timeout), f"{text!r} not printed: {seen}"
+    return seen
+
+
+def stop(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_logs_follow_and_events_follow(make_pool):
+    pool = make_pool([synthetic("syn")])
+    log_path = pool.config_path.parent / "state" / "logs" / "syn-0.log"
+    tail = follow("logs", "syn", "-f", "-n", "5", url=pool.url)
+    try:
+        read_until(tail, "runtime ready")  # the last lines first
+        with open(log_path, "a") as f:
+            f.write("written by the test after the follow began\n")
+        read_until(tail, "written by the test after the follow began")
+    finally:
+        assert stop(tail) == 0
+
+    sup = follow("logs", "supervisor", "-f", url=pool.url)
+    watch = follow("events", "-f", url=pool.url)
+    try:
+        read_until(sup, "loaded in")
+        read_until(watch, "syn loaded in")
+        assert pool.http.post("/admin/models/syn/unload").status_code == 200
+        read_until(watch, "model syn unloaded")
+        read_until(sup, "model syn unloaded")
+    finally:
+        assert stop(sup) == 0 and stop(watch) == 0
+    done = cli("logs", "supervisor", "-n", "3", url=pool.url)
+    assert done.returncode == 0 and len(done.stdout.splitlines()) == 3
