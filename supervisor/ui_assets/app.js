@@ -12,12 +12,14 @@ const $ = (sel) => document.querySelector(sel);
 class Unauthorized extends Error {}
 
 const state = {running: false, samples: [], logTarget: null, logAbort: null, liveAbort: null,
-               selected: null, timers: []};
+               selected: null, timers: [], offlineSince: null, lastEvent: 0, models: [], logPaused: [],
+               hover: null};
+const CLIENT = {"X-LLM-Pool-Client": "page"}; // who asks, for the pool's event timeline
 
 // -- talking to the pool ------------------------------------------------------------------
 function authHeaders() {
   const key = sessionStorage.getItem(KEY);
-  return key ? {"Authorization": "Bearer " + key} : {};
+  return key ? {...CLIENT, "Authorization": "Bearer " + key} : {...CLIENT};
 }
 
 async function api(path, options = {}) {
@@ -113,9 +115,12 @@ function begin() {
   state.running = true;
   $("#main").hidden = false;
   $("#forget-key").hidden = sessionStorage.getItem(KEY) === null;
+  state.lastEvent = 0;
+  $("#events tbody").replaceChildren();
   every(1000, refreshModels);
   every(2000, refreshWorkers);
   every(1000, refreshActivity);
+  every(2000, refreshEvents);
   state.liveAbort = new AbortController();
   follow("/admin/live", onSample, state.liveAbort);
 }
@@ -134,15 +139,43 @@ function every(ms, work) {
     if (!state.running) return;
     try {
       await work();
-      setConn("live", true);
+      online();
     } catch (err) {
       if (err instanceof Unauthorized) return lockOut();
-      setConn("offline: " + err.message, false);
+      offline(err);
     }
     if (state.running) state.timers.push(setTimeout(run, ms));
   };
   run();
 }
+
+// The API stopped answering: every table greys out (their rows are old), and the page says since
+// when; the next answer that comes brings it back.
+function offline(err) {
+  if (state.offlineSince === null) state.offlineSince = new Date();
+  const since = state.offlineSince.toLocaleTimeString();
+  $("#main").classList.add("is-offline");
+  const banner = $("#offline");
+  banner.textContent = `The pool is not answering since ${since} (${err.message}); what is shown below is from before. ` +
+    "Retrying…";
+  banner.hidden = false;
+  setConn(`offline since ${since}`, false);
+}
+
+function online() {
+  if (state.offlineSince !== null) {
+    state.offlineSince = null;
+    $("#main").classList.remove("is-offline");
+    $("#offline").hidden = true;
+  }
+  setConn("live", true);
+}
+
+function notice(text) { // an action that failed: said on the page, not in an alert()
+  $("#notice-text").textContent = text;
+  $("#notice").hidden = false;
+}
+$("#notice-close").addEventListener("click", () => { $("#notice").hidden = true; });
 
 function setConn(text, ok) {
   const conn = $("#conn");
@@ -197,13 +230,19 @@ function fill(table, rows) {
 // -- models ------------------------------------------------------------------------------------
 async function refreshModels() {
   const {models} = await api("/admin/models");
-  fill("#models", models.map((m) => el("tr", {"data-model": m.name},
-    el("td", {class: "name"}, m.name), el("td", {}, m.backend), stateCell(m.state),
-    num(`${m.replicas_ready}/${m.replicas}`), num(m.queue_depth),
+  state.models = models.map((m) => m.name);
+  const health = models.filter((m) => m.state === "degraded" || m.state === "failed");
+  $("#health").textContent = health.length ? health.map((m) => `${m.name} ${m.state}`).join(", ") : "";
+  $("#health").className = health.some((m) => m.state === "failed") ? "health bad" : "health warn";
+  fillFilter(models.map((m) => m.name));
+  fill("#models", models.map((m) => el("tr", {"data-model": m.name, class: `model-${m.state}`},
+    el("td", {class: "name clip", title: m.name}, m.name), el("td", {}, m.backend), stateCell(m.state),
+    num(`${m.ready ?? m.replicas_ready}/${m.configured ?? m.replicas}`), num(m.queue_depth),
     num(`${m.runtime_inflight} / ${m.configured_target_inflight}/${m.effective_target_inflight}`),
     el("td", {}, ago(m.last_used_at)),
     el("td", {}, m.idle_unload_in_s == null ? "-" : duration(m.idle_unload_in_s)),
     el("td", {}, m.memory_mb == null ? "-" : `${m.memory_mb} MB${m.memory_source ? " (" + m.memory_source + ")" : ""}`),
+    el("td", {class: "reason clip", title: m.error || ""}, m.error || ""),
     el("td", {}, ...["load", "unload", "restart"].map((action) =>
       el("button", {class: action, "data-action": action, onclick: () => act(m.name, action)}, action))))));
 }
@@ -214,7 +253,7 @@ async function act(name, action) {
     await api(`/admin/models/${encodeURIComponent(name)}/${action}`, {method: "POST"});
   } catch (err) {
     if (err instanceof Unauthorized) return lockOut();
-    alert(`${action} ${name}: ${err.message}`);
+    notice(`${action} ${name}: ${err.message}`);
   }
   refreshModels().catch(() => {});
 }
@@ -223,30 +262,58 @@ async function act(name, action) {
 async function refreshWorkers() {
   const {workers} = await api("/admin/workers");
   fill("#workers", workers.map((w) => el("tr", {"data-worker": `${w.model}/${w.replica}`},
-    el("td", {}, `${w.model}/${w.replica}`),
-    el("td", {class: "node", title: w.node_id ? `Ray node ${w.node_id}` : "this host"}, w.node ?? "-"),
+    el("td", {class: "clip", title: `${w.model}/${w.replica}`}, `${w.model}/${w.replica}`),
+    // a Ray node by its address (hosts may share a name), its id on hover
+    el("td", {class: "node", title: w.node_id ? `Ray node ${w.node_id} (${w.node})` : "this host"},
+       (w.node_id ? w.node_address : w.node) ?? w.node ?? "-"),
     el("td", {class: "pid num"}, w.pid ?? "-"), stateCell(w.state),
-    num(duration(w.uptime_s)), num(w.restarts), num(w.last_exit_code), num(`${w.inflight}/${w.capacity}`),
+    num(duration(w.uptime_s)), num(w.restarts), el("td", {class: "last-exit num"}, w.last_exit ?? "-"),
+    num(`${w.inflight}/${w.capacity}`),
     num(bytes(w.rss_bytes)), num(w.cpu_percent == null ? "-" : w.cpu_percent.toFixed(1) + "%"),
     num(w.gpu_memory_bytes == null ? "-" : bytes(w.gpu_memory_bytes)),
-    el("td", {}, w.children.map((c) => `${c.name}:${c.pid} (${bytes(c.rss_bytes)})`).join(", ") || "-"))));
-  const targets = workers.map((w) => `${w.model}/${w.replica}`);
+    el("td", {class: "clip"}, w.children.map((c) => `${c.name}:${c.pid} (${bytes(c.rss_bytes)})`).join(", ") || "-"),
+    el("td", {class: "reason clip", title: w.last_error || ""}, w.last_error || ""))));
+  const targets = ["supervisor", ...workers.map((w) => `${w.model}/${w.replica}`)];
   if (state.logTarget && !targets.includes(state.logTarget)) targets.push(state.logTarget); // stopped: still readable
   const select = $("#log-target");
   if (targets.join() !== [...select.options].map((o) => o.value).join()) {
     select.replaceChildren(...targets.map((t) => el("option", {value: t}, t)));
     if (state.logTarget) select.value = state.logTarget;
   }
-  if (!state.logTarget && targets.length) tailLog(select.value);
+  if (!state.logTarget && targets.length > 1) tailLog(targets[1]);
 }
 
 // -- activity -----------------------------------------------------------------------------------
+function fillFilter(names) {
+  const select = $("#filter-model");
+  const want = ["", ...names];
+  if (want.join("\n") === [...select.options].map((o) => o.value).join("\n")) return;
+  const chosen = select.value;
+  select.replaceChildren(...want.map((n) => el("option", {value: n}, n || "all")));
+  select.value = want.includes(chosen) ? chosen : "";
+}
+for (const id of ["#filter-model", "#filter-status"]) $(id).addEventListener("change", () => refreshActivity().catch(() => {}));
+
 async function refreshActivity() {
-  const {requests} = await api("/admin/requests?limit=50");
+  const params = new URLSearchParams({limit: "200"});
+  if ($("#filter-model").value) params.set("model", $("#filter-model").value);
+  if ($("#filter-status").value) params.set("status", $("#filter-status").value);
+  const [{requests}, summary] = await Promise.all([api("/admin/requests?" + params), api("/admin/requests/summary")]);
+  $("#error-rate").textContent = summary.requests
+    ? `last ${duration(summary.window_s)}: ${summary.requests} requests, ${summary.errors} errors ` +
+      `(${(summary.error_rate * 100).toFixed(1)}%)`
+    : `no requests in the last ${duration(summary.window_s)}`;
+  $("#error-rate").className = summary.errors ? "figure bad" : "figure";
+  fill("#inflight", summary.in_flight.map((j) => el("tr", {"data-job": j.id},
+    el("td", {}, j.id.slice(0, 8)), el("td", {class: "clip", title: j.model}, j.model), el("td", {}, j.endpoint),
+    el("td", {}, j.replica ?? "-"), el("td", {}, j.state + (j.streaming ? " (streaming)" : "")),
+    el("td", {class: "age num"}, duration(j.age_s)))));
+  $("#inflight").hidden = summary.in_flight.length === 0;
   fill("#activity", requests.map((r) => el("tr", {"data-id": r.id, class: r.status >= 400 ? "err" : "",
                                                 onclick: () => showRequest(r)},
-    el("td", {}, new Date(r.ts * 1000).toLocaleTimeString()), el("td", {class: "model"}, r.model || "-"),
-    el("td", {}, r.endpoint), el("td", {class: "status num"}, r.status), el("td", {class: "code"}, r.error_code || ""),
+    el("td", {}, new Date(r.ts * 1000).toLocaleTimeString()),
+    el("td", {class: "model clip", title: r.model || ""}, r.model || "-"),
+    el("td", {}, r.endpoint), el("td", {class: "status num"}, r.status), el("td", {class: "code clip", title: r.error_message || ""}, r.error_code || ""),
     num(ms(r.queued_ms)), num(ms(r.ttft_ms)), num(ms(r.duration_ms)),
     el("td", {class: "tokens-in num"}, r.tokens_in ?? "-"), el("td", {class: "tokens-out num"}, r.tokens_out ?? "-"),
     num(r.tokens_per_s ?? "-"))));
@@ -256,7 +323,7 @@ async function refreshActivity() {
 function showRequest(r) {
   const detail = $("#request-detail");
   state.selected = r.id;
-  const parts = [`#${r.id} ${r.model} ${r.endpoint}: HTTP ${r.status}` + (r.error_code ? ` ${r.error_code}` : "")];
+  const parts = [`#${r.id} ${r.model || "-"} ${r.endpoint}: HTTP ${r.status}` + (r.error_code ? ` ${r.error_code}` : "")];
   if (r.error_message) parts.push(r.error_message);
   if (r.prompt) parts.push("prompt: " + r.prompt);
   if (r.output) parts.push("output: " + r.output);
@@ -264,24 +331,62 @@ function showRequest(r) {
   detail.hidden = false;
 }
 
+// -- events -------------------------------------------------------------------------------------
+async function refreshEvents() {
+  const path = state.lastEvent ? `/admin/events?after_id=${state.lastEvent}&limit=500` : "/admin/events?limit=200";
+  const {events} = await api(path);
+  if (!events.length) return;
+  state.lastEvent = events[events.length - 1].id;
+  const body = $("#events tbody");
+  for (const e of events) {
+    const where = (e.model ?? "pool") + (e.replica == null ? "" : `/${e.replica}`);
+    body.prepend(el("tr", {"data-event": e.id, "data-kind": e.kind, class: `level-${e.level}`},
+      el("td", {}, new Date(e.ts * 1000).toLocaleTimeString()), el("td", {class: "kind"}, e.kind),
+      el("td", {class: "clip", title: where}, where),
+      el("td", {class: "what clip", title: e.message}, e.message), el("td", {}, e.by ?? "")));
+  }
+  while (body.childNodes.length > 500) body.lastChild.remove();
+}
+
 // -- the log tail --------------------------------------------------------------------------------
 $("#log-target").addEventListener("change", (e) => tailLog(e.target.value));
+
+$("#log-pause").addEventListener("change", (e) => {
+  if (!e.target.checked) { const held = state.logPaused; state.logPaused = []; showLines(held); }
+});
+$("#log-filter").addEventListener("input", () => {
+  const text = $("#log-filter").value;
+  for (const line of $("#log-lines").children) line.hidden = text !== "" && !line.textContent.includes(text);
+});
+
+function showLines(lines) {
+  if ($("#log-pause").checked) { state.logPaused.push(...lines); state.logPaused.splice(0, state.logPaused.length - 5000); return; }
+  const out = $("#log-lines");
+  const atBottom = out.scrollTop + out.clientHeight >= out.scrollHeight - 4;
+  const text = $("#log-filter").value;
+  for (const line of lines) {
+    const div = el("div", {}, line);
+    div.hidden = text !== "" && !line.includes(text);
+    out.append(div);
+  }
+  while (out.childNodes.length > 2000) out.firstChild.remove();
+  if (atBottom) out.scrollTop = out.scrollHeight;
+}
 
 function tailLog(target) {
   if (state.logAbort) state.logAbort.abort();
   state.logTarget = target;
+  state.logPaused = [];
   const out = $("#log-lines");
   out.textContent = "";
   const slash = target.lastIndexOf("/");
-  const path = `/admin/models/${encodeURIComponent(target.slice(0, slash))}/logs/live?replica=${target.slice(slash + 1)}`;
+  const path = target === "supervisor" ? "/admin/logs/supervisor/live"
+    : `/admin/models/${encodeURIComponent(target.slice(0, slash))}/logs/live?replica=${target.slice(slash + 1)}`;
   state.logAbort = new AbortController();
   let first = true;
   follow(path, (name, lines) => {
     if (first) { out.textContent = ""; first = false; } // a reconnect sends the tail again
-    const atBottom = out.scrollTop + out.clientHeight >= out.scrollHeight - 4;
-    out.append(lines.join("\n") + "\n");
-    while (out.childNodes.length > 2000) out.firstChild.remove();
-    if (atBottom) out.scrollTop = out.scrollHeight;
+    showLines(lines);
   }, state.logAbort);
 }
 
@@ -294,17 +399,48 @@ function onSample(name, data) {
   draw();
 }
 
+// A model keeps its colour whatever other models come and go: picked by its name.
+function color(name) {
+  let h = 0;
+  for (const c of name) h = (h * 31 + c.codePointAt(0)) >>> 0;
+  return COLORS[h % COLORS.length];
+}
+
+const CHARTS = [["queue", (m) => m.queue], ["inflight", (m) => m.inflight], ["tps", (m) => m.tps || 0]];
+
 function draw() {
   const names = [...new Set(state.samples.flatMap((s) => Object.keys(s.models)))].sort();
-  const color = (n) => COLORS[names.indexOf(n) % COLORS.length];
-  chart("#chart-queue", names, color, (m) => m.queue);
-  chart("#chart-inflight", names, color, (m) => m.inflight);
-  chart("#chart-tps", names, color, (m) => m.tps || 0);
+  const last = state.samples[state.samples.length - 1];
+  for (const [id, value] of CHARTS) {
+    chart(`#chart-${id}`, names, color, value);
+    const now = last ? names.filter((n) => last.models[n]).map((n) => `${n} ${value(last.models[n])}`) : [];
+    $(`#now-${id}`).textContent = now.length ? "now: " + now.join(", ") : "";
+  }
   $("#legend").replaceChildren(...names.map((n) => {
     const swatch = el("i");
     swatch.style.background = color(n); // CSSOM, not a style attribute: the page's CSP allows no inline style
     return el("span", {}, swatch, n);
   }));
+}
+
+// Hover on a chart: the sample nearest the pointer, each model's value at that time.
+for (const [id, value] of CHARTS) {
+  const canvas = $(`#chart-${id}`);
+  canvas.addEventListener("mousemove", (e) => {
+    const rect = canvas.getBoundingClientRect();
+    const pad = 18, w = canvas.width;
+    const t = Date.now() / 1000 - WINDOW_S * (1 - ((e.clientX - rect.left) * (w / rect.width) - pad) / (w - 2 * pad));
+    let best = null;
+    for (const s of state.samples) if (!best || Math.abs(s.t - t) < Math.abs(best.t - t)) best = s;
+    const tip = $("#chart-tip");
+    if (!best) { tip.hidden = true; return; }
+    tip.textContent = `${new Date(best.t * 1000).toLocaleTimeString()}: ` +
+      Object.keys(best.models).sort().map((n) => `${n} ${value(best.models[n])}`).join(", ");
+    tip.style.left = `${e.pageX + 12}px`; // CSSOM: the CSP allows no inline style attribute
+    tip.style.top = `${e.pageY + 12}px`;
+    tip.hidden = false;
+  });
+  canvas.addEventListener("mouseleave", () => { $("#chart-tip").hidden = true; });
 }
 
 function chart(sel, names, color, value) {
