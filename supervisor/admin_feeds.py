@@ -205,5 +205,5 @@ def _read_new(path, position: int | None, first_lines: int) -> tuple[bytes, int 
             f.seek(start)
             data = f.read(size - start)
             return data, start + len(data), restarted
-    except FileNotFoundError:
+    except OSError:  # not there (yet, or any more), or its directory is gone: nothing new to show
         return b"", position, False

@@ -215,3 +215,173 @@ def test_admin_key_is_asked_for_and_sent_as_a_header(make_pool, open_page):
     assert f"Bearer {key}" in sent
     # the only console errors are the refused calls (401) before the right key was typed
     assert all("401" in e for e in ui.errors), ui.errors
+
+
+# -- the operator at 3 a.m.: what the page says when things go wrong ---------------------------------
+def _kill(pool, model: str, replica: int) -> None:
+    import signal
+    os.kill(pool.workers(model)[replica]["pid"], signal.SIGKILL)
+
+
+def test_degraded_and_failed_models_say_why_and_events_tell_the_story(make_pool, open_page):
+    """A degraded model amber with its reason; a failed model's reason and its replica
+    listed, with no alert(); the events panel: kill -> restart -> fatal, in order."""
+    from playwright.sync_api import expect
+
+    from tests.test_cli import with_options
+    from tests.test_operator import break_spawns, mend_spawns
+
+    pool = make_pool([synthetic("syn", replicas=2),
+                      with_options(synthetic("stuck", load_timeout_s=1), load_ms=60_000)], wait_ready=False)
+    wait_for(lambda: pool.model("stuck")["state"] == "failed" and pool.model("syn")["state"] == "loaded", 30,
+             what="stuck failed, syn loaded")
+    ui = open_page(pool)
+    page = ui.page
+    dialogs = []
+    page.on("dialog", lambda d: (dialogs.append(d.type), d.accept()))
+
+    # the failed model: its reason in its row, its replica listed with the error, its log selectable
+    stuck = model_row(page, "stuck")
+    expect(stuck.locator(".state")).to_have_text("failed")
+    expect(stuck.locator(".reason")).to_contain_text("load_timeout_s")
+    expect(page.locator('#workers tr[data-worker="stuck/0"] .reason')).to_contain_text("load_timeout_s")
+    expect(page.locator('#log-target option[value="stuck/0"]')).to_have_count(1)
+
+    # kill -> (crash restart) -> operator restart from the page -> fatal
+    _kill(pool, "syn", 1)
+    wait_for(lambda: pool.workers("syn")[1]["state"] == "ready" and pool.workers("syn")[1]["restarts"] == 1, 20,
+             what="syn/1 restarted after the crash")
+    model_row(page, "syn").locator("button.restart").click()
+    expect(page.locator('#events tr[data-kind="restarted"]')).to_have_count(2, timeout=20000)  # syn/0 and syn/1
+    broken = break_spawns(pool)
+    _kill(pool, "syn", 1)
+    row = model_row(page, "syn")
+    expect(row.locator(".state")).to_have_text("degraded", timeout=10000)
+    expect(row.locator(".reason")).to_contain_text("syn/1 fatal")
+    expect(row.locator(".reason")).to_contain_text("cannot spawn the worker")
+    amber = page.evaluate("getComputedStyle(document.documentElement).getPropertyValue('--warn').trim()")
+    assert row.locator(".state").evaluate("e => getComputedStyle(e).color") == _rgb(amber)
+    expect(page.locator('#workers tr[data-worker="syn/1"] .last-exit')).to_have_text("SIGKILL")
+    expect(page.locator('#events tr[data-kind="fatal"]')).to_have_count(1, timeout=5000)
+    kinds = page.locator("#events tbody tr").evaluate_all(
+        "rows => rows.map(r => r.dataset.kind + ' ' + r.querySelector('td:nth-child(3)').textContent).reverse()")
+    story = [k for k in kinds if k.endswith("syn/1") and k.split()[0] in ("crashed", "restarting", "fatal")]
+    assert story == ["crashed syn/1", "restarting syn/1", "crashed syn/1", "fatal syn/1"], kinds
+    expect(page.locator('#events tr[data-kind="restarting"]').first).to_contain_text("page")
+    ui.shot("degraded")
+    if os.environ.get("LLM_POOL_UI_SCREENSHOT"):
+        shutil.copy(ui.shot("degraded"), os.environ["LLM_POOL_UI_SCREENSHOT"])
+    mend_spawns(*broken)
+    assert dialogs == ["confirm"]  # the restart's confirmation; no alert() anywhere
+    assert ui.errors == []
+
+
+def _rgb(hex_color: str) -> str:
+    h = hex_color.lstrip("#")
+    return "rgb({}, {}, {})".format(*(int(h[i:i + 2], 16) for i in (0, 2, 4)))
+
+
+def test_restart_button_lets_a_running_stream_finish(make_pool, open_page):
+    import json
+
+    from playwright.sync_api import expect
+
+    pool = make_pool([synthetic("syn", tps=20, tokens=100)])  # 5 s of tokens
+    ui = open_page(pool)
+    page = ui.page
+    page.on("dialog", lambda d: d.accept())
+    row = model_row(page, "syn")
+    expect(row.locator(".state")).to_have_text("loaded")
+    got = {"tokens": 0}
+
+    def stream() -> None:
+        with pool.http.stream("POST", "/v1/chat/completions", json={
+                "model": "syn", "stream": True, "messages": [{"role": "user", "content": "long"}]}) as r:
+            got["status"] = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if chunk.get("error"):
+                        got["error"] = chunk["error"]
+                    if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                        got["tokens"] += 1
+                elif line == "data: [DONE]":
+                    got["done"] = True
+
+    runner = threading.Thread(target=stream)
+    runner.start()
+    try:
+        wait_for(lambda: got["tokens"] >= 3, 10, what="the stream under way")
+        pid = pool.workers("syn")[0]["pid"]
+        row.locator("button.restart").click()
+        expect(page.locator('#workers tr[data-worker="syn/0"] td:nth-child(4)')).to_have_text("draining",
+                                                                                           timeout=3000)
+        ui.shot("draining")
+        wait_for(lambda: pool.workers("syn")[0]["pid"] not in (None, pid), 30, what="a new worker")
+    finally:
+        runner.join(30)
+    assert got == {"status": 200, "tokens": 100, "done": True}, got  # the whole answer, no error
+    expect(row.locator(".state")).to_have_text("loaded")
+    assert ui.errors == []
+
+
+def test_a_1000_character_model_name_leaves_the_layout_intact(make_pool, open_page):
+    from playwright.sync_api import expect
+
+    pool = make_pool([synthetic("syn")])
+    ui = open_page(pool)
+    page = ui.page
+    expect(model_row(page, "syn").locator(".state")).to_have_text("loaded")
+    name = "m" * 990 + "-the-end"
+    r = pool.http.post("/v1/chat/completions", json={"model": name, "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404
+    row = page.locator("#activity tbody tr").first
+    expect(row.locator(".code")).to_have_text("model_not_found", timeout=3000)
+    width = page.evaluate("document.documentElement.clientWidth")
+    assert page.evaluate("document.documentElement.scrollWidth") <= width
+    for table in ("#activity", "#models", "#workers", "#events"):
+        box = page.locator(table).bounding_box()
+        assert box["x"] + box["width"] <= width, table
+    cell = row.locator(".model").bounding_box()
+    assert cell["width"] < 400  # clipped
+    row.click()
+    expect(page.locator("#request-detail")).to_contain_text(name)  # the whole name in the detail
+    detail = page.locator("#request-detail").bounding_box()
+    assert detail["x"] + detail["width"] <= width
+    ui.shot("long-name")
+    assert ui.errors == []
+
+
+def test_offline_greys_every_table_and_comes_back(make_pool, open_page, tmp_path):
+    import httpx
+    from playwright.sync_api import expect
+
+    pool = make_pool([synthetic("syn")])
+    ui = open_page(pool)
+    page = ui.page
+    expect(model_row(page, "syn").locator(".state")).to_have_text("loaded")
+    expect(page.locator("#offline")).to_be_hidden()
+    pool.stop()
+    pool.proc = None  # stopped here: the fixture has nothing left to stop
+    expect(page.locator("#offline")).to_be_visible(timeout=5000)
+    expect(page.locator("#offline")).to_contain_text("not answering since")
+    expect(page.locator("#main")).to_have_class("is-offline")
+    assert page.locator("section").first.evaluate("e => getComputedStyle(e).opacity") == "0.45"
+    expect(page.locator("#conn")).to_contain_text("offline since")
+    ui.shot("offline")
+
+    # the same pool, started again on the same port: the page comes back by itself
+    again = Pool(tmp_path, [synthetic("syn")], server={"port": pool.port})
+    again.port, again.url = pool.port, pool.url
+    again.http = httpx.Client(base_url=pool.url, timeout=60)
+    again.start()
+    try:
+        expect(page.locator("#offline")).to_be_hidden(timeout=10000)
+        expect(page.locator("#main")).not_to_have_class("is-offline")
+        expect(page.locator("#conn")).to_have_text("live")
+        pid = again.workers("syn")[0]["pid"]
+        expect(page.locator('#workers tr[data-worker="syn/0"] .pid')).to_have_text(str(pid), timeout=5000)
+    finally:
+        again.stop()
+    # the only console errors are the failed fetches while it was down
+    assert all("Failed to load resource" in e or "fetch" in e.lower() for e in ui.errors), ui.errors
