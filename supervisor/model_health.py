@@ -64,9 +64,11 @@ def model_health(entry) -> dict:
 
 def reason_text(view: dict) -> str | None:
     """One line: why a model is degraded or failed."""
-    parts = [f"{e['name']} {e['state']}: {e['reason']}" for e in view.get("replica_errors") or []]
-    if view.get("error"):
-        parts.insert(0, view["error"])
+    error = view.get("error")
+    parts = [f"{e['name']} {e['state']}: {e['reason']}" for e in view.get("replica_errors") or []
+             if not (error and e["reason"] in error)]  # a failed load's error names them already
+    if error:
+        parts.insert(0, error)
     return "; ".join(dict.fromkeys(parts)) or None
 
 

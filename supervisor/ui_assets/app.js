@@ -280,7 +280,10 @@ async function refreshWorkers() {
     select.replaceChildren(...targets.map((t) => el("option", {value: t}, t)));
     if (state.logTarget) select.value = state.logTarget;
   }
-  if (!state.logTarget && targets.length > 1) tailLog(targets[1]);
+  if (!state.logTarget && targets.length > 1) {
+    tailLog(targets[1]); // the first replica's log; the supervisor's is one choice away
+    select.value = state.logTarget;
+  }
 }
 
 // -- activity -----------------------------------------------------------------------------------
@@ -399,11 +402,15 @@ function onSample(name, data) {
   draw();
 }
 
-// A model keeps its colour whatever other models come and go: picked by its name.
+// A model keeps its colour for the page's life, whatever other models come and go: the
+// first colour no model has yet, given when the model is first seen.
+const colors = new Map();
 function color(name) {
-  let h = 0;
-  for (const c of name) h = (h * 31 + c.codePointAt(0)) >>> 0;
-  return COLORS[h % COLORS.length];
+  if (!colors.has(name)) {
+    const used = new Set(colors.values());
+    colors.set(name, COLORS.find((c) => !used.has(c)) ?? COLORS[colors.size % COLORS.length]);
+  }
+  return colors.get(name);
 }
 
 const CHARTS = [["queue", (m) => m.queue], ["inflight", (m) => m.inflight], ["tps", (m) => m.tps || 0]];
