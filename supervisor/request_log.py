@@ -51,6 +51,19 @@ def truncate(text: str | None, limit: int = BODY_CHARS) -> str | None:
     return text[:limit] + f"... [{len(text) - limit} more characters]"
 
 
+def phase_speeds(r: dict) -> dict:
+    """Prefill (prompt tokens from hand-over to the first token) and decode (output tokens
+    after the first, to the end) speeds of one logged request, in tokens/s; None when a
+    phase did not happen or took no measurable time."""
+    prefill = decode = None
+    queued, ttft, duration = r.get("queued_ms"), r.get("ttft_ms"), r.get("duration_ms")
+    if r.get("tokens_in") and ttft is not None and queued is not None and ttft - queued > 0:
+        prefill = round(r["tokens_in"] / ((ttft - queued) / 1000), 1)
+    if (r.get("tokens_out") or 0) > 1 and ttft is not None and duration is not None and duration - ttft > 0:
+        decode = round((r["tokens_out"] - 1) / ((duration - ttft) / 1000), 1)
+    return {"prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode}
+
+
 class RequestLog:
     def __init__(self, path: Path, max_rows: int, days: float, flush_s: float = FLUSH_S) -> None:
         self.path = Path(path)
@@ -162,4 +175,5 @@ class RequestLog:
         for r in rows:  # output tokens over the whole request (the time to the first one included)
             seconds = (r["duration_ms"] or 0) / 1000
             r["tokens_per_s"] = round(r["tokens_out"] / seconds, 1) if r["tokens_out"] and seconds > 0 else None
+            r.update(phase_speeds(r))
         return rows

@@ -272,3 +272,14 @@ def test_a_client_that_leaves_is_counted_and_logged_as_499(make_pool):
     assert 'llm_pool_requests_total{endpoint="chat_completions",model="late",status="499"} 2.0' in metrics
     wait_for(lambda: pool.model("slow")["runtime_inflight"] == 0 == pool.model("late")["runtime_inflight"], 10,
              what="the slots freed")
+
+
+def test_phase_speeds_split_prefill_from_decode():
+    from supervisor.request_log import phase_speeds
+
+    # 100 prompt tokens in 0.5 s after hand-over; 11 output tokens, 10 after the first in 2 s
+    row = {"queued_ms": 100.0, "ttft_ms": 600.0, "duration_ms": 2600.0, "tokens_in": 100, "tokens_out": 11}
+    assert phase_speeds(row) == {"prefill_tokens_per_s": 200.0, "decode_tokens_per_s": 5.0}
+    # an error before any token: neither phase
+    assert phase_speeds({"queued_ms": 5.0, "ttft_ms": None, "duration_ms": 5.0, "tokens_in": None,
+                         "tokens_out": None}) == {"prefill_tokens_per_s": None, "decode_tokens_per_s": None}

@@ -319,7 +319,8 @@ async function refreshActivity() {
     el("td", {}, r.endpoint), el("td", {class: "status num"}, r.status), el("td", {class: "code clip", title: r.error_message || ""}, r.error_code || ""),
     num(ms(r.queued_ms)), num(ms(r.ttft_ms)), num(ms(r.duration_ms)),
     el("td", {class: "tokens-in num"}, r.tokens_in ?? "-"), el("td", {class: "tokens-out num"}, r.tokens_out ?? "-"),
-    num(r.tokens_per_s ?? "-"))));
+    el("td", {class: "num", title: `prefill ${r.prefill_tokens_per_s ?? "-"} tok/s, decode ${r.decode_tokens_per_s ?? "-"} tok/s`},
+       r.tokens_per_s ?? "-"))));
   if (state.selected !== null && !requests.some((r) => r.id === state.selected)) $("#request-detail").hidden = true;
 }
 
@@ -328,6 +329,9 @@ function showRequest(r) {
   state.selected = r.id;
   const parts = [`#${r.id} ${r.model || "-"} ${r.endpoint}: HTTP ${r.status}` + (r.error_code ? ` ${r.error_code}` : "")];
   if (r.error_message) parts.push(r.error_message);
+  if (r.tokens_out) parts.push(`tokens: ${r.tokens_in ?? "-"} in, ${r.tokens_out} out; ` +
+    `prefill ${r.prefill_tokens_per_s ?? "-"} tok/s, decode ${r.decode_tokens_per_s ?? "-"} tok/s, ` +
+    `overall ${r.tokens_per_s ?? "-"} tok/s`);
   if (r.prompt) parts.push("prompt: " + r.prompt);
   if (r.output) parts.push("output: " + r.output);
   detail.textContent = parts.join("\n\n");
