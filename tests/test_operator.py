@@ -5,6 +5,7 @@ who asked. Real pools, real workers, the real CLI as a subprocess."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -13,6 +14,7 @@ import sys
 import threading
 
 import httpx
+import pytest
 
 from tests.conftest import synthetic
 from tests.pool import ROOT, wait_for
@@ -248,3 +250,32 @@ def test_logs_follow_and_events_follow(make_pool):
         assert stop(sup) == 0 and stop(watch) == 0
     done = cli("logs", "supervisor", "-n", "3", url=pool.url)
     assert done.returncode == 0 and len(done.stdout.splitlines()) == 3
+
+
+@pytest.mark.llama
+def test_a_killed_llama_server_is_named_by_its_signal_and_its_client_gets_plain_words(
+        make_pool, tiny_gguf, llama_server_bin):
+    from tests.conftest import IGNORE_EOS, llama
+
+    pool = make_pool([llama("tiny", tiny_gguf, llama_server_bin, extra_args=IGNORE_EOS)])
+    [child] = pool.workers("tiny")[0]["children"]
+    result = {}
+
+    def long_stream() -> None:
+        with pool.http.stream("POST", "/v1/chat/completions", json={
+                "model": "tiny", "stream": True, "max_tokens": 100_000,
+                "messages": [{"role": "user", "content": "go on"}]}) as r:
+            result["lines"] = [line for line in r.iter_lines() if line.startswith("data: {")]
+
+    runner = threading.Thread(target=long_stream)
+    runner.start()
+    wait_for(lambda: pool.model("tiny")["runtime_inflight"] == 1, 10, what="the stream under way")
+    os.kill(child["pid"], signal.SIGKILL)
+    runner.join(60)
+    errors = [json.loads(line[6:])["error"] for line in result["lines"] if '"error"' in line]
+    assert errors and errors[-1]["code"] == "runtime_crashed", result["lines"][-3:]
+    assert "Error(" not in errors[-1]["message"] and "aiohttp" not in errors[-1]["message"]
+    crash = wait_for(lambda: [e for e in events(pool) if e["kind"] == "crashed"], 10, what="the crash event")
+    assert "llama-server was killed by SIGKILL" in crash[0]["message"], crash
+    assert "llama-server was killed by SIGKILL" in pool.log()
+    wait_for(lambda: pool.workers("tiny")[0]["state"] == "ready", 60, what="restarted")
