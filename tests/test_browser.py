@@ -349,6 +349,13 @@ def test_a_1000_character_model_name_leaves_the_layout_intact(make_pool, open_pa
     detail = page.locator("#request-detail").bounding_box()
     assert detail["x"] + detail["width"] <= width
     ui.shot("long-name")
+
+    # filters and the error rate: the one request so far is a 4xx
+    expect(page.locator("#error-rate")).to_contain_text("1 requests, 1 errors (100.0%)")
+    page.select_option("#filter-status", "2xx")
+    expect(page.locator("#activity tbody tr")).to_have_count(0, timeout=3000)
+    page.select_option("#filter-status", "4xx")
+    expect(page.locator("#activity tbody tr")).to_have_count(1, timeout=3000)
     assert ui.errors == []
 
 

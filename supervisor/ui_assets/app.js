@@ -295,12 +295,17 @@ function fillFilter(names) {
   select.replaceChildren(...want.map((n) => el("option", {value: n}, n || "all")));
   select.value = want.includes(chosen) ? chosen : "";
 }
-for (const id of ["#filter-model", "#filter-status"]) $(id).addEventListener("change", () => refreshActivity().catch(() => {}));
+// Each <select data-param> in the filters row is one query parameter of /admin/requests: a new
+// filter (a tenant's, say) is one more select in index.html, nothing here.
+for (const select of document.querySelectorAll(".filters select[data-param]")) {
+  select.addEventListener("change", () => refreshActivity().catch(() => {}));
+}
 
 async function refreshActivity() {
   const params = new URLSearchParams({limit: "200"});
-  if ($("#filter-model").value) params.set("model", $("#filter-model").value);
-  if ($("#filter-status").value) params.set("status", $("#filter-status").value);
+  for (const select of document.querySelectorAll(".filters select[data-param]")) {
+    if (select.value) params.set(select.dataset.param, select.value);
+  }
   const [{requests}, summary] = await Promise.all([api("/admin/requests?" + params), api("/admin/requests/summary")]);
   $("#error-rate").textContent = summary.requests
     ? `last ${duration(summary.window_s)}: ${summary.requests} requests, ${summary.errors} errors ` +
