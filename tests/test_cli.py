@@ -224,10 +224,15 @@ def test_llama_server_pool_through_the_cli(make_pool, tiny_gguf, llama_server_bi
     assert any(line.startswith("[llama-server] ") for line in printed), printed
     assert len(cli("logs", "tiny", "-n", "3", url=url).stdout.splitlines()) == 3
 
-    assert cli("check", url=url).returncode == 0
+    # the pool serves, but a model failed: check says so (exit 2), with the reason
+    done = cli("check", url=url)
+    assert done.returncode == 2 and done.stdout.startswith("missing failed (0/1 ready): ")
+    assert "model file not found" in done.stdout
     # unload: the llama-server child goes with its worker
     done = cli("unload", "tiny", url=url)
     assert done.returncode == 0 and done.stdout == "tiny: unloaded\n", done.stderr
     wait_for(lambda: not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE, 15,
              what="llama-server gone")
-    assert cli_json("ps", url=url) == []
+    # only the failed load's replica is left: listed (with its reason), no process
+    [left] = cli_json("ps", url=url)
+    assert left["model"] == "missing" and left["pid"] is None and "model file not found" in left["last_error"]
