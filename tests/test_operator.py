@@ -227,7 +227,7 @@ def stop(proc: subprocess.Popen) -> int:
 
 
 def test_logs_follow_and_events_follow(make_pool):
-    pool = make_pool([synthetic("syn")])
+    pool = make_pool([synthetic("syn", aliases=["gpt-x"])])
     log_path = pool.config_path.parent / "state" / "logs" / "syn-0.log"
     tail = follow("logs", "syn", "-f", "-n", "5", url=pool.url)
     try:
@@ -243,9 +243,10 @@ def test_logs_follow_and_events_follow(make_pool):
     try:
         read_until(sup, "loaded in")
         read_until(watch, "syn loaded in")
-        assert pool.http.post("/admin/models/syn/unload").status_code == 200
-        read_until(watch, "model syn unloaded")
+        assert pool.http.post("/admin/models/gpt-x/unload").status_code == 200  # by its alias
+        read_until(watch, "model syn unloaded")  # named by the model's name, not the alias
         read_until(sup, "model syn unloaded")
+        assert "gpt-x unloaded" not in pool.log()
     finally:
         assert stop(sup) == 0 and stop(watch) == 0
     done = cli("logs", "supervisor", "-n", "3", url=pool.url)
