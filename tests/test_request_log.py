@@ -170,7 +170,7 @@ def test_live_samples_over_sse(make_pool):
 
 def test_log_tail_over_sse_follows_new_lines(make_pool):
     pool = make_pool([synthetic("t")])
-    path = pool.config_path.parent / "state" / "logs" / "t-0.log"
+    path = pool.config_path.parent / "state" / "llm-pool" / "logs" / "t-0.log"
     with pool.http.stream("GET", "/admin/models/t/logs/live", params={"replica": 0, "lines": 5}) as stream:
         lines = stream.iter_lines()
         got = []
