@@ -17,6 +17,7 @@ import sqlite3
 import threading
 import time
 from collections import deque
+from contextlib import closing
 from pathlib import Path
 
 log = logging.getLogger("llm_pool.request_log")
@@ -90,7 +91,7 @@ class RequestLog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._connect() as db:
+        with closing(self._connect()) as db, db:
             db.execute("PRAGMA auto_vacuum=INCREMENTAL")  # before the first table: a new file has it
             db.executescript(SCHEMA)
             db.execute("PRAGMA journal_mode=WAL")  # readers do not wait for the writer
@@ -144,6 +145,7 @@ class RequestLog:
                     with db:
                         db.executemany(insert, rows)
                         self._trim(db)
+                    self._give_back(db)
                     self.written += len(rows)
                 except sqlite3.Error:
                     log.exception("request log: %d rows not written to %s", len(rows), self.path)
@@ -151,8 +153,7 @@ class RequestLog:
                 break
         db.close()
 
-    @staticmethod
-    def _vacuum_mode(db: sqlite3.Connection) -> None:
+    def _vacuum_mode(self, db: sqlite3.Connection) -> None:
         """A file made before auto_vacuum was set keeps mode NONE until one VACUUM
         rewrites it (once; in the writer thread, never on the event loop)."""
         if db.execute("PRAGMA auto_vacuum").fetchone()[0] != 2:  # 2: incremental
@@ -167,7 +168,7 @@ class RequestLog:
 
     def _trim(self, db: sqlite3.Connection) -> None:
         """Keep the newest max_rows rows, none older than `days`, and about max_bytes of
-        data (the oldest tenth goes until it fits); then free pages go back to the disk."""
+        data (the oldest tenth goes until it fits)."""
         db.execute("DELETE FROM requests WHERE ts < ?", (time.time() - self.days * 86400,))
         db.execute("DELETE FROM requests WHERE id <= (SELECT id FROM requests ORDER BY id DESC "
                    "LIMIT 1 OFFSET ?)", (self.max_rows,))
@@ -177,9 +178,12 @@ class RequestLog:
                 break
             db.execute("DELETE FROM requests WHERE id IN (SELECT id FROM requests ORDER BY id LIMIT ?)",
                        (max(1, rows // 10),))
+
+    def _give_back(self, db: sqlite3.Connection) -> None:
+        """Free pages past an eighth of max_bytes (4 MiB at most) go back to the file system."""
         if db.execute("PRAGMA freelist_count").fetchone()[0] * db.execute("PRAGMA page_size").fetchone()[0] \
                 > min(self.max_bytes // 8, 4 * 2**20):
-            db.execute("PRAGMA incremental_vacuum")
+            db.executescript("PRAGMA incremental_vacuum;")  # run to the end (execute() frees one page only)
 
     # -- reading (run in a thread) --------------------------------------------------------------
     def query(self, **filters) -> list[dict]:
@@ -217,7 +221,7 @@ class RequestLog:
         sql += f" ORDER BY id {'ASC' if after_id is not None else 'DESC'} LIMIT ?"
         args.append(limit + 1)  # one more: whether there are more
         rows, size, more = [], 0, False
-        with self._connect() as db:
+        with closing(self._connect()) as db:
             for r in db.execute(sql, args):  # row by row: the bound holds before the rows are all read
                 row = dict(r)
                 size += _row_bytes(row)
