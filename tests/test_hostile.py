@@ -10,14 +10,19 @@ import collections
 import concurrent.futures
 import contextlib
 import json
+import os
 import random
+import signal
 import socket
 import threading
 import time
+import tomllib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import psutil
+import tomli_w
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import llama, synthetic
 from tests.pool import wait_for
@@ -390,3 +395,50 @@ def test_client_text_echoed_in_errors_is_cut(make_pool):
                                      if row["status"] == 404), None), 5, what="the 404 in the request log")
     assert len(missing["error_message"]) < 1200 and len(missing["model"]) < 300
     assert_settled(pool)
+
+
+def test_the_supervisor_reports_its_event_loop_lag(make_pool):
+    """A stopped loop (SIGSTOP here: as a blocking call would) shows on /metrics as a
+    gauge and a histogram, and as a warning in the log past 1 s."""
+    pool = make_pool([synthetic("syn", tokens=2)])
+    metrics = pool.http.get("/metrics").text
+    assert "llm_pool_event_loop_lag_seconds " in metrics
+    assert 'llm_pool_event_loop_lag_distribution_seconds_bucket{le="1.0"}' in metrics
+    os.kill(pool.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(1.5)  # a stall to measure (the workers wait liveness_s, 5 s, before they give up)
+    finally:
+        os.kill(pool.proc.pid, signal.SIGCONT)
+
+    def over_a_second() -> float:
+        samples = {s.name + str(s.labels): s.value for family in text_string_to_metric_families(
+            pool.http.get("/metrics").text) for s in family.samples}
+        count = samples["llm_pool_event_loop_lag_distribution_seconds_count{}"]
+        return count - samples["llm_pool_event_loop_lag_distribution_seconds_bucket{'le': '1.0'}"]
+    wait_for(over_a_second, 5, what="a lag measure over 1 s")
+    wait_for(lambda: "the event loop was blocked for 1." in pool.log(), 5, what="the warning in the log")
+    assert_settled(pool)
+
+
+def test_a_renamed_models_old_name_reaches_it_as_an_alias_while_the_old_one_drains(make_pool):
+    """Reload renaming x to y with aliases = ["x"] while x drains a long job:
+    requests for x once got 404 for the whole drain."""
+    x = synthetic("x", tps=10, tokens=40)  # a 4 s job keeps x draining
+    pool = make_pool([x])
+    with pool.http.stream("POST", CHAT, json={**chat_body("long", stream=True), "model": "x"}) as long_job:
+        lines = long_job.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        config = tomllib.loads(pool.config_path.read_text())
+        config["models"] = [{**x, "name": "y", "aliases": ["x"], "options": {**x["options"], "tokens_per_second": 0}}]
+        pool.config_path.write_text(tomli_w.dumps(config))
+        r = pool.http.post("/admin/reload")
+        assert r.status_code == 200 and r.json()["added"] == ["y"] and r.json()["removed"] == ["x"], r.text
+        wait_for(lambda: pool.model("y")["state"] == "loaded", 15, what="y loaded")
+        assert pool.model("x")["state"] == "unloading"  # still draining the long job
+        r = pool.http.post(CHAT, json={**chat_body(), "model": "x", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert pool.model("x")["state"] == "unloading"  # served by y during the drain
+        rest = "".join(lines)
+    assert rest.endswith("[DONE]")  # the draining job finished whole
+    wait_for(lambda: "x" not in pool.models(), 15, what="x gone")
+    assert pool.http.post(CHAT, json={**chat_body(), "model": "x", "max_tokens": 2}).status_code == 200
