@@ -114,14 +114,17 @@ class Job:
     def push(self, event: Delta) -> None:
         if self.state is JobState.FINISHED:  # e.g. ended over its bounds, its Cancel on the way: nobody reads it
             return
-        self.output_bytes += output_size(event)
+        if event.parts:
+            for part in event.parts:
+                if part.get("i", 0) >= self.max_choices:
+                    return self._refuse(self._bad_index(part.get("i", 0)))
+            self.output_bytes += output_size(event)
+        else:  # plain text: the token path
+            self.output_bytes += len(event.text)
         if self.output_bytes > self.max_output_bytes:
             return self._refuse(PoolError(ErrorCode.RUNTIME_ERROR, f"the runtime's answer is over the "
                                           f"{self.max_output_bytes} bytes one request may produce "
                                           f"(max_job_output_bytes)"), protocol=False)
-        for part in event.parts:
-            if part.get("i", 0) >= self.max_choices:
-                return self._refuse(self._bad_index(part.get("i", 0)))
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         if self.transcript is not None:  # text of every kind and choice, tool-call names and arguments
