@@ -1,4 +1,4 @@
-"""Unit tests of the SSE shapes' fast path for plain text tokens."""
+"""Unit tests of the SSE shapes' fast path for plain text tokens, and of what one job may hold."""
 
 from __future__ import annotations
 
