@@ -23,8 +23,8 @@ from supervisor.inference import add_inference_routes
 from supervisor.live import Activity
 from supervisor.loop_lag import LoopLag
 from supervisor.metrics import Metrics
-from supervisor.request_bounds import clip
 from supervisor.observe import refresh_remote_views, worker_views
+from supervisor.request_bounds import clip
 from supervisor.states import ModelState
 
 log = logging.getLogger("llm_pool.api")

@@ -24,7 +24,7 @@ from supervisor.ray_placement import RayCluster
 from supervisor.replica import Replica
 from supervisor.request_bounds import check_request_bounds, echo
 from supervisor.scheduler import Executor
-from supervisor.state_dir import default_state_dir, make_private_dir, pool_state_dir  # noqa: F401 (re-exported)
+from supervisor.state_dir import make_private_dir, pool_state_dir
 from supervisor.states import MODEL_TRANSITIONS, ModelState, ReplicaState, transition
 from supervisor.transport import Transport, sweep_stale_socket_dirs
 
