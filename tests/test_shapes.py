@@ -59,3 +59,23 @@ def test_output_past_the_budget_ends_the_job_whatever_carries_it():
     logprobs = _job()
     logprobs.push(delta)
     assert _codes(logprobs) == ["runtime_error"]
+
+
+def test_loop_lag_is_measured_against_the_asked_wake_time_and_warned_past_a_second(caplog):
+    import asyncio
+
+    from supervisor.loop_lag import LoopLag
+    seen: list[float] = []
+    now = [100.0]
+
+    async def main():
+        lag = LoopLag(seen.append, period_s=0.01, clock=lambda: now[0])
+        lag.start()
+        now[0] += 0.01  # on time
+        await asyncio.sleep(0.05)
+        now[0] += 2.51  # as if the loop had been held 2.5 s past the period
+        await asyncio.sleep(0.05)
+        await lag.close()
+    asyncio.run(main())
+    assert 0 in seen and 2.49 < max(seen) < 2.51 and min(seen) >= 0
+    assert "the event loop was blocked for 2.50s" in caplog.text
