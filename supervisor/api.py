@@ -21,9 +21,11 @@ from supervisor.engine import ModelRouterEngine
 from supervisor.http_guard import HttpEdge, error_response
 from supervisor.inference import add_inference_routes
 from supervisor.live import Activity
+from supervisor.loop_lag import LoopLag
 from supervisor.metrics import Metrics
 from supervisor.model_health import pool_health, shown_replicas
 from supervisor.observe import refresh_remote_views, worker_views
+from supervisor.request_bounds import clip
 from supervisor.states import ModelState
 
 log = logging.getLogger("llm_pool.api")
@@ -36,11 +38,13 @@ def create_app(config: PoolConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        lag.start()
         await engine.start()
         activity.start()
         yield
         await engine.shutdown(config.server.shutdown_grace_s)
         await activity.close()
+        await lag.close()
 
     # FastAPI's OpenTelemetry hooks off: unused here (metrics are Prometheus), and checking
     # whether a provider is configured costs on every request
@@ -49,6 +53,7 @@ def create_app(config: PoolConfig) -> FastAPI:
     app.state.engine = engine
     app.state.activity = activity = Activity(engine)  # the request log and the live samples
     metrics = Metrics(engine, on_finished=activity.finished)
+    lag = LoopLag(metrics.lag)
     direct = add_inference_routes(app, engine, metrics, config)
     app.include_router(admin_feeds.router)
     app.include_router(ui.router)
@@ -69,8 +74,9 @@ def create_app(config: PoolConfig) -> FastAPI:
                               param="body")
         else:
             loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-            param = ".".join(loc) or None
-            error = PoolError(ErrorCode.INVALID_REQUEST, f"{param or 'body'}: {err.get('msg')}", param=param)
+            param = clip(".".join(loc)) or None  # a location holds the client's own keys
+            error = PoolError(ErrorCode.INVALID_REQUEST, f"{param or 'body'}: {clip(str(err.get('msg')))}",
+                              param=param)
         # the request log names the model the body asked for (clipped there), with the code and message
         named = exc.body.get("model") if isinstance(exc.body, dict) else None
         metrics.request(named if isinstance(named, str) else None, request.url.path, 400, error=error)

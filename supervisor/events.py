@@ -13,6 +13,7 @@ import logging
 import sqlite3
 import threading
 from collections import deque
+from contextlib import closing
 from enum import StrEnum
 from pathlib import Path
 
@@ -85,7 +86,7 @@ class EventLog(logging.Handler):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._connect() as db:
+        with closing(self._connect()) as db:
             db.executescript(SCHEMA)
             db.execute("PRAGMA journal_mode=WAL")
 
@@ -154,6 +155,6 @@ class EventLog(logging.Handler):
         sql = "SELECT * FROM events" + (" WHERE " + " AND ".join(where) if where else "")
         sql += " ORDER BY id " + ("ASC" if after_id is not None else "DESC") + " LIMIT ?"
         args.append(limit)
-        with self._connect() as db:
+        with closing(self._connect()) as db:
             rows = [dict(r) for r in db.execute(sql, args)]
         return rows if after_id is not None else rows[::-1]
