@@ -25,7 +25,7 @@ from tests.test_ops import scrape, value
 def break_spawns(pool) -> tuple:
     """Make every new worker spawn fail (its log directory is a file now): a crash
     restart then goes fatal at once, with a reason."""
-    logs = pool.config_path.parent / "state" / "logs"
+    logs = pool.config_path.parent / "state" / "llm-pool" / "logs"
     saved = logs.with_name("logs.saved")
     shutil.move(logs, saved)
     logs.write_text("not a directory")
@@ -138,10 +138,10 @@ def chat(pool, model: str, **extra) -> httpx.Response:
 
 
 def test_restart_drains_then_now_cuts_with_runtime_restarted(make_pool):
-    pool = make_pool([synthetic("syn", tps=20, tokens=40)])  # 2 s a request
+    pool = make_pool([synthetic("syn", tps=20, tokens=400)])  # 20 s a request; 2 s with max_tokens=40
     before = pool.workers("syn")[0]
     result = {}
-    runner = threading.Thread(target=lambda: result.setdefault("r", chat(pool, "syn")))
+    runner = threading.Thread(target=lambda: result.setdefault("r", chat(pool, "syn", max_tokens=40)))
     runner.start()
     wait_for(lambda: pool.model("syn")["runtime_inflight"] == 1, 5, what="the request in flight")
     done = cli("restart", "syn", url=pool.url)
@@ -152,16 +152,16 @@ def test_restart_drains_then_now_cuts_with_runtime_restarted(make_pool):
     after = pool.workers("syn")[0]
     assert after["pid"] != before["pid"] and after["restarts"] == before["restarts"] + 1
 
-    # --now (the API's now=true): the running request is cut, with a plain code and message
+    # --now (the API's now=true): the running request (20 s) is cut, with a plain code and message
     result.clear()
     runner = threading.Thread(target=lambda: result.setdefault("r", chat(pool, "syn")))
     runner.start()
     wait_for(lambda: pool.model("syn")["runtime_inflight"] == 1, 5, what="the request in flight")
     assert cli("restart", "syn", "--now", url=pool.url).returncode == 0
     runner.join(30)
+    assert result["r"].status_code == 503, result["r"].text
     error = result["r"].json()["error"]
-    assert result["r"].status_code == 503 and error["code"] == "runtime_restarted"
-    assert "restarted by the operator" in error["message"]
+    assert error["code"] == "runtime_restarted" and "restarted by the operator" in error["message"]
 
 
 def test_a_drain_that_runs_out_cuts_with_runtime_restarted(make_pool):
@@ -228,7 +228,7 @@ def stop(proc: subprocess.Popen) -> int:
 
 def test_logs_follow_and_events_follow(make_pool):
     pool = make_pool([synthetic("syn", aliases=["gpt-x"])])
-    log_path = pool.config_path.parent / "state" / "logs" / "syn-0.log"
+    log_path = pool.config_path.parent / "state" / "llm-pool" / "logs" / "syn-0.log"
     tail = follow("logs", "syn", "-f", "-n", "5", url=pool.url)
     try:
         read_until(tail, "runtime ready")  # the last lines first
