@@ -296,7 +296,8 @@ def test_restart_button_lets_a_running_stream_finish(make_pool, open_page):
 
     def stream() -> None:
         with pool.http.stream("POST", "/v1/chat/completions", json={
-                "model": "syn", "stream": True, "messages": [{"role": "user", "content": "long"}]}) as r:
+                "model": "syn", "stream": True, "stream_options": {"include_usage": True},
+                "messages": [{"role": "user", "content": "long"}]}) as r:
             got["status"] = r.status_code
             for line in r.iter_lines():
                 if line.startswith("data: {"):
@@ -304,7 +305,9 @@ def test_restart_button_lets_a_running_stream_finish(make_pool, open_page):
                     if chunk.get("error"):
                         got["error"] = chunk["error"]
                     if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-                        got["tokens"] += 1
+                        got["tokens"] += len(chunk["choices"][0]["delta"]["content"].split())  # a word a token
+                    if chunk.get("usage"):
+                        got["usage"] = chunk["usage"]["completion_tokens"]
                 elif line == "data: [DONE]":
                     got["done"] = True
 
@@ -320,7 +323,7 @@ def test_restart_button_lets_a_running_stream_finish(make_pool, open_page):
         wait_for(lambda: pool.workers("syn")[0]["pid"] not in (None, pid), 30, what="a new worker")
     finally:
         runner.join(30)
-    assert got == {"status": 200, "tokens": 100, "done": True}, got  # the whole answer, no error
+    assert got == {"status": 200, "tokens": 100, "usage": 100, "done": True}, got  # the whole answer, no error
     expect(row.locator(".state")).to_have_text("loaded")
     assert ui.errors == []
 
@@ -345,7 +348,9 @@ def test_a_1000_character_model_name_leaves_the_layout_intact(make_pool, open_pa
     cell = row.locator(".model").bounding_box()
     assert cell["width"] < 400  # clipped
     row.click()
-    expect(page.locator("#request-detail")).to_contain_text(name)  # the whole name in the detail
+    stored = pool.http.get("/admin/requests", params={"limit": 1}).json()["requests"][0]["model"]
+    assert name.startswith(stored) and len(stored) >= 200  # the request log keeps it bounded
+    expect(page.locator("#request-detail")).to_contain_text(stored)  # all the log has, in the detail
     detail = page.locator("#request-detail").bounding_box()
     assert detail["x"] + detail["width"] <= width
     ui.shot("long-name")
