@@ -100,6 +100,7 @@ class FakeLauncher:
 class FakeOwner:
     def __init__(self) -> None:
         self.requeued: list[Job] = []
+        self.restarted = 0  # new workers started (each one's cache starts empty)
 
     def replica_changed(self) -> None:
         pass
@@ -109,6 +110,9 @@ class FakeOwner:
 
     def job_finished(self, replica, job: Job) -> None:
         pass
+
+    def replica_restarted(self, replica) -> None:
+        self.restarted += 1
 
 
 class Rig:
