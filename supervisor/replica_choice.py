@@ -88,9 +88,12 @@ def session_key(request: dict) -> str | None:
 class _Policy:
     """Least-inflight, the decision counters and each replica's cache figures."""
 
+    routing = "least_inflight"
+
     def __init__(self) -> None:
         self._rr = 0  # the replica index a tie goes to first
-        self.decisions = dict.fromkeys(Decision, 0)
+        self.decisions = dict.fromkeys(Decision, 0)  # over the model's replicas
+        self._decided: dict[int, dict[Decision, int]] = {}  # replica index -> the decisions that chose it
         self._tokens: dict[int, list[int]] = {}  # replica index -> [prompt tokens, of them cached]
 
     def least_loaded(self, replicas: Sequence[Replica]) -> Replica | None:
@@ -110,6 +113,10 @@ class _Policy:
     def _take(self, replicas: Sequence[Replica], replica: Replica, decision: Decision) -> Replica:
         self._rr = (replica.index + 1) % len(replicas)
         self.decisions[decision] += 1
+        decided = self._decided.get(replica.index)
+        if decided is None:
+            decided = self._decided[replica.index] = dict.fromkeys(Decision, 0)
+        decided[decision] += 1
         return replica
 
     def forget(self, replica: Replica) -> None:
@@ -124,7 +131,9 @@ class _Policy:
 
     def replica_view(self, replica: Replica) -> dict:
         prompt, cached = self._tokens.get(replica.index, (0, 0))
-        return {"prompt_tokens": prompt, "cached_tokens": cached,
+        decided = self._decided.get(replica.index) or dict.fromkeys(Decision, 0)
+        return {"routing": self.routing, "decisions": {d.value: n for d, n in decided.items()},
+                "prompt_tokens": prompt, "cached_tokens": cached,
                 "cache_hit_ratio": round(cached / prompt, 4) if prompt else None}
 
 
@@ -138,6 +147,8 @@ class LeastInflight(_Policy):
 
 class PrefixAffinity(_Policy):
     """The free replica that probably holds the longest prefix of the prompt."""
+
+    routing = "prefix"
 
     def __init__(self, cache_tokens: int | None = None) -> None:
         super().__init__()
@@ -206,6 +217,8 @@ class PrefixAffinity(_Policy):
 
 class SessionAffinity(_Policy):
     """The ready replica a session key hashes to (rendezvous hashing)."""
+
+    routing = "session"
 
     @staticmethod
     def owner(replicas: Sequence[Replica], key: str) -> Replica | None:

@@ -268,8 +268,10 @@ def test_hit_ratio_comes_from_the_runtimes_usage():
         job = chat("s", "q")
         run(policy, [r], job)
         end(policy, r, job, usage)
-    assert policy.replica_view(r) == {"prompt_tokens": 2100, "cached_tokens": 990,
-                                      "cache_hit_ratio": round(990 / 2100, 4)}
+    view = policy.replica_view(r)
+    assert (view["prompt_tokens"], view["cached_tokens"], view["cache_hit_ratio"]) == (2100, 990,
+                                                                                      round(990 / 2100, 4))
+    assert view["routing"] == "least_inflight" and view["decisions"]["least_inflight"] == 2
     assert policy.decisions[Decision.LEAST_INFLIGHT] == 2
 
 
@@ -307,3 +309,27 @@ def test_routing_cost_is_measured():
         per_request_us = (time.perf_counter() - start) / len(jobs) * 1e6
         print(f"routing {name}: {per_request_us:.1f} us per request")
         assert sum(policy.decisions.values()) == len(jobs)
+
+
+# -- through a real pool (synthetic workers) -------------------------------------------------------
+def test_session_routing_is_seen_in_admin_and_metrics(make_pool):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.conftest import synthetic
+    pool = make_pool([synthetic("s", replicas=3, routing="session")])
+    for i in range(6):  # one key, Chat Completions and Responses alike: one replica
+        body = {"model": "s", "prompt_cache_key": "conv-7"}
+        r = (pool.http.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "hi"}]})
+             if i % 2 else pool.http.post("/v1/responses", json={**body, "input": "hi"}))
+        assert r.status_code == 200, r.text
+    assert pool.http.post("/v1/responses", json={"model": "s", "input": "no key"}).status_code == 200
+    views = {w["replica"]: w["routing"] for w in pool.workers()}
+    assert all(v["routing"] == "session" for v in views.values())
+    sessions = {i: v["decisions"]["session"] for i, v in views.items()}
+    assert sorted(sessions.values()) == [0, 0, 6]  # every keyed request on one replica
+    assert sum(v["decisions"]["least_inflight"] for v in views.values()) == 1
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(pool.http.get("/metrics").text) for s in f.samples}
+    for i, n in sessions.items():
+        key = (("decision", "session"), ("model", "s"), ("replica", str(i)))
+        assert samples[("llm_pool_routing_decisions_total", key)] == n
