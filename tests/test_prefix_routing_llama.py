@@ -13,7 +13,7 @@ from tests.pool import wait_for
 
 pytestmark = pytest.mark.llama
 
-WORDS = ("the", "pool", "model", "token")  # one token each in the tiny GGUF's vocabulary
+WORDS = ("the", "pool", "model", "token")  # about a token a character in the tiny GGUF's vocabulary
 CONVERSATIONS, TURNS = 3, 4
 MAX_RATIO_PREFIX = 1.15  # the issue's bound; least_inflight computes each prefix once per replica (~1.95)
 
@@ -30,12 +30,12 @@ def conversation_workload(pool, model: str, seed: int = 0, **extra) -> tuple[int
     turn's prompt extends the last one: the minimum is each conversation's
     last prompt, computed once."""
     rng = random.Random(seed)
-    history = {c: [{"role": "system", "content": words(rng, 1000)}] for c in range(CONVERSATIONS)}
+    history = {c: [{"role": "system", "content": words(rng, 200)}] for c in range(CONVERSATIONS)}
     order = [c for c in range(CONVERSATIONS) for _ in range(TURNS)]
     rng.shuffle(order)
     computed, last_prompt, served = 0, {}, []
     for c in order:
-        history[c].append({"role": "user", "content": words(rng, 40)})
+        history[c].append({"role": "user", "content": words(rng, 10)})
         before = {w["replica"]: sum(w["routing"]["decisions"].values()) for w in pool.workers()}
         r = pool.http.post("/v1/chat/completions", json={"model": model, "messages": history[c], "max_tokens": 2,
                                                          **extra}, timeout=120)
@@ -44,7 +44,7 @@ def conversation_workload(pool, model: str, seed: int = 0, **extra) -> tuple[int
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         computed += usage["prompt_tokens"] - cached
         last_prompt[c] = usage["prompt_tokens"]
-        history[c].append({"role": "assistant", "content": words(rng, 30)})
+        history[c].append({"role": "assistant", "content": words(rng, 8)})
         after = {w["replica"]: sum(w["routing"]["decisions"].values()) for w in pool.workers()}
         served.append(next(i for i in after if after[i] != before.get(i)))
     return computed, sum(last_prompt.values()), served

@@ -6,6 +6,10 @@
   time, on 2 and on 4 replicas of one slot each: the prompt tokens the runtimes
   computed (prompt minus the cached tokens they report) over the minimum (each
   conversation's last prompt, computed once).
+- Multi-turn under load (the tiny GGUF standing in for SmolLM2): 8
+  conversations x 6 turns, history growing, all conversations at once, 2
+  replicas x 4 slots: time to a 1-token answer (prefill + one token, ~TTFT)
+  p50 and p95.
 - Unique prompts (nothing to reuse): req/s and p99 latency at concurrency 4 on
   2 replicas x 2 slots, rounds interleaved; and the policies' own cost per
   request, in-process, on the same prompts.
@@ -31,7 +35,7 @@ from supervisor.jobs import Job
 from supervisor.replica_choice import BALANCE_ABS_SHARE, make_replica_choice
 from supervisor.states import ReplicaState
 
-WORDS = ("the", "pool", "model", "token")  # one token each in the tiny GGUF's vocabulary
+WORDS = ("the", "pool", "model", "token")  # about a token a character in the tiny GGUF's vocabulary
 
 
 def _words(rng: random.Random, n: int) -> str:
@@ -49,20 +53,41 @@ def _pool(bench: Bench, name: str, routing: str, replicas: int, slots: int, extr
 def conversations(url: str, seed: int = 0, n: int = 3, turns: int = 4) -> tuple[int, int]:
     """(prompt tokens computed, the minimum)."""
     rng = random.Random(seed)
-    history = {c: [{"role": "system", "content": _words(rng, 1000)}] for c in range(n)}
+    history = {c: [{"role": "system", "content": _words(rng, 200)}] for c in range(n)}
     order = [c for c in range(n) for _ in range(turns)]
     rng.shuffle(order)
     computed, last = 0, {}
     with httpx.Client(base_url=url, timeout=120) as http:
         for c in order:
-            history[c].append({"role": "user", "content": _words(rng, 40)})
+            history[c].append({"role": "user", "content": _words(rng, 10)})
             r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": history[c], "max_tokens": 2})
             r.raise_for_status()
             usage = r.json()["usage"]
             computed += usage["prompt_tokens"] - (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             last[c] = usage["prompt_tokens"]
-            history[c].append({"role": "assistant", "content": _words(rng, 30)})
+            history[c].append({"role": "assistant", "content": _words(rng, 8)})
     return computed, sum(last.values())
+
+
+def multi_turn(url: str, conversations_n: int = 8, turns: int = 6) -> list[float]:
+    """Each conversation in its own thread, turn after turn: the 1-token answer times."""
+    times: list[float] = []
+
+    def talk(c: int) -> None:
+        rng = random.Random(100 + c)
+        history = [{"role": "system", "content": _words(rng, 120)}]
+        with httpx.Client(base_url=url, timeout=120) as http:
+            for _ in range(turns):
+                history.append({"role": "user", "content": _words(rng, 12)})
+                start = time.perf_counter()
+                r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": history, "max_tokens": 1})
+                r.raise_for_status()
+                times.append(time.perf_counter() - start)
+                history.append({"role": "assistant", "content": _words(rng, 12)})
+
+    with ThreadPoolExecutor(conversations_n) as ex:
+        list(ex.map(talk, range(conversations_n)))
+    return times
 
 
 def _unique_round(url: str, prompts: list[str], concurrency: int) -> tuple[float, list[float], int]:
@@ -114,7 +139,7 @@ def flood(url: str, requests: int, concurrency: int, pool: PoolProc) -> dict:
     """One conversation's prompt sent `requests` times at `concurrency`, while
     /admin/workers is sampled: the most jobs one replica held while another had none."""
     rng = random.Random(9)
-    messages = [{"role": "system", "content": _words(rng, 1000)}, {"role": "user", "content": "go"}]
+    messages = [{"role": "system", "content": _words(rng, 200)}, {"role": "user", "content": "go"}]
     worst, samples, stop = 0, 0, threading.Event()
 
     def sample() -> None:
@@ -165,9 +190,21 @@ def run(bench: Bench) -> None:
     text = table(["replicas (1 slot each)", "least_inflight: computed / minimum", "prefix: computed / minimum"],
                  rows)
 
+    mrows = []
+    for routing in ("least_inflight", "prefix"):
+        pool = _pool(bench, f"pool-multiturn-{routing}", routing, 2, 4)
+        try:
+            times = multi_turn(pool.url, 4 if bench.quick else 8, 3 if bench.quick else 6)
+        finally:
+            pool.stop()
+        out[f"multi_turn_{routing}"] = {"p50_s": pct(times, 50), "p95_s": pct(times, 95), "requests": len(times)}
+        mrows.append([routing, str(len(times)), ms(pct(times, 50)), ms(pct(times, 95))])
+    text += "\n\n" + table(["multi-turn (8 conversations x 6 turns at once, 2 replicas x 4 slots)", "requests",
+                            "1-token answer p50 ms", "p95 ms"], mrows)
+
     rng = random.Random(4)
     rounds, per_round = (2, 12) if bench.quick else (3, 40)
-    prompts = [[f"{i} " + _words(rng, 300) for i in range(per_round)] for _ in range(rounds * 2)]
+    prompts = [[f"{i} " + _words(rng, 60) for i in range(per_round)] for _ in range(rounds * 2)]
     pools = {r: _pool(bench, f"pool-unique-{r}", r, 2, 2) for r in ("least_inflight", "prefix")}
     unique = {r: {"wall": 0.0, "lat": [], "errors": 0} for r in pools}
     try:
