@@ -264,6 +264,7 @@ async def test_crash_in_ready_fails_started_jobs_requeues_unstarted_and_restarts
     rig.ready(fresh)
     await settle(lambda: rig.replica.state is ReplicaState.READY, "ready again")
     assert rig.replica.restarts == 1 and rig.replica.last_exit_code == -9
+    assert rig.owner.restarted == 2  # each new worker told its owner (its prompt cache starts empty)
     await rig.replica.stop()
 
 
