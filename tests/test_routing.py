@@ -333,3 +333,32 @@ def test_session_routing_is_seen_in_admin_and_metrics(make_pool):
     for i, n in sessions.items():
         key = (("decision", "session"), ("model", "s"), ("replica", str(i)))
         assert samples[("llm_pool_routing_decisions_total", key)] == n
+
+
+def test_prompt_cache_key_reaches_the_runtime_and_cached_tokens_make_the_hit_ratio(make_pool):
+    """Through a real pool to a scripted OpenAI runtime (openai_remote): the key
+    from both APIs is sent on, and the runtime's cached_tokens are counted."""
+    from tests.scripted_openai import ScriptedHandler, serve, sse_chunks
+
+    class Runtime(ScriptedHandler):
+        bodies: list[dict] = []
+
+        def answer(self, body: dict) -> tuple[int, str, str]:
+            usage = {"prompt_tokens": 100, "completion_tokens": 1, "total_tokens": 101,
+                     "prompt_tokens_details": {"cached_tokens": 80}}
+            return 200, "text/event-stream", sse_chunks([{"index": 0, "delta": {"content": "ok"},
+                                                          "finish_reason": "stop"}], usage)
+
+    with serve(Runtime) as runtime:
+        pool = make_pool([{"name": "r", "backend": "openai_remote", "replicas": 2, "routing": "session",
+                           "options": {"base_url": runtime.url + "/v1", "model": "up"}}])
+        chat = pool.http.post("/v1/chat/completions", json={"model": "r", "prompt_cache_key": "k-chat",
+                                                            "messages": [{"role": "user", "content": "hi"}]})
+        responses = pool.http.post("/v1/responses", json={"model": "r", "prompt_cache_key": "k-resp",
+                                                          "input": "hi"})
+        assert chat.status_code == 200 and responses.status_code == 200, (chat.text, responses.text)
+        assert [b.get("prompt_cache_key") for b in runtime.bodies] == ["k-chat", "k-resp"]
+        assert chat.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 80
+        views = [w["routing"] for w in pool.workers()]
+        assert sum(v["prompt_tokens"] for v in views) == 200 and sum(v["cached_tokens"] for v in views) == 160
+        assert {v["cache_hit_ratio"] for v in views if v["prompt_tokens"]} == {0.8}
