@@ -90,12 +90,11 @@ def test_a_session_key_sticks_and_a_restart_drops_the_index(make_pool, tiny_gguf
     assert views[0]["prefix_blocks"] == 0 and views[1]["prefix_blocks"] == held[1]
 
 
-@pytest.mark.parametrize("routing", ["least_inflight"])
-def test_least_inflight_computes_prefixes_on_every_replica(make_pool, tiny_gguf, llama_server_bin, routing):
+def test_least_inflight_computes_prefixes_on_every_replica(make_pool, tiny_gguf, llama_server_bin):
     """The baseline the issue measured: without affinity, each replica computes the
     prefixes again (the ratio approaches the replica count)."""
-    pool = make_pool([two_replicas(tiny_gguf, llama_server_bin, routing)])
+    pool = make_pool([two_replicas(tiny_gguf, llama_server_bin, "least_inflight")])
     computed, minimum, served = conversation_workload(pool, "tiny")
     ratio = computed / minimum
-    print(f"{routing}: {computed} prompt tokens computed, minimum {minimum}: {ratio:.2f}x")
+    print(f"least_inflight: {computed} prompt tokens computed, minimum {minimum}: {ratio:.2f}x")
     assert ratio > MAX_RATIO_PREFIX  # what the prefix test's bound is measured against
