@@ -174,8 +174,6 @@ class Lifecycle:
             results = await asyncio.gather(*(r.start() for r in executor.replicas), return_exceptions=True)
             errors = [f"{r.name}: {res}" for r, res in zip(executor.replicas, results)
                       if isinstance(res, BaseException)]
-        if entry.state is not ModelState.LOADING:  # an unload came during the load: it drains and stops
-            raise PoolError(ErrorCode.MODEL_UNLOADING, f"model {name!r} was unloaded while it loaded")
         if errors:
             entry.error = "; ".join(errors)
             error = PoolError(ErrorCode.LOAD_FAILED, f"model {name!r} failed to load: {entry.error}")
@@ -189,8 +187,9 @@ class Lifecycle:
             await executor.close()
             raise error
         entry.load_seconds = time.monotonic() - entry.load_started
-        entry.set_state(ModelState.LOADED)
-        entry.replicas_changed()  # a replica may have crashed between its start and now
+        if entry.state is ModelState.LOADING:  # else an unload came during the load: it drains and stops
+            entry.set_state(ModelState.LOADED)
+            entry.replicas_changed()  # a replica may have crashed between its start and now
         entry.used()
         self.loads[reason] = self.loads.get(reason, 0) + 1
         self.load_durations.observe(entry.load_seconds)
