@@ -58,7 +58,7 @@ class ReplicaState(StrEnum):
 #   LOADED    -> DEGRADED        a replica left ready (crash, restart)
 #   DEGRADED  -> LOADED          every replica ready again
 #   LOADED, DEGRADED -> DOWN     no replica runs or will restart
-#   DOWN      -> LOADED, DEGRADED  an operator restart brought replicas back
+#   DOWN      -> DEGRADED        an operator restart brought a replica back (all ready next: LOADED)
 #   LOADED, DEGRADED, DOWN -> UNLOADING       unload, reload change, removal, shutdown
 #   LOADED, DEGRADED, DOWN -> AUTO_UNLOADING  idle unload or eviction of a load_on_demand model
 #   AUTO_UNLOADING -> UNLOADING  an operator unload or a removal overrides it: the waiters get 503
@@ -70,7 +70,7 @@ MODEL_TRANSITIONS: dict[ModelState, set[ModelState]] = {
     ModelState.LOADING: {ModelState.LOADED, ModelState.FAILED, ModelState.UNLOADED, ModelState.UNLOADING},
     ModelState.LOADED: {ModelState.DEGRADED, ModelState.DOWN, ModelState.UNLOADING, ModelState.AUTO_UNLOADING},
     ModelState.DEGRADED: {ModelState.LOADED, ModelState.DOWN, ModelState.UNLOADING, ModelState.AUTO_UNLOADING},
-    ModelState.DOWN: {ModelState.LOADED, ModelState.DEGRADED, ModelState.UNLOADING, ModelState.AUTO_UNLOADING},
+    ModelState.DOWN: {ModelState.DEGRADED, ModelState.UNLOADING, ModelState.AUTO_UNLOADING},
     ModelState.UNLOADING: {ModelState.UNLOADED},
     ModelState.AUTO_UNLOADING: {ModelState.UNLOADED, ModelState.UNLOADING},
     ModelState.FAILED: {ModelState.LOADING, ModelState.UNLOADED},

@@ -72,9 +72,13 @@ class Reloader:
         log.info("config reloaded: added %s, removed %s, reloaded %s, kept %s",
                  change.added, change.removed, change.changed, change.kept)
         for entry in removed:
+            self.lifecycle.stop_intake(entry, "removed from the config")  # 503 from this loop turn on
             self._spawn(self._retire(entry))
         for name in change.changed:
-            self._spawn(self._reload_model(self.registry.models[name], new_models[name]))
+            entry = self.registry.models[name]
+            was_loaded = entry.state in RUNNING or entry.state is ModelState.LOADING
+            self.lifecycle.stop_intake(entry, "its config changed")
+            self._spawn(self._reload_model(entry, new_models[name], was_loaded))
         for name in change.added:
             if new_models[name].load_on_start:
                 self._spawn(self.lifecycle.load_quietly(name, "reload"))
@@ -85,10 +89,9 @@ class Reloader:
         await self.lifecycle.unload_entry(entry, why="removed from the config")
         self.registry.forget(entry)
 
-    async def _reload_model(self, entry: ModelEntry, cfg: ModelConfig) -> None:
+    async def _reload_model(self, entry: ModelEntry, cfg: ModelConfig, was_loaded: bool) -> None:
         """A changed model: drain and unload it with its old config, then load the new one
         if it was loaded (or loads on start)."""
-        was_loaded = entry.state in RUNNING or entry.state is ModelState.LOADING
         log.info("model %s: reloading (its config changed)", entry.cfg.name)
         await self.lifecycle.unload_entry(entry, why="its config changed")
         async with entry.action:
