@@ -133,12 +133,6 @@ class ModelRouterEngine:
     def model_list(self) -> list[dict]:
         return self.views.model_list()
 
-    def footprint(self, entry: ModelEntry) -> tuple[float | None, str | None]:
-        return self.memory.footprint(entry)
-
-    def idle_unload_in(self, entry: ModelEntry, now: float) -> float | None:
-        return self.lifecycle.idle_unload_in(entry, now)
-
     async def load(self, name: str, reason: str = "operator") -> ModelEntry:
         return await self.lifecycle.load(name, reason)
 

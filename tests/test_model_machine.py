@@ -673,3 +673,16 @@ async def test_the_action_lock_hands_over_in_order_and_take_now_never_waits():
     cancelled.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     assert order == [0, 2] and not lock.locked() and lock.take_now()
+
+
+@scenario
+async def test_watchers_hear_every_change_and_a_failing_one_changes_nothing():
+    m = Machine(model())
+    heard = []
+    m.engine.registry.watch(lambda entry, old, new: heard.append((entry.cfg.name, old, new)))
+    m.engine.registry.watch(lambda entry, old, new: 1 / 0)
+    await m.loaded("m")
+    await m.engine.unload("m")
+    assert heard == [("m", S.UNLOADED, S.LOADING), ("m", S.LOADING, S.LOADED), ("m", S.LOADED, S.UNLOADING),
+                     ("m", S.UNLOADING, S.UNLOADED)]
+    await m.close()

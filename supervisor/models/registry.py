@@ -8,8 +8,10 @@ removed is the registry's fact, not a flag on the model."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protocol.errors import ErrorCode, PoolError
@@ -18,6 +20,8 @@ from supervisor.jobs import Job
 from supervisor.scheduler import Executor
 from supervisor.states import (HAS_EXECUTOR, INTAKE_OPEN, MODEL_TRANSITIONS, RUNNING, IllegalTransition, ModelState,
                                ReplicaState, transition)
+
+log = logging.getLogger("llm_pool.engine")
 
 
 class ActionLock:
@@ -82,6 +86,8 @@ class ModelEntry:
     measured_gpu_mb: dict[str, float] | None = None  # GPU memory (NVML) per device, once loaded
     measured_at: float = 0.0  # monotonic: the footprint's last measurement
     waiting: list[Job] = field(default_factory=list)  # AUTO_UNLOADING only: requests for the next load
+    # told (entry, old, new) after every change of state: the registry's watchers (events, metrics)
+    observer: Callable[[ModelEntry, ModelState, ModelState], None] | None = field(default=None, repr=False)
 
     def used(self, now: float | None = None) -> None:
         self.last_used = now if now is not None else time.monotonic()
@@ -101,10 +107,12 @@ class ModelEntry:
                                     f"an executor")
         if self.waiting and state is not ModelState.AUTO_UNLOADING:
             raise IllegalTransition(f"{self.state} -> {state} with {len(self.waiting)} requests still waiting")
-        self.state = state
+        old, self.state = self.state, state
         if self.executor is not None:
             self.executor.accepting_new_requests = state in INTAKE_OPEN
             self.executor.loading = state is ModelState.LOADING
+        if self.observer is not None and state is not old:
+            self.observer(self, old, state)
 
     def replicas_changed(self) -> None:
         """A loaded model follows its replicas: LOADED with all ready, DEGRADED with
@@ -125,10 +133,25 @@ class ModelEntry:
 
 class Registry:
     def __init__(self, models: list[ModelConfig]) -> None:
-        self.models: dict[str, ModelEntry] = {m.name: ModelEntry(m) for m in models}
+        self._watchers: list[Callable[[ModelEntry, ModelState, ModelState], None]] = []
+        self.models: dict[str, ModelEntry] = {}
+        for m in models:
+            self.add(m)
         self.aliases: dict[str, str] = {}
         self._configured: set[str] = set()
         self.configure(models)
+
+    def watch(self, watcher: Callable[[ModelEntry, ModelState, ModelState], None]) -> None:
+        """Call `watcher(entry, old, new)` after every model's change of state (an events
+        timeline, a metric). A watcher that raises is logged; the change stands."""
+        self._watchers.append(watcher)
+
+    def _changed(self, entry: ModelEntry, old: ModelState, new: ModelState) -> None:
+        for watcher in self._watchers:
+            try:
+                watcher(entry, old, new)
+            except Exception:
+                log.exception("a watcher of model %s (%s -> %s) failed", entry.cfg.name, old, new)
 
     def configure(self, models: list[ModelConfig]) -> None:
         """The configured names and aliases from now on (start, reload)."""
@@ -146,7 +169,7 @@ class Registry:
         return entry
 
     def add(self, cfg: ModelConfig) -> ModelEntry:
-        entry = self.models[cfg.name] = ModelEntry(cfg)
+        entry = self.models[cfg.name] = ModelEntry(cfg, observer=self._changed)
         return entry
 
     def forget(self, entry: ModelEntry) -> None:
