@@ -52,7 +52,7 @@ class ActionLock:
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled():
                 self.release()  # it was handed to us as we were cancelled: pass it on
-            else:
+            elif waiter in self._waiters:  # a release may have dropped it already
                 self._waiters.remove(waiter)
             raise
 
