@@ -688,3 +688,22 @@ async def test_watchers_hear_every_change_and_a_failing_one_changes_nothing():
     assert heard == [("m", S.UNLOADED, S.LOADING), ("m", S.LOADING, S.LOADED), ("m", S.LOADED, S.UNLOADING),
                      ("m", S.UNLOADING, S.UNLOADED)]
     await m.close()
+
+
+@scenario
+async def test_a_removed_model_still_draining_never_shadows_the_alias_that_took_its_name():
+    m = Machine(model("old"), model("new"))
+    await m.loaded("old")
+    await m.loaded("new")
+    running = m.submit("old")
+    await m.reload_to(model("new", aliases=["old"]))
+    assert m.state("old") is S.UNLOADING  # drains its running job
+    assert m.engine.entry("old") is m.entry("new")  # the name routes to the alias's model at once
+    assert m.engine.entry("old", removed_too=False).cfg.name == "new"
+    taken = m.submit("old")
+    assert taken.model == "new"
+    m.done(running)
+    await settle(lambda: "old" not in m.engine.models, "old forgotten")
+    await settle(lambda: taken.state is JobState.SUBMITTED, "dispatched")
+    m.done(taken)
+    await m.close()

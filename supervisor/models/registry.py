@@ -163,7 +163,11 @@ class Registry:
         return entry.cfg.name in self._configured and self.models.get(entry.cfg.name) is entry
 
     def lookup(self, name: str, removed_too: bool = False) -> ModelEntry:
-        entry = self.models.get(name) or self.models.get(self.aliases.get(name, ""))
+        """A configured model by name, else by alias; a removed one still draining only
+        with `removed_too` (its name never shadows an alias that took it over)."""
+        entry = self.models.get(name)
+        if entry is None or not self.is_configured(entry):
+            entry = self.models.get(self.aliases.get(name, "")) or (entry if removed_too else None)
         if entry is None or not (removed_too or self.is_configured(entry)):
             raise PoolError(ErrorCode.MODEL_NOT_FOUND, f"model {name!r} does not exist", param="model")
         return entry
