@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from protocol.errors import ErrorCode, PoolError
-from supervisor.config import ConfigError, ModelConfig, PoolConfig, load_config
+from supervisor.config import ConfigError, PoolConfig, load_config
 from supervisor.jobs import Job
 from supervisor.models import reload as reloading
 from supervisor.models.lifecycle import LOAD_BUCKETS, LOAD_REASONS, Lifecycle, LoadDurations
@@ -20,7 +20,7 @@ from supervisor.models.memory import KV_MB_PER_TOKEN, MEASURE_EVERY_S, Memory, e
 from supervisor.models.registry import ModelEntry, Registry
 from supervisor.models.views import Views, model_state
 from supervisor.process import spawn_worker, sweep_stale_workers
-from supervisor.ray_placement import RayCluster
+from supervisor.prompt_bounds import check_prompt_bounds
 from supervisor.replica import Launcher
 from supervisor.states import ModelState
 from supervisor.transport import Transport, sweep_stale_socket_dirs
@@ -37,34 +37,6 @@ IN_PLACE_KEYS = reloading.IN_PLACE_KEYS
 def default_state_dir() -> Path:
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "llm-pool"
-
-
-def check_prompt_bounds(cfg: ModelConfig, request: dict) -> None:
-    """400 for a prompt over the model's max_messages or max_prompt_chars (chat
-    messages, a legacy completion's prompt, or an embedding's input)."""
-    messages = request.get("messages") or []
-    if len(messages) > cfg.max_messages:
-        raise PoolError(ErrorCode.INVALID_REQUEST, f"{len(messages)} messages, over model {cfg.name!r}'s "
-                        f"max_messages ({cfg.max_messages})", param="messages")
-    chars = _text_chars(request.get("prompt")) + _text_chars(request.get("input"))
-    for m in messages:
-        if isinstance(m, dict):
-            chars += _text_chars(m.get("content"))
-    if chars > cfg.max_prompt_chars:
-        raise PoolError(ErrorCode.INVALID_REQUEST, f"the prompt has {chars} characters, over model "
-                        f"{cfg.name!r}'s max_prompt_chars ({cfg.max_prompt_chars})",
-                        param="messages" if messages else "prompt" if "prompt" in request else "input")
-
-
-def _text_chars(content) -> int:
-    """Size of a message's content or a prompt: a string's characters, a list of
-    strings, content parts (their text), token ids (one each) or token-id lists."""
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):
-        return sum(_text_chars(part) if isinstance(part, (str, list))
-                   else len(part.get("text") or "") if isinstance(part, dict) else 1 for part in content)
-    return 0
 
 
 class ModelRouterEngine:
@@ -92,14 +64,6 @@ class ModelRouterEngine:
     @property
     def aliases(self) -> dict[str, str]:
         return self.registry.aliases
-
-    @property
-    def transport(self) -> Transport | None:
-        return self.lifecycle.transport
-
-    @property
-    def cluster(self) -> RayCluster | None:
-        return self.lifecycle.cluster
 
     @property
     def shutting_down(self) -> bool:
@@ -198,10 +162,10 @@ class ModelRouterEngine:
             for t in list(self._tasks):
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
-            if self.transport:
-                await self.transport.close()
-            if self.cluster:
-                await self.cluster.close()
+            if self.lifecycle.transport:
+                await self.lifecycle.transport.close()
+            if self.lifecycle.cluster:
+                await self.lifecycle.cluster.close()
 
     def ready(self) -> bool:
         return not self.shutting_down and all(

@@ -22,7 +22,7 @@ from supervisor.jobs import Job, JobState
 from supervisor.models import reload as reloading
 from supervisor.models.registry import ActionLock, ModelEntry
 from supervisor.scheduler import Executor
-from supervisor.states import HAS_EXECUTOR, MODEL_TRANSITIONS, IllegalTransition, ModelState, ReplicaState
+from supervisor.states import HAS_EXECUTOR, MODEL_TRANSITIONS, IllegalTransition, ModelState
 from tests.test_state_machines import FakeLauncher, FakeTransport, outcome, scenario, settle
 
 S = ModelState
