@@ -100,7 +100,10 @@ class Executor:
         """A slot freed or a replica changed state: the driver looks again."""
         self._forget_gone_workers()
         if self._on_replicas_changed is not None:
-            self._on_replicas_changed()
+            try:
+                self._on_replicas_changed()
+            except Exception:  # a bug in the model's machine must not break the replica's
+                log.exception("model %s: following a replica change failed", self.cfg.name)
         if self.runtime_inflight == 0:
             self._idle.set()
         if self.queue and self._all_fatal() and not self.loading:  # nothing will ever run them
