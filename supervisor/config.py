@@ -38,6 +38,10 @@ class ServerConfig(_Strict):
     state_dir: str | None = None  # replica logs and the request log; default: the user's state dir
     request_log_max_rows: int = Field(100_000, ge=1)  # the request log keeps the newest rows...
     request_log_days: float = Field(7.0, gt=0)  # ...and none older than this
+    request_log_max_bytes: int = Field(64 * 2**20, ge=2**20)  # ...and its file stays about this small
+    # What one job may make the supervisor hold or send: its output in all (text, logprobs,
+    # tool calls). Past it the job ends with 502 runtime_error and its worker stops it.
+    max_job_output_bytes: int = Field(64 * 2**20, ge=64 * 1024)
     # The HTTP edge (supervisor/http_guard.py): bounds on what a client may send before a route runs.
     allowed_hosts: list[str] = Field(default_factory=list)  # more Host names for /admin ("name" or "name:port")
     max_connections: int = Field(1000, ge=1, le=1_000_000)  # more are closed at once

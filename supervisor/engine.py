@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
-from pathlib import Path
 
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ConfigError, PoolConfig, load_config
@@ -21,7 +19,9 @@ from supervisor.models.registry import ModelEntry, Registry
 from supervisor.models.views import Views, model_state
 from supervisor.process import spawn_worker, sweep_stale_workers
 from supervisor.prompt_bounds import check_prompt_bounds
+from supervisor.request_bounds import check_request_bounds
 from supervisor.replica import Launcher
+from supervisor.state_dir import default_state_dir, make_private_dir, pool_state_dir
 from supervisor.states import ModelState
 from supervisor.transport import Transport, sweep_stale_socket_dirs
 
@@ -34,17 +34,13 @@ SERVER_KEYS_APPLIED_ON_RELOAD = reloading.SERVER_KEYS_APPLIED_ON_RELOAD
 IN_PLACE_KEYS = reloading.IN_PLACE_KEYS
 
 
-def default_state_dir() -> Path:
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "llm-pool"
-
-
 class ModelRouterEngine:
     def __init__(self, config: PoolConfig, launcher: Launcher = spawn_worker,
                  transport: Transport | None = None) -> None:
         """`launcher` and `transport` are injected by the model-machine tests (fakes)."""
         self.config = config
-        self.log_dir = Path(config.server.state_dir or default_state_dir()) / "logs"
+        self.state_dir = pool_state_dir(config.server.state_dir)  # see supervisor/state_dir.py
+        self.log_dir = self.state_dir / "logs"
         server = lambda: self.config.server  # noqa: E731  (a reload replaces the config)
         self.registry = Registry(config.models)
         self.memory = Memory(self.registry, server)
@@ -109,9 +105,7 @@ class ModelRouterEngine:
     # -- process-wide lifecycle ----------------------------------------------------------
     async def start(self) -> None:
         # replica logs, and the request log with any bodies it keeps: for this user only
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        for path in (self.log_dir.parent, self.log_dir):
-            os.chmod(path, 0o700)
+        make_private_dir(self.log_dir)
         swept = sweep_stale_workers()
         if swept:
             log.warning("swept %d stale worker(s) of a dead supervisor", len(swept))
@@ -209,13 +203,15 @@ class ModelRouterEngine:
     # -- jobs -------------------------------------------------------------------------------------
     def submit(self, model: str, request: dict, endpoint: str = "chat") -> Job:
         entry = self.registry.lookup(model)
+        check_request_bounds(request, endpoint)
         if self.shutting_down:
             raise PoolError(ErrorCode.MODEL_UNLOADING, "the pool is shutting down")
         refused = self.lifecycle.refusal(entry)
         if refused is not None:
             raise refused
         check_prompt_bounds(entry.cfg, request)
-        job = Job(entry.cfg.name, request, entry.cfg.request_timeout_s, entry.cfg.queue_timeout_s, endpoint)
+        job = Job(entry.cfg.name, request, entry.cfg.request_timeout_s, entry.cfg.queue_timeout_s, endpoint,
+                  self.config.server.max_job_output_bytes)
         if entry.cfg.log_bodies:
             job.transcript = []
         entry.used()

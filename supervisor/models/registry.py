@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ModelConfig
 from supervisor.jobs import Job
+from supervisor.request_bounds import echo
 from supervisor.scheduler import Executor
 from supervisor.states import (HAS_EXECUTOR, INTAKE_OPEN, MODEL_TRANSITIONS, RUNNING, IllegalTransition, ModelState,
                                ReplicaState, transition)
@@ -169,7 +170,7 @@ class Registry:
         if entry is None or not self.is_configured(entry):
             entry = self.models.get(self.aliases.get(name, "")) or (entry if removed_too else None)
         if entry is None or not (removed_too or self.is_configured(entry)):
-            raise PoolError(ErrorCode.MODEL_NOT_FOUND, f"model {name!r} does not exist", param="model")
+            raise PoolError(ErrorCode.MODEL_NOT_FOUND, f"model {echo(name)} does not exist", param="model")
         return entry
 
     def add(self, cfg: ModelConfig) -> ModelEntry:
