@@ -167,6 +167,9 @@ BACKEND_OPTIONS: dict[str, type[_Options]] = {
 DEFAULT_LOAD_TIMEOUT_S = {"vllm_serve": 600.0}
 
 
+# runtimes whose prompt cache makes a replica's history worth returning to
+PREFIX_CACHING_BACKENDS = frozenset({"llama_server", "vllm_serve"})
+
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
 
 
@@ -197,6 +200,10 @@ class ModelConfig(_Strict):
     placement: Literal["local", "ray"] = "local"  # "ray": each replica on a Ray node that fits [models.ray]
     ray: RayPlacement | None = None
     log_bodies: bool = False  # the request log keeps prompts and outputs (truncated): debugging only
+    # Replica choice (supervisor/replica_choice.py); default: "prefix" for several replicas of a
+    # runtime with a prompt cache (llama_server, vllm_serve), else "least_inflight"
+    routing: Literal["least_inflight", "prefix", "session"] | None = None
+    prefix_cache_tokens: int | None = Field(None, ge=1)  # per replica, for "prefix"; default: the runtime's
     options: dict = Field(default_factory=dict)  # checked against BACKEND_OPTIONS by parse_config
 
     @model_validator(mode="before")
@@ -216,6 +223,12 @@ class ModelConfig(_Strict):
     @property
     def remote(self) -> bool:
         return self.placement == "ray"
+
+    @property
+    def replica_routing(self) -> str:
+        if self.routing is not None:
+            return self.routing
+        return "prefix" if self.replicas > 1 and self.backend in PREFIX_CACHING_BACKENDS else "least_inflight"
 
 
 class PoolConfig(_Strict):

@@ -118,6 +118,15 @@ class _EngineCollector:
         rss = GaugeMetricFamily("llm_pool_process_rss_bytes", "Resident memory per process",
                                 labels=["model", "replica", "process"])
         rss.add_metric(["", "", "supervisor"], psutil.Process().memory_info().rss)
+        routed = CounterMetricFamily("llm_pool_routing_decisions", "Replica choices by the decision that made "
+                                     "them (prefix_hit, session, balance_fallback, least_inflight)",
+                                     labels=[*rlabels, "decision"])
+        prompt = CounterMetricFamily("llm_pool_prompt_tokens", "Prompt tokens the replica's runtime reported",
+                                     labels=rlabels)
+        cached = CounterMetricFamily("llm_pool_cached_prompt_tokens", "Of those, served from its prompt cache",
+                                     labels=rlabels)
+        hit_ratio = GaugeMetricFamily("llm_pool_prompt_cache_hit_ratio", "cached / prompt tokens, since the "
+                                      "model was loaded", labels=rlabels)
         for name, entry in self.engine.models.items():
             view = self.engine.model_view(entry)
             queue.add_metric([name], view["queue_depth"])
@@ -130,6 +139,13 @@ class _EngineCollector:
                 up.add_metric(key, 1 if r.state is ReplicaState.READY else 0)
                 restarts.add_metric(key, r.restarts)
                 bad.add_metric(key, r.protocol_errors)
+                routing = entry.executor.choice.replica_view(r)
+                for decision, count in routing["decisions"].items():
+                    routed.add_metric([*key, decision], count)
+                prompt.add_metric(key, routing["prompt_tokens"])
+                cached.add_metric(key, routing["cached_tokens"])
+                if routing["cache_hit_ratio"] is not None:
+                    hit_ratio.add_metric(key, routing["cache_hit_ratio"])
                 by_process: dict[str, int] = {}  # summed per process name: one series each
                 if r.pid and r.cfg.remote:  # on a Ray node: what its actor saw last
                     view = r.proc.view
@@ -147,7 +163,8 @@ class _EngineCollector:
                         pass
                 for process, value in by_process.items():
                     rss.add_metric([*key, process], value)
-        yield from (queue, inflight, configured, effective, loaded, up, restarts, bad, rss)
+        yield from (queue, inflight, configured, effective, loaded, up, restarts, bad, rss, routed, prompt, cached,
+                    hit_ratio)
         yield from self._lifecycle()
 
     def _lifecycle(self):

@@ -20,7 +20,8 @@ from supervisor.request_bounds import echo
 
 # Responses fields about the Responses API's own storage and delivery: the pool stores
 # nothing and answers at once, so these ask nothing of the runtime and are not sent on.
-BOOKKEEPING = frozenset({"store", "include", "truncation", "service_tier", "prompt_cache_key",
+# (prompt_cache_key is sent on, as in Chat Completions: the pool routes on it.)
+BOOKKEEPING = frozenset({"store", "include", "truncation", "service_tier",
                          "safety_identifier", "stream_options"})
 
 

@@ -32,12 +32,11 @@ class Executor:
         self.cfg = cfg
         self.replicas: list[Replica] = []
         self.queue: JobQueue = FifoQueue()  # read-only outside: changed only through the methods below
-        self.choice: ReplicaChoice = make_replica_choice()
+        self.choice: ReplicaChoice = make_replica_choice(cfg.replica_routing, cfg.prefix_cache_tokens)
         self.accepting_new_requests = False
         self.loading = False  # its replicas are being started: jobs wait, and a failure is the load's to report
         # the model's machine hears of every replica change (ready, crashed, ...): DEGRADED and back
         self._on_replicas_changed = on_replicas_changed
-        self._serving: dict[int, str] = {}  # replica index -> identity of the worker the choice knows as ready
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()  # set whenever nothing is inflight
         self._idle.set()
@@ -98,7 +97,6 @@ class Executor:
 
     def replica_changed(self) -> None:
         """A slot freed or a replica changed state: the driver looks again."""
-        self._forget_gone_workers()
         if self._on_replicas_changed is not None:
             try:
                 self._on_replicas_changed()
@@ -113,18 +111,9 @@ class Executor:
     def job_finished(self, replica: Replica, job: Job) -> None:
         self.choice.finished(replica, job)
 
-    def _forget_gone_workers(self) -> None:
-        """The replica choice forgets a replica whose ready worker stopped or was
-        replaced (a restart): whatever it knew of that worker's cache is gone."""
-        for r in self.replicas:
-            known = self._serving.get(r.index)
-            now = getattr(r, "identity", None) if r.state in (ReplicaState.READY, ReplicaState.DRAINING) else None
-            if known is not None and known != now:
-                self.choice.forget(r)
-            if now is None:
-                self._serving.pop(r.index, None)
-            else:
-                self._serving[r.index] = now
+    def replica_restarted(self, replica: Replica) -> None:
+        """A new worker starts for `replica`: its cache starts empty."""
+        self.choice.forget(replica)
 
     def requeue(self, job: Job) -> None:
         """A job lost with its crashed worker before producing anything: it goes
