@@ -110,7 +110,7 @@ def create_app(config: PoolConfig) -> FastAPI:
         if engine.ready():
             return {"status": "ready"}
         waiting = [n for n, e in engine.models.items()
-                   if e.cfg.load_on_start and engine.model_state(e) is not ModelState.LOADED]
+                   if e.cfg.load_on_start and engine.model_state(e) not in (ModelState.LOADED, ModelState.DEGRADED)]
         return JSONResponse({"status": "not_ready", "waiting_for": waiting}, status_code=503)
 
     # -- admin ----------------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ from protocol import Done
 from protocol.errors import PoolError
 from supervisor.engine import LOAD_BUCKETS
 from supervisor.jobs import Job
-from supervisor.model_health import DEGRADED
 from supervisor.states import ModelState, ReplicaState
 
 LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -27,7 +26,7 @@ OTHER_ENDPOINT = "other"  # a request refused before it reached an inference rou
 CLIENT_CLOSED = 499  # status counted for a request whose client left before its answer was complete
 UNKNOWN_MODEL = "unknown"  # a model name that is not configured
 _ENDPOINT_LABELS = frozenset(ENDPOINTS.values())
-SHOWN_STATES = (*(s.value for s in ModelState), DEGRADED)
+SHOWN_STATES = tuple(dict.fromkeys(s.public.value for s in ModelState))  # the names ops see
 
 
 class Metrics:

@@ -13,15 +13,9 @@ UNHEALTHY = frozenset({DEGRADED, ModelState.FAILED.value})
 
 
 def derived_state(entry) -> str:
-    """`entry.state`, except that a loaded model with no live replica shows
-    `failed`, and one with fewer ready replicas than configured `degraded`."""
-    ex = entry.executor
-    if entry.state is ModelState.LOADED and ex is not None:
-        if not any(r.live for r in ex.replicas):
-            return ModelState.FAILED.value
-        if sum(r.state is ReplicaState.READY for r in ex.replicas) < entry.cfg.replicas:
-            return DEGRADED
-    return entry.state.value
+    """The state ops see: the model state machine's public name (degraded: fewer
+    ready replicas than configured; a loaded model with no live replica: failed)."""
+    return entry.state.public.value
 
 
 def replica_reasons(entry) -> list[dict]:
@@ -75,9 +69,8 @@ def reason_text(view: dict) -> str | None:
 def pool_health(engine) -> dict:
     """GET /health: the whole picture in one JSON object (200 while the process lives)."""
     models = {}
-    for name, entry in engine.models.items():
-        if entry.removed:
-            continue
+    for entry in engine.registry.configured():  # a removed model still draining is not the pool's
+        name = entry.cfg.name
         h = model_health(entry)
         h["error"] = entry.error
         models[name] = {"state": h["state"], "ready": h["ready"], "configured": h["configured"],
