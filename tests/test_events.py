@@ -48,16 +48,16 @@ def entry(state: ModelState, replicas: list[ReplicaState] | None, configured: in
                            cfg=SimpleNamespace(replicas=configured), error=error, failed_replicas=[])
 
 
-def test_derived_state():
+def test_derived_state_and_reasons():
+    """The shown state is the model machine's public name; the health part adds the
+    ready/configured counts and each non-ready replica's reason."""
     R = ReplicaState
     assert derived_state(entry(ModelState.LOADED, [R.READY, R.READY])) == "loaded"
-    assert derived_state(entry(ModelState.LOADED, [R.READY, R.FATAL])) == "degraded"
-    assert derived_state(entry(ModelState.LOADED, [R.READY, R.BACKOFF])) == "degraded"
-    assert derived_state(entry(ModelState.LOADED, [R.FATAL, R.FATAL])) == "failed"
-    assert derived_state(entry(ModelState.LOADING, [R.STARTING, R.READY])) == "loading"
+    assert derived_state(entry(ModelState.DEGRADED, [R.READY, R.FATAL])) == "degraded"
+    assert derived_state(entry(ModelState.DOWN, [R.FATAL, R.FATAL])) == "failed"
     assert derived_state(entry(ModelState.UNLOADED, None)) == "unloaded"
-    health = model_health(entry(ModelState.LOADED, [R.READY, R.FATAL]))
-    assert (health["ready"], health["configured"]) == (1, 2)
+    health = model_health(entry(ModelState.DEGRADED, [R.READY, R.FATAL]))
+    assert (health["state"], health["ready"], health["configured"]) == ("degraded", 1, 2)
     assert health["replica_errors"] == [{"replica": 1, "name": "m/1", "state": "fatal", "reason": "boom"}]
     assert reason_text(health) == "m/1 fatal: boom"
     assert model_health(entry(ModelState.LOADED, [R.READY, R.READY]))["replica_errors"] == []
