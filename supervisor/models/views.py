@@ -49,7 +49,7 @@ class Views:
             "accepting_new_requests": bool(ex and ex.accepting_new_requests),
             "max_queue": entry.cfg.max_queue,
             "load_seconds": entry.load_seconds,
-            "error": entry.error or (reason_text(health) if health["state"] in UNHEALTHY else None),
+            "error": entry.error or self._why(entry, health),
             "load_on_demand": entry.cfg.load_on_demand,
             "pinned": entry.cfg.pinned,
             "aliases": list(entry.cfg.aliases),
@@ -60,6 +60,15 @@ class Views:
             "gpu_memory_mb": {d: _round(mb) for d, mb in self.memory.gpu_footprint(entry).items()} or None,
         }
 
+
+
+    @staticmethod
+    def _why(entry: ModelEntry, health: dict) -> str | None:
+        """A degraded or down model's reason: each replica that is not ready, and why."""
+        if health["state"] not in UNHEALTHY:
+            return None
+        why = reason_text(health) or "no error recorded"
+        return f"no replica is running: {why}" if entry.state is ModelState.DOWN else why
 
 
 def _round(value: float | None) -> float | None:
