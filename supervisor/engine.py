@@ -14,12 +14,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
-
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ConfigError, ModelConfig, PoolConfig, load_config
 from supervisor.jobs import Job, JobState
-from supervisor.observe import gpu_memory_by_pid
+from supervisor.observe import ProcessSampler, replica_view
 from supervisor.process import spawn_worker, sweep_stale_workers
 from supervisor.ray_placement import RayCluster
 from supervisor.replica import Replica
@@ -141,6 +139,7 @@ class ModelRouterEngine:
         self._drain: asyncio.Future | None = None  # the one drain of a graceful stop
         self._closed = False
         self._tasks: set[asyncio.Task] = set()
+        self.sampler = ProcessSampler()  # psutil and NVML, off the loop: footprints read its cache
 
     # -- process-wide lifecycle ----------------------------------------------------------
     async def start(self) -> None:
@@ -155,6 +154,7 @@ class ModelRouterEngine:
             log.warning("removed %s, the socket directory of a dead supervisor", path)
         self.transport = Transport()
         self.transport.start()
+        self.sampler.start()
         self._spawn(self._heartbeat_loop())
         for entry in self.models.values():
             if entry.cfg.load_on_start:
@@ -200,6 +200,7 @@ class ModelRouterEngine:
                 await self.transport.close()
             if self.cluster:
                 await self.cluster.close()
+            self.sampler.stop()
 
     def model_state(self, entry: ModelEntry) -> ModelState:
         """The model's state as ops should see it: `loaded` only while some replica
@@ -382,7 +383,7 @@ class ModelRouterEngine:
         entry.used()
         self.loads[reason] = self.loads.get(reason, 0) + 1
         self.load_durations.observe(entry.load_seconds)
-        self._measure(entry)
+        self.sampler.request().add_done_callback(lambda _: self._measure(entry))  # its first footprint
         log.info("model %s loaded in %.2fs (%s)", name, entry.load_seconds, reason)
 
     @staticmethod
@@ -402,40 +403,21 @@ class ModelRouterEngine:
         return (estimate, "estimated") if estimate is not None else (None, None)
 
     def _measure(self, entry: ModelEntry) -> None:
-        """Process-tree RSS of every replica (the worker and its runtime)."""
-        total, seen = 0, False
-        for r in entry.executor.replicas if entry.executor else []:
-            if r.pid is None:
-                continue
-            if r.cfg.remote:  # on its node, as its actor saw it last
-                view = r.proc.view
-                if view.get("rss_bytes") is not None:
-                    total += view["rss_bytes"] + sum(c["rss_bytes"] for c in view["children"])
-                    seen = True
-                continue
-            try:
-                proc = psutil.Process(r.pid)
-                total += proc.memory_info().rss + sum(c.memory_info().rss for c in proc.children(recursive=True))
-                seen = True
-            except psutil.Error:
-                pass
+        """Process-tree RSS of every replica (the worker and its runtime), and its GPU
+        memory per device, from the last process sample (local) or actor view (Ray)."""
+        views = [(r, replica_view(self.sampler, r)) for r in (entry.executor.replicas if entry.executor else [])]
+        seen = [v for _, v in views if v and v.get("rss_bytes") is not None]
         if seen:
-            entry.measured_mb = total / 2**20
-        if self.config.server.gpu_memory_budget_mb is not None and entry.cfg.replica_devices and entry.executor:
-            gpu = gpu_memory_by_pid()
-            if gpu is not None:
-                per_device: dict[str, float] = {}
-                for r in entry.executor.replicas:
-                    try:
-                        proc = psutil.Process(r.pid) if r.pid else None
-                        tree = [proc, *proc.children(recursive=True)] if proc else []
-                    except psutil.Error:
-                        tree = []
-                    used = sum(gpu.get(p.pid, 0) for p in tree) / 2**20
-                    devices = entry.cfg.replica_devices[r.index].split(",")
-                    for d in devices:
-                        per_device[d] = per_device.get(d, 0) + used / len(devices)
-                entry.measured_gpu_mb = per_device
+            entry.measured_mb = sum(v["rss_bytes"] + sum(c["rss_bytes"] for c in v["children"]) for v in seen) / 2**20
+        if (self.config.server.gpu_memory_budget_mb is not None and entry.cfg.replica_devices and entry.executor
+                and self.sampler.sample.gpu_known):
+            per_device: dict[str, float] = {}
+            for r, v in views:
+                used = ((v or {}).get("gpu_memory_bytes") or 0) / 2**20
+                devices = entry.cfg.replica_devices[r.index].split(",")
+                for d in devices:
+                    per_device[d] = per_device.get(d, 0) + used / len(devices)
+            entry.measured_gpu_mb = per_device
 
     def gpu_footprint(self, entry: ModelEntry) -> dict[str, float]:
         """GPU MB per device: declared per replica (split over its devices), else measured."""
