@@ -130,3 +130,26 @@ def test_process_sampler_samples_off_the_loop_and_keeps_only_live_processes():
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def test_process_sampler_passes_on_its_period_and_outlives_a_failed_pass():
+    from supervisor.observe import ProcessSampler
+
+    sampler = ProcessSampler(period_s=0.05)
+    take, calls = sampler._take, []
+
+    def failing_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise psutil.AccessDenied()
+        return take()
+    sampler._take = failing_once
+    sampler.start()
+    try:
+        first = wait_for(lambda: sampler.sample.supervisor_rss and sampler.sample.taken_at, 5,
+                         what="a pass after the failed one")
+        wait_for(lambda: sampler.sample.taken_at > first, 5, what="a pass on the period alone")
+    finally:
+        sampler.stop()
+    sampler._thread.join(5)
+    assert not sampler._thread.is_alive()
