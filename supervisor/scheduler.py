@@ -27,7 +27,7 @@ class Executor:
         self.cfg = cfg
         self.replicas: list[Replica] = []
         self.queue: JobQueue = FifoQueue()  # read-only outside: changed only through the methods below
-        self.choice: ReplicaChoice = make_replica_choice()
+        self.choice: ReplicaChoice = make_replica_choice(cfg.replica_routing, cfg.prefix_cache_tokens)
         self.accepting_new_requests = False
         self.loading = False  # its replicas are being started: jobs wait, and a failure is the load's to report
         self._wake = asyncio.Event()
@@ -98,6 +98,10 @@ class Executor:
 
     def job_finished(self, replica: Replica, job: Job) -> None:
         self.choice.finished(replica, job)
+
+    def replica_restarted(self, replica: Replica) -> None:
+        """A new worker starts for `replica`: its cache starts empty."""
+        self.choice.forget(replica)
 
     def requeue(self, job: Job) -> None:
         """A job lost with its crashed worker before producing anything: it goes
