@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import enum
-import hmac
 import ipaddress
 import json
 import logging
@@ -28,6 +27,7 @@ from fastapi.responses import JSONResponse
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from protocol.errors import ErrorCode, PoolError
+from supervisor.admission import Admission, key_matches, presented_key
 from supervisor.config import ServerConfig
 
 log = logging.getLogger("llm_pool.http")
@@ -79,6 +79,7 @@ class _Phase(enum.Enum):
     BODY = "body"  # headers complete, body not yet
 
 
+TENANT_KEY = "llm_pool.tenant"  # in the ASGI scope of each /v1/ request: admission.Tenant
 DISCONNECT_KEY = "llm_pool.disconnect"  # in the ASGI scope of each request this protocol reads
 
 
@@ -295,12 +296,12 @@ class HttpEdge:
     which gets the body read here; every other request goes on to `app` with
     the body replayed."""
 
-    def __init__(self, app, server: ServerConfig, api_key: str | None, admin_key: str | None,
+    def __init__(self, app, server: ServerConfig, admission: Admission, api_key: str | None, admin_key: str | None,
                  direct: dict | None = None) -> None:
         self.app = app
         self.limit = server.max_body_bytes
         self.direct = direct if direct is not None else {}
-        self.inference = [k.encode() for k in (api_key, admin_key) if k] if api_key else []
+        self.admission = admission
         self.admin = [admin_key.encode()] if admin_key else []
         self.admin_refused = bool(api_key) and not admin_key
         self.allowed_hosts = frozenset(h.lower() for h in server.allowed_hosts)
@@ -349,8 +350,10 @@ class HttpEdge:
     def _refusal(self, scope) -> PoolError | None:
         path = scope["path"]
         if path.startswith("/v1/"):
-            if self.inference and not _key_given(scope["headers"], self.inference):
-                return PoolError(ErrorCode.UNAUTHORIZED, "missing or wrong API key")
+            try:
+                scope[TENANT_KEY] = self.admission.tenant(scope["headers"])
+            except PoolError as refusal:
+                return refusal
             return None
         if not is_admin_path(path):
             return None
@@ -360,7 +363,7 @@ class HttpEdge:
         if self.admin_refused:
             return PoolError(ErrorCode.UNAUTHORIZED, "the admin endpoints are closed: only api_key is set; "
                                                      "set server.admin_key (or LLM_POOL_ADMIN_KEY) to use them")
-        if self.admin and not _key_given(scope["headers"], self.admin):
+        if self.admin and not key_matches(presented_key(scope["headers"]), self.admin):
             return PoolError(ErrorCode.UNAUTHORIZED, "missing or wrong admin key")
         return None
 
@@ -393,17 +396,6 @@ class HttpEdge:
         if server is None or (port or 80) != server[1]:
             return False
         return name in self.local_names or _is_ip_literal(name)  # a page at an IP has no name to rebind
-
-
-def _key_given(headers, wanted: list[bytes]) -> bool:
-    given = b""
-    for name, value in headers:
-        if name == b"authorization" and value[:7].lower() == b"bearer ":
-            given = value[7:]
-            break
-        if name == b"x-api-key":
-            given = value
-    return any(hmac.compare_digest(given, k) for k in wanted)
 
 
 def _is_ip_literal(name: str) -> bool:

@@ -23,7 +23,8 @@ from protocol import Delta, Done
 from protocol.errors import ErrorCode, PoolError
 from supervisor import openai_shapes as shapes
 from supervisor import responses_shapes as rshapes
-from supervisor.http_guard import DISCONNECT_KEY, Disconnect
+from supervisor.admission import DEFAULT_TENANT
+from supervisor.http_guard import DISCONNECT_KEY, TENANT_KEY, Disconnect
 from supervisor.jobs import Job
 from supervisor.metrics import CLIENT_CLOSED
 
@@ -67,7 +68,7 @@ class JobStream(StreamingResponse):
             self.end(self.job)
 
 
-def add_inference_routes(app: FastAPI, engine, metrics, config) -> dict:
+def add_inference_routes(app: FastAPI, engine, admission, metrics, config) -> dict:
     """Declare the inference routes; returns what HttpEdge serves directly: {path: handler}."""
     # -- running a job for a client ------------------------------------------------------------------
     async def collect(job: Job) -> tuple[shapes.Choices, Done]:
@@ -115,7 +116,7 @@ def add_inference_routes(app: FastAPI, engine, metrics, config) -> dict:
         (a client gone at any moment, an error, a cancelled task), the job is
         cancelled unless finished: no slot outlives its request."""
         try:
-            job = engine.submit(model, job_request, job_endpoint)
+            job = admission.submit(request.scope.get(TENANT_KEY, DEFAULT_TENANT), model, job_request, job_endpoint)
         except PoolError as err:
             metrics.request(model, endpoint, err.status, error=err)
             raise
