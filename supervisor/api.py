@@ -50,10 +50,10 @@ def create_app(config: PoolConfig) -> FastAPI:
     app.state.activity = activity = Activity(engine)  # the request log and the live samples
     metrics = Metrics(engine, on_finished=activity.finished)
     admission = Admission(engine, api_key, admin_key)
-    direct = add_inference_routes(app, engine, admission, metrics, config)
+    add_inference_routes(app, engine, admission, metrics, config)
     app.include_router(admin_feeds.router)
     app.include_router(ui.router)
-    app.add_middleware(HttpEdge, server=config.server, admission=admission, api_key=api_key, admin_key=admin_key, direct=direct)
+    app.add_middleware(HttpEdge, server=config.server, admission=admission, api_key=api_key, admin_key=admin_key)
 
     # -- errors -------------------------------------------------------------------------------
     @app.exception_handler(PoolError)
