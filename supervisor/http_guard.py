@@ -170,6 +170,7 @@ class BoundedConnection(asyncio.Protocol):
         self._completed = 0  # requests read whole
         self._timer: TimerHandle | None = None
         self.request: Disconnect | None = None  # of the request whose handler runs (HttpEdge sets it)
+        self._held = False  # reading paused here at a pipelined request
 
     # asyncio.Protocol
     def connection_made(self, transport) -> None:
@@ -260,6 +261,11 @@ class BoundedConnection(asyncio.Protocol):
         self._disarm()
         self._phase = _Phase.BODY
         self._header_bytes = 0
+        if self.request is not None and not self._held:
+            # A pipelined request while one is answered: read no further until that one ends
+            # (a handler waiting on its Disconnect resumed reading; more would pile up unbounded).
+            self._held = True
+            self.transport.pause_reading()
 
     def on_message_complete(self) -> None:
         self._disarm()
@@ -274,6 +280,10 @@ class BoundedConnection(asyncio.Protocol):
 
     def end_request(self) -> None:
         self.request = None
+        if self._held:
+            self._held = False
+            if not self.transport.is_closing():
+                self.transport.resume_reading()
 
     # bounds
     def _refuse_headers(self, why: str) -> None:
@@ -292,6 +302,8 @@ class BoundedConnection(asyncio.Protocol):
 
     def _body_timeout(self) -> None:
         self._timer = None
+        if self._held:  # a pipelined request's body is not read while the one before it is answered
+            return self._arm(self.bounds.body_timeout_s, self._body_timeout)
         _warnings.warn("body_timeout", "closed a connection from %s: body not complete within %gs",
                        self._peer(), self.bounds.body_timeout_s)
         self.transport.abort()
