@@ -8,10 +8,10 @@
   header or body read timeout and no connection cap; this layer adds them.
   It also tells a request's handler when its client goes away (`Disconnect`),
   without a task per request that waits for http.disconnect.
-- `HttpEdge`: one ASGI layer for every request: API keys, the browser rules
-  for the admin surface (Host, Origin, Sec-Fetch-Site) against cross-site and
-  DNS-rebinding requests, and the request body cap; it hands the inference
-  routes their body directly (see `HttpEdge`).
+- `HttpEdge`: one ASGI middleware for every request: keys (for /v1/*, through
+  `admission`), the browser rules for the admin surface (Host, Origin,
+  Sec-Fetch-Site) against cross-site and DNS-rebinding requests, and the
+  request body bounds, each request's and all together.
 """
 
 from __future__ import annotations
@@ -350,11 +350,11 @@ def bounded_protocol(server: ServerConfig, http: str = "httptools") -> type[Boun
 # -- requests -----------------------------------------------------------------------------------------
 class HttpEdge:
     """Every request's first layer: who may call what, checked before anything
-    reads the request, then the body cap. One pure ASGI layer (each layer
+    reads the request, then the body bounds. One pure ASGI layer (each layer
     costs on every request).
 
-    Keys: /v1/* needs the inference key or the admin key when an inference key
-    is set. The admin surface (/admin/*, /docs, /redoc, /openapi.json) needs the
+    Keys: /v1/* goes through `Admission.tenant` (the inference key or the admin
+    key when an inference key is set); the tenant goes in `scope[TENANT_KEY]`. The admin surface (/admin/*, /docs, /redoc, /openapi.json) needs the
     admin key when any key is set; with only an inference key it is refused.
 
     Browser rules for the admin surface, keys or not (a web page must not drive
