@@ -268,8 +268,7 @@ class ModelRouterEngine:
         executor = entry.executor
         executor.accepting_new_requests = False
         if entry.cfg.load_on_demand:
-            entry.pending = list(executor.queue)
-            executor.queue.clear()
+            entry.pending = executor.take_queued()
         if spawn:
             self._spawn(self.unload(entry.cfg.name))
 
@@ -286,7 +285,7 @@ class ModelRouterEngine:
                 job.finish(error)
             return
         log.info("model %s: %d requests waited through its unload; loading it again", entry.cfg.name, len(waiting))
-        self._load_on_demand(entry).queue.extend(waiting)
+        self._load_on_demand(entry).adopt(waiting)
 
     # -- load / unload ----------------------------------------------------------------------
     def entry(self, name: str, removed_too: bool = False) -> ModelEntry:
@@ -388,8 +387,7 @@ class ModelRouterEngine:
     @staticmethod
     def _fail_waiters(executor: Executor, error: PoolError) -> None:
         executor.accepting_new_requests = False
-        while executor.queue:
-            executor.queue.popleft().finish(error)
+        executor.fail_queued(error)
 
     # -- memory budget -------------------------------------------------------------------------
     def footprint(self, entry: ModelEntry) -> tuple[float | None, str | None]:
@@ -527,13 +525,11 @@ class ModelRouterEngine:
                               f"{self._fit_text(entry, short)}; nothing loaded there can be unloaded now",
                               retry_after_s=1)
             executor = entry.executor
-            for job in executor.queue:
-                job.queue_reason = error  # a waiter that times out says why it waited
+            executor.mark_queued(error)  # a waiter that times out says why it waited
             if time.monotonic() >= deadline or self.shutting_down or (waiters_only and not executor.queue):
                 raise error
             await asyncio.sleep(min(self.config.server.heartbeat_s, 0.25))
-        for job in entry.executor.queue:
-            job.queue_reason = None
+        entry.executor.mark_queued(None)
         if evicted:
             self.swaps += 1
         entry.holds_memory = True
