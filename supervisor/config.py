@@ -43,6 +43,8 @@ class ServerConfig(_Strict):
     # tool calls). Past it the job ends with 502 runtime_error and its worker stops it.
     max_job_output_bytes: int = Field(64 * 2**20, ge=64 * 1024)
     # The HTTP edge (supervisor/http_guard.py): bounds on what a client may send before a route runs.
+    # the request bodies being read, all together (each at most max_body_bytes); more: 429, retry
+    max_buffered_body_bytes: int = Field(256 * 1024 * 1024, ge=1024)
     allowed_hosts: list[str] = Field(default_factory=list)  # more Host names for /admin ("name" or "name:port")
     max_connections: int = Field(1000, ge=1, le=1_000_000)  # more are closed at once
     max_header_bytes: int = Field(64 * 1024, ge=1024, le=16 * 1024 * 1024)  # request line + headers; else 431
@@ -70,6 +72,14 @@ class ServerConfig(_Strict):
             if not h or any(c.isspace() or c in "/@?#," for c in h):
                 raise ValueError(f"{h!r} is not a host name (expected 'name', 'name:port' or '*')")
         return hosts
+
+    @field_validator("max_buffered_body_bytes")
+    @classmethod
+    def _room_for_one_body(cls, value: int, info: ValidationInfo) -> int:
+        largest = info.data.get("max_body_bytes")
+        if largest is not None and value < largest:
+            raise ValueError(f"must be at least max_body_bytes ({largest})")
+        return value
 
     @field_validator("ray_address")
     @classmethod

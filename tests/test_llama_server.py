@@ -108,7 +108,7 @@ def test_unload_drains_a_real_generation(make_pool, tiny_gguf, llama_server_bin)
             events = sse_events(r)
             while next(events)["type"] != "response.output_text.delta":
                 pass
-            unload = ex.submit(pool.http.post, "/admin/models/tiny/unload")
+            unload = ex.submit(pool.http.post, "/admin/models/tiny/unload", timeout=120)  # it waits out the drain
             wait_for(lambda: pool.model("tiny")["state"] == "unloading", 10, what="unloading")
             assert child.is_running()  # still generating for us
             last = None

@@ -202,7 +202,7 @@ class Lifecycle:
         entry.used()
         self.loads[reason] = self.loads.get(reason, 0) + 1
         self.load_durations.observe(entry.load_seconds)
-        self.memory.measure(entry)
+        self.memory.measure_soon(entry)  # its first footprint
         emit(EventKind.LOADED, f"model {name} loaded in {entry.load_seconds:.2f}s ({reason})", model=name, by=by)
 
     def _detach(self, entry: ModelEntry) -> None:
