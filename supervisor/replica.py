@@ -191,6 +191,9 @@ class Replica:
                 "--target-inflight", str(self.cfg.target_inflight),
                 "--heartbeat-s", str(self.server.heartbeat_s), "--liveness-s", str(self.server.liveness_s),
                 "--stop-timeout-s", str(self.cfg.stop_timeout_s), "--cancel-grace-s", str(self.cfg.cancel_grace_s),
+                "--supervisor-patience-s", str(self.server.supervisor_patience_s),
+                "--max-job-output-bytes", str(self.server.max_job_output_bytes),
+                "--max-upstream-line-bytes", str(self.server.max_upstream_line_bytes),
             ], self.log_path, env)
         except OSError as exc:  # nothing to wait for or restart: fatal until an operator acts
             self.transport.unregister(self.identity)
@@ -366,6 +369,11 @@ class Replica:
         if job.id in self.inflight and not job.cancel_requested:
             job.cancel_requested = True
             self.transport.send(self.identity, p.Cancel(job=job.id))
+
+    def excuse_silence(self, stalled_s: float) -> None:
+        """The supervisor itself was stalled `stalled_s`: that much of the worker's
+        silence is not the worker's (its words wait, unread, in the socket)."""
+        self.last_heard += stalled_s
 
     def heartbeat(self, now: float) -> None:
         """Called every heartbeat period by the engine: ping the worker, and kill

@@ -23,7 +23,7 @@ class OpenAIRemoteBackend(OpenAIServerBackend):
         if key_env and not key:
             raise BackendLoadError(f"environment variable {key_env} (options.api_key_env) is not set")
         self.client = OpenAIClient(base_url, key, keep_alive=True, model=self.options["model"],
-                                   extra=extra_body(self.options))
+                                   extra=extra_body(self.options), limits=self.limits)
         return self.target_inflight, {"base_url": base_url}
 
     async def stop(self) -> None:
