@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -43,9 +42,8 @@ class Worker:
         sock.connect(args.endpoint)
         self.sock = LoopSocket(sock, self.on_frames)
         self.outbox = Outbox(self.sock, on_job_failed=self.cancel_job)
-        self.backend: Backend = backend_class(args.backend)(
-            json.loads(args.options), args.target_inflight, log, stop_timeout_s=args.stop_timeout_s,
-            limits=OutputLimits(args.max_job_output_bytes, args.max_upstream_line_bytes))
+        self.backend: Backend | None = None  # made once Setup brings the options
+        self.setup: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
         self.capacity = 0
         self.jobs: dict[str, asyncio.Task] = {}
         self.cancel_watch = CancelWatch(args.cancel_grace_s)
@@ -87,7 +85,8 @@ class Worker:
         try:
             # a native runtime gets stop_timeout_s from SIGTERM to SIGKILL inside backend.stop();
             # this bound only guards a stop that hangs, so it must not cut that grace short
-            await asyncio.wait_for(self.backend.stop(), timeout=self.args.stop_timeout_s + 5)
+            if self.backend is not None:
+                await asyncio.wait_for(self.backend.stop(), timeout=self.args.stop_timeout_s + 5)
         except Exception:
             log.exception("backend stop failed")
         self.sock.close()
@@ -100,6 +99,10 @@ class Worker:
             self.stopping.set()
 
     async def load(self) -> None:
+        options = await self.setup  # the supervisor's answer to Hello: secrets never ride in argv
+        self.backend = backend_class(self.args.backend)(
+            options, self.args.target_inflight, log, stop_timeout_s=self.args.stop_timeout_s,
+            limits=OutputLimits(self.args.max_job_output_bytes, self.args.max_upstream_line_bytes))
         started = time.monotonic()
         try:
             capacity, info = await self.backend.start()
@@ -141,6 +144,9 @@ class Worker:
                     task.add_done_callback(lambda t, job=job: self._job_ended(job))
             case p.Cancel(job=job):
                 self.cancel_job(job)
+            case p.Setup(options=options):
+                if not self.setup.done():
+                    self.setup.set_result(options)
             case p.Shutdown():
                 self.stop(WorkerExit.OK)
             case p.Heartbeat():
@@ -235,7 +241,7 @@ class Worker:
                 self._silence_told = False
                 log.info("the supervisor answers again")
             self.send(p.Heartbeat(inflight=len(self.jobs), jobs=list(self.jobs), submits_seen=self.submits_seen))
-            pid = self.backend.runtime_pid()
+            pid = self.backend.runtime_pid() if self.backend is not None else None
             busy = self.cancel_watch.busy_for(pid, not self.jobs, time.monotonic())
             if busy is not None:
                 log.error("the runtime is still busy %.0fs after a cancel left it no job (a cancel it "
@@ -251,7 +257,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="supervisor ROUTER endpoint (ipc://..., or tcp://... with CURVE keys in the environment)")
     ap.add_argument("--replica", required=True, help="routing identity, e.g. model/0")
     ap.add_argument("--backend", required=True)
-    ap.add_argument("--options", default="{}", help="backend options as JSON")
     ap.add_argument("--target-inflight", type=int, default=1)
     ap.add_argument("--parent-pid", type=int, default=os.getppid())
     ap.add_argument("--heartbeat-s", type=float, default=1.0)

@@ -21,9 +21,10 @@ import aiohttp
 import httpx
 
 from protocol.errors import ErrorCode
+from protocol.redact import mask_url_credentials
 from runtime_worker.backends.base import (
     Backend, BackendLoadError, Event, Finished, JobError, OutputLimits, PartsDelta, TextDelta)
-from runtime_worker.lifeline import die_with_parent
+from runtime_worker.lifeline import lifeline_argv
 
 
 def free_port() -> int:
@@ -105,7 +106,7 @@ class OpenAIClient:
                                             choices=requested_choices(request)):
                 yield event
         except (aiohttp.ClientError, ConnectionError) as exc:  # refused, or cut mid-stream
-            raise JobError(ErrorCode.RUNTIME_CRASHED, f"lost the connection to the runtime: {exc!r}") from None
+            raise JobError(ErrorCode.RUNTIME_CRASHED, "lost the connection to the runtime: " + mask_url_credentials(repr(exc))) from None
 
     async def fetch(self, request: dict, path: str = "/embeddings") -> AsyncIterator[Event]:
         """One request answered whole (embeddings): a single Finished with the result."""
@@ -118,7 +119,7 @@ class OpenAIClient:
             finally:
                 r.close()
         except (aiohttp.ClientError, ConnectionError) as exc:
-            raise JobError(ErrorCode.RUNTIME_CRASHED, f"lost the connection to the runtime: {exc!r}") from None
+            raise JobError(ErrorCode.RUNTIME_CRASHED, "lost the connection to the runtime: " + mask_url_credentials(repr(exc))) from None
         except ValueError as exc:
             raise JobError(ErrorCode.RUNTIME_ERROR, f"the runtime answered with invalid JSON: {exc}") from None
         if not isinstance(result, dict):
@@ -310,12 +311,12 @@ class NativeServer:
         """Start the server. Its API key goes in the environment variable
         `key_env` (private to this user), never in argv, which any user can
         read through ps."""
-        self.log.info("starting %s: %s", self.name, " ".join(argv))
+        self.log.info("starting %s: %s", self.name, mask_url_credentials(" ".join(argv)))
         self.proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            *lifeline_argv(argv),  # gone with the worker, even on SIGKILL (no preexec_fn: see lifeline.py)
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT, env={**os.environ, **(env or {}), key_env: self.api_key},
             start_new_session=True,  # its own group, killed as one
-            preexec_fn=die_with_parent,  # gone with the worker, even on SIGKILL
         )
         self._relay = asyncio.create_task(self._relay_output(), name=f"relay-{self.name}")
         self._relay.add_done_callback(self._relay_ended)

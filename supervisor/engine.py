@@ -319,8 +319,10 @@ class ModelRouterEngine:
         if entry.cfg.remote and self.cluster is None:
             self.cluster = RayCluster(self.config.server, self.transport)
         launcher = self.cluster.launcher(entry.cfg) if entry.cfg.remote else spawn_worker
+        # every model's key variable: each worker sees its own model's alone
+        key_env = frozenset(m.options["api_key_env"] for m in self.config.models if m.options.get("api_key_env"))
         executor.replicas = [Replica(entry.cfg, self.config.server, i, self.transport, self.log_dir, executor,
-                                     launcher=launcher) for i in range(entry.cfg.replicas)]
+                                     launcher=launcher, secret_env=key_env) for i in range(entry.cfg.replicas)]
         executor.loading = True
         executor.start()
         entry.executor = executor

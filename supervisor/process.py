@@ -17,6 +17,14 @@ log = logging.getLogger("llm_pool.process")
 
 # Set in every worker's environment: which supervisor owns it.
 OWNER_ENV = "LLM_POOL_SUPERVISOR_PID"
+# The pool's own keys: never in a worker's (hence a runtime's) environment.
+POOL_SECRET_ENV = frozenset({"LLM_POOL_API_KEY", "LLM_POOL_ADMIN_KEY"})
+
+
+def worker_env(base: dict[str, str], extra: dict[str, str | None]) -> dict[str, str]:
+    """`base` with `extra` over it; a name whose value is None is left out (a secret it must not see)."""
+    env = {**base, **extra}
+    return {name: value for name, value in env.items() if value is not None}
 
 
 class WorkerProcess:
@@ -94,11 +102,11 @@ class WorkerProcess:
         return await self._proc.wait()
 
 
-async def spawn_worker(args: list[str], log_path: Path, extra_env: dict[str, str]) -> WorkerProcess:
+async def spawn_worker(args: list[str], log_path: Path, extra_env: dict[str, str | None]) -> WorkerProcess:
     """Start `python -m runtime_worker ARGS`. Raises OSError when it cannot
-    (log directory not creatable, no such interpreter, out of pids)."""
-    env = dict(os.environ)
-    env.update(extra_env)
+    (log directory not creatable, no such interpreter, out of pids).
+    `extra_env` over this process's environment; None values remove a name."""
+    env = worker_env(dict(os.environ), extra_env)
     env[OWNER_ENV] = str(os.getpid())
     env.setdefault("PYTHONUNBUFFERED", "1")
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,7 @@ import zmq
 
 from protocol.curve import curve_env
 from supervisor.config import ModelConfig, ServerConfig
-from supervisor.process import OWNER_ENV, WorkerProcess
+from supervisor.process import OWNER_ENV, WorkerProcess, worker_env
 from supervisor.transport import Transport
 
 log = logging.getLogger("llm_pool.ray")
@@ -88,7 +88,7 @@ class WorkerHost:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "runtime_worker", *args,
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            env={**os.environ, **env, OWNER_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"},
+            env=worker_env(dict(os.environ), {**env, OWNER_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"}),
             start_new_session=True)
         self.worker = WorkerProcess(proc)
         self._relay = asyncio.create_task(self._keep_output(proc.stdout))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -17,9 +16,10 @@ from typing import Protocol
 
 import protocol as p
 from protocol.errors import ErrorCode, PoolError
+from protocol.redact import mask_values
 from supervisor.config import ModelConfig, ServerConfig
 from supervisor.jobs import Job, JobState
-from supervisor.process import WorkerProcess, spawn_worker
+from supervisor.process import POOL_SECRET_ENV, WorkerProcess, spawn_worker
 from supervisor.restart_policy import CrashHistory, RestartPolicy, restart_delay
 from supervisor.states import REPLICA_TRANSITIONS, ReplicaState, transition
 from supervisor.transport import Transport
@@ -68,7 +68,8 @@ def _log_failure(task: asyncio.Task) -> None:
 class Replica:
     def __init__(self, cfg: ModelConfig, server: ServerConfig, index: int, transport: Transport,
                  log_dir: Path, owner: ReplicaOwner, policy: RestartPolicy | None = None,
-                 launcher: Launcher = spawn_worker, clock: Callable[[], float] = time.monotonic) -> None:
+                 launcher: Launcher = spawn_worker, clock: Callable[[], float] = time.monotonic,
+                 secret_env: frozenset[str] = frozenset()) -> None:
         self.cfg = cfg
         self.server = server
         self.index = index
@@ -78,6 +79,9 @@ class Replica:
         self.owner = owner
         self.policy = policy or RestartPolicy()
         self.launcher = launcher
+        # environment variables its worker must not see: the pool's keys, other models' keys
+        own_key = cfg.options.get("api_key_env")
+        self.hidden_env = (secret_env | POOL_SECRET_ENV) - {own_key}
         self.clock = clock  # monotonic seconds
         self.state = ReplicaState.STOPPED
         self.identity = ""
@@ -179,7 +183,7 @@ class Replica:
         self.connected = False
         self._ready = ready = asyncio.get_running_loop().create_future()
         self.transport.register(self.identity, self._on_message)
-        env = {}
+        env: dict[str, str | None] = dict.fromkeys(self.hidden_env)  # None: left out (process.worker_env)
         if self.cfg.replica_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.cfg.replica_devices[self.index]
         try:
@@ -187,7 +191,7 @@ class Replica:
             endpoint = self.launcher.endpoint if self.cfg.remote else self.transport.endpoint
             self.proc = await self.launcher([
                 "--endpoint", endpoint, "--replica", self.identity,
-                "--backend", self.cfg.backend, "--options", json.dumps(self.cfg.options),
+                "--backend", self.cfg.backend,  # its options (secrets among them) follow Hello, in Setup
                 "--target-inflight", str(self.cfg.target_inflight),
                 "--heartbeat-s", str(self.server.heartbeat_s), "--liveness-s", str(self.server.liveness_s),
                 "--stop-timeout-s", str(self.cfg.stop_timeout_s), "--cancel-grace-s", str(self.cfg.cancel_grace_s),
@@ -446,7 +450,7 @@ class Replica:
             case p.Ready(capacity=capacity, info=info):
                 self.runtime_capacity = capacity
                 self.capacity = max(0, min(self.cfg.target_inflight, capacity))
-                self.info = info
+                self.info = mask_values(info)  # shown in /admin/workers: no credentials in a URL
                 self.ready_at = self.clock()
                 if self.proc:
                     self.proc.snapshot()  # the runtime's processes exist by now
@@ -468,4 +472,4 @@ class Replica:
             case p.Heartbeat():
                 self._reconcile_jobs(msg)
             case p.Hello():
-                pass
+                self.transport.send(self.identity, p.Setup(options=self.cfg.options))

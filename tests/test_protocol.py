@@ -22,7 +22,7 @@ MESSAGES = [
     p.Error(job="j", code="unsupported_parameter", message="no", param="tools"),
     p.Done(job="j", finish_reason="stop", usage={"input_tokens": 1, "output_tokens": 2}),
     p.Error(job=None, code="load_failed", message="no file"), p.Error(job="j", code="runtime_error", message="x"),
-    p.Heartbeat(inflight=2), p.Shutdown(),
+    p.Heartbeat(inflight=2), p.Shutdown(), p.Setup(options={"base_url": "https://u:p@h/v1", "env": {"T": "x"}}),
 ]
 
 

@@ -1,0 +1,18 @@
+"""Credentials in URLs (https://user:secret@host/...) never reach a view or a log."""
+
+from __future__ import annotations
+
+import re
+
+# scheme://userinfo@ : the userinfo is everything up to the @ before the host (no /, no space)
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s]+@")
+
+
+def mask_url_credentials(text: str) -> str:
+    """`text` with the user:password part of every URL in it replaced by ***."""
+    return _USERINFO.sub(r"\1***@", text) if "@" in text else text
+
+
+def mask_values(info: dict) -> dict:
+    """A flat map whose text values have their URL credentials masked."""
+    return {k: mask_url_credentials(v) if isinstance(v, str) else v for k, v in info.items()}
