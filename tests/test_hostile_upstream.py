@@ -230,3 +230,34 @@ def test_a_broken_answer_is_never_a_success(pool, prompt):
         assert not any(c.get("finish_reason") == "stop" for e in events for c in e.get("choices") or ()), r.text
     else:
         assert r.status_code == 502 and r.json()["error"]["code"] == "runtime_error", r.text
+
+
+def test_sse_lines_are_found_across_any_chunking():
+    """Pure: the reader's lines, whatever the chunk boundaries, line endings or comment lines."""
+    import asyncio
+
+    from runtime_worker.backends.base import JobError
+    from runtime_worker.native_server import sse_data
+
+    class Body:  # what sse_data reads: UpstreamBody.chunks()
+        def __init__(self, pieces):
+            self.pieces = pieces
+
+        async def chunks(self):
+            for piece in self.pieces:
+                yield piece
+
+    def lines(pieces, cap=64):
+        async def run():
+            return [d async for d in sse_data(Body(pieces), cap)]
+        return asyncio.run(run())
+
+    text = b": ping\n\ndata: {\"a\": 1}\r\n\nevent: x\ndata:{\"b\":2}\n\ndata: [DONE]\n\n"
+    want = [b'{"a": 1}', b'{"b":2}', b"[DONE]"]
+    for size in (1, 2, 3, 7, len(text)):
+        assert lines([text[i:i + size] for i in range(0, len(text), size)]) == want, size
+    assert lines([b"data: x\n", b"data: y"]) == [b"x", b"y"]  # an unfinished last line still counts
+    for pieces in ([b"data: " + b"z" * 100 + b"\n"], [b"data: "] + [b"z"] * 100):  # over the 64 byte cap
+        with pytest.raises(JobError, match="longer than"):
+            lines(pieces)
+    assert lines([b"\n" * 10_000, b": c\n" * 1000, b"data: ok\n"]) == [b"ok"]  # long lines of nothing: fine
