@@ -36,7 +36,8 @@ ENDPOINTS = ("chat", "completions", "embeddings")  # /v1/chat/completions, /v1/c
 class Submit:
     TYPE: ClassVar[str] = "submit"
     job: str
-    # the client's OpenAI body for `endpoint`, less what the pool owns (model, stream, stream_options)
+    # the client's OpenAI body for `endpoint`, less what the pool owns (model, stream, stream_options);
+    # "stream": false when the client wants the answer whole (a runtime that can answer whole does)
     request: dict
     endpoint: str = "chat"  # one of ENDPOINTS
 

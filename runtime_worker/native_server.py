@@ -88,23 +88,29 @@ class OpenAIClient:
                 auto_decompress=False)  # aiohttp would inflate a whole chunk at once, unbounded
         return self._session
 
-    def body(self, request: dict, stream: bool) -> dict:
+    def body(self, request: dict, stream: bool, generate: bool = True) -> dict:
         # extra_body holds generation settings (ignore_eos, top_k, ...): not for embeddings
-        body = {**self.extra, **request} if stream else dict(request)
+        body = {**self.extra, **request} if generate else dict(request)
         if self.model:
             body["model"] = self.model
         if stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
+        else:
+            body.pop("stream", None)
         return body
 
     async def stream(self, request: dict, path: str = "/chat/completions") -> AsyncIterator[Event]:
-        """Stream one chat (or, with path /completions, legacy) completion.
+        """One chat (or, with path /completions, legacy) completion: streamed,
+        unless the client wants it whole (`"stream": false` in the request);
+        then the server's own whole answer is relayed, as it made it (a text
+        cut inside a character keeps the server's U+FFFD, which a stream drops).
         Cancelling the consumer closes the HTTP stream, which makes the server
         drop the request and free its slot."""
+        chat, choices = path == "/chat/completions", requested_choices(request)
         try:
-            async for event in self._stream(path, self.body(request, stream=True), chat=path == "/chat/completions",
-                                            choices=requested_choices(request)):
+            async for event in self._complete(path, self.body(request, stream=request.get("stream") is not False),
+                                              chat, choices):
                 yield event
         except (aiohttp.ClientError, ConnectionError) as exc:  # refused, or cut mid-stream
             raise JobError(ErrorCode.RUNTIME_CRASHED, "lost the connection to the runtime: " + mask_url_credentials(repr(exc))) from None
@@ -112,7 +118,7 @@ class OpenAIClient:
     async def fetch(self, request: dict, path: str = "/embeddings") -> AsyncIterator[Event]:
         """One request answered whole (embeddings): a single Finished with the result."""
         try:
-            r = await self._post(path, self.body(request, stream=False))
+            r = await self._post(path, self.body(request, stream=False, generate=False))
             try:
                 if r.status != 200:
                     raise upstream_error(r.status, await UpstreamBody(r, self.limits).error_text())
@@ -144,68 +150,120 @@ class OpenAIClient:
                 if not self.keep_alive or failures > STALE_RETRIES:
                     raise
 
-    async def _stream(self, path: str, body: dict, chat: bool, choices: int) -> AsyncIterator[Event]:
-        finishes: dict[int, str] = {}
-        seen = {0}  # choice indexes that produced output (choice 0 always owes a finish_reason)
-        usage, produced, done = None, 0, False
+    async def _complete(self, path: str, body: dict, chat: bool, choices: int) -> AsyncIterator[Event]:
+        """Send a completion request and relay the answer: an event stream (what
+        the pool asks for unless the client wants the answer whole), or, for a
+        request sent with stream off, the JSON answer. Anything else is an error."""
+        whole = not body.get("stream")
         r = await self._post(path, body)
         try:
             upstream = UpstreamBody(r, self.limits)
             if r.status != 200:
                 raise upstream_error(r.status, await upstream.error_text())
-            if r.content_type != "text/event-stream":  # an HTML page, a JSON answer: no stream at all
-                raise JobError(ErrorCode.RUNTIME_ERROR, f"the runtime answered a streamed request with "
-                               f"{r.content_type or 'no content type'!s}, not text/event-stream")
-            async for data in sse_data(upstream, self.limits.max_upstream_line_bytes):
-                if data == b"[DONE]":
-                    done = True
-                    if self.keep_alive:  # the connection goes back to the pool only once drained
-                        await upstream.drain()
-                    break
-                try:
-                    chunk = json.loads(data)
-                except ValueError as exc:
-                    raise JobError(ErrorCode.RUNTIME_ERROR, f"the runtime sent an event that is not JSON: "
-                                   f"{exc}") from None
-                if not isinstance(chunk, dict):
-                    raise JobError(ErrorCode.RUNTIME_ERROR, "the runtime sent an event that is not a JSON object")
-                if "error" in chunk:
-                    err = chunk["error"]
-                    raise JobError(ErrorCode.RUNTIME_ERROR, str(err.get("message", err) if isinstance(err, dict)
-                                                                else err)[:ERROR_TEXT_CHARS])
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                for choice in chunk.get("choices") or ():
-                    index = choice_index(choice, choices)
-                    event = choice_event(choice, chat, index=index)
-                    if event is not None:
-                        seen.add(index)
-                        produced += 1
-                        yield event
-                    if choice.get("finish_reason"):
-                        finishes[index] = str(choice["finish_reason"])
+            if r.content_type == "text/event-stream":
+                async for event in self._read_stream(upstream, chat, choices):
+                    yield event
+            elif whole and r.content_type == "application/json":
+                raw = await upstream.read()
+                r.close()
+                for event in answer_events(raw, chat, choices):
+                    yield event
+            else:  # an HTML page, a JSON answer to a stream: no answer at all
+                wanted = "application/json or text/event-stream" if whole else "text/event-stream"
+                raise JobError(ErrorCode.RUNTIME_ERROR, f"the runtime answered with "
+                               f"{r.content_type or 'no content type'}, not {wanted}")
         finally:
             # mid-stream (a cancel, an error) this drops the connection, so the server drops the
             # request and frees its slot; after a body read to its end it is a no-op
             r.close()
+
+    async def _read_stream(self, upstream: UpstreamBody, chat: bool, choices: int) -> AsyncIterator[Event]:
+        finishes: dict[int, str] = {}
+        seen = {0}  # choice indexes that produced output (choice 0 always owes a finish_reason)
+        usage, produced, done = None, 0, False
+        async for data in sse_data(upstream, self.limits.max_upstream_line_bytes):
+            if data == b"[DONE]":
+                done = True
+                if self.keep_alive:  # the connection goes back to the pool only once drained
+                    await upstream.drain()
+                break
+            chunk = json_object(data, "an event")
+            if "error" in chunk:
+                raise runtime_reported(chunk["error"])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices") or ():
+                index = choice_index(choice, choices)
+                event = choice_event(choice, chat, index=index)
+                if event is not None:
+                    seen.add(index)
+                    produced += 1
+                    yield event
+                if choice.get("finish_reason"):
+                    finishes[index] = str(choice["finish_reason"])
         # a stream cut short is no success, whatever it held: never a made-up "stop"
         if not done:
             raise JobError(ErrorCode.RUNTIME_ERROR, "the runtime's stream ended before [DONE] (cut short)")
         if unfinished := sorted(seen - finishes.keys()):
             raise JobError(ErrorCode.RUNTIME_ERROR,
                            f"the runtime's stream ended with no finish_reason for choice {unfinished[0]}")
-        usage = usage if isinstance(usage, dict) else {}
-        # below `choices` (at most MAX_CHOICES): a choice that said nothing at all stopped
-        reasons = tuple(finishes.get(i, "stop") for i in range(max(finishes) + 1))
-        yield Finished(reasons[0], int(usage.get("prompt_tokens", 0)),
-                       int(usage.get("completion_tokens", produced)), reasons if len(reasons) > 1 else (),
-                       cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
-                       reasoning_tokens=int((usage.get("completion_tokens_details") or {}).get("reasoning_tokens")
-                                            or 0))
+        yield finished(finishes, usage, produced)
 
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+def json_object(data: bytes, what: str) -> dict:
+    try:
+        value = json.loads(data)
+    except ValueError as exc:
+        raise JobError(ErrorCode.RUNTIME_ERROR, f"the runtime sent {what} that is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise JobError(ErrorCode.RUNTIME_ERROR, f"the runtime sent {what} that is not a JSON object")
+    return value
+
+
+def runtime_reported(err) -> JobError:
+    """An error the runtime put in its answer (in a stream's event, or in place of a whole one)."""
+    return JobError(ErrorCode.RUNTIME_ERROR,
+                    str(err.get("message", err) if isinstance(err, dict) else err)[:ERROR_TEXT_CHARS])
+
+
+def answer_events(raw: bytes, chat: bool, choices: int) -> list[Event]:
+    """A whole completion as the events its stream would have given."""
+    answer = json_object(raw, "an answer")
+    if "error" in answer:
+        raise runtime_reported(answer["error"])
+    events: list[Event] = []
+    finishes: dict[int, str] = {}
+    for choice in answer.get("choices") or ():
+        index = choice_index(choice, choices)
+        if chat:  # a message is one delta holding everything; its tool calls are numbered by place
+            message = choice.get("message") or {}
+            calls = [{**call, "index": n} for n, call in enumerate(message.get("tool_calls") or ())]
+            choice = {"delta": {**message, "tool_calls": calls}, "logprobs": choice.get("logprobs"),
+                      "finish_reason": choice.get("finish_reason")}
+        if (event := choice_event(choice, chat, index=index)) is not None:
+            events.append(event)
+        if not choice.get("finish_reason"):
+            raise JobError(ErrorCode.RUNTIME_ERROR, f"the runtime's answer has no finish_reason for choice {index}")
+        finishes[index] = str(choice["finish_reason"])
+    if 0 not in finishes:
+        raise JobError(ErrorCode.RUNTIME_ERROR, "the runtime's answer has no choice 0")
+    return [*events, finished(finishes, answer.get("usage"), len(events))]
+
+
+def finished(finishes: dict[int, str], usage, produced: int) -> Finished:
+    """The end of a completion: per choice finish reasons (below the request's
+    `n`, so at most MAX_CHOICES; a choice that said nothing at all stopped) and usage."""
+    usage = usage if isinstance(usage, dict) else {}
+    reasons = tuple(finishes.get(i, "stop") for i in range(max(finishes) + 1))
+    return Finished(reasons[0], int(usage.get("prompt_tokens", 0)),
+                    int(usage.get("completion_tokens", produced)), reasons if len(reasons) > 1 else (),
+                    cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
+                    reasoning_tokens=int((usage.get("completion_tokens_details") or {}).get("reasoning_tokens")
+                                         or 0))
 
 
 def requested_choices(request: dict) -> int:

@@ -71,9 +71,42 @@ class Hostile(BaseHTTPRequestHandler):
             return
         prompt = body["messages"][-1]["content"]
         try:
-            self.answer(prompt)
+            self.answer(prompt) if body.get("stream") else self.answer_whole(prompt)
         except (BrokenPipeError, ConnectionResetError):  # the pool hung up on it: that is the point
             pass
+
+    def answer_whole(self, prompt: str) -> None:
+        """The same faults, for a request that wants its answer whole (JSON)."""
+        w = self.wfile
+
+        def whole(choices: list[dict], kind: str = "application/json") -> None:
+            self.head(kind=kind)
+            w.write(json.dumps({"id": "c", "object": "chat.completion", "choices": choices}).encode())
+
+        def message(text: str, index: int = 0, reason: str | None = "stop") -> dict:
+            return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+
+        if prompt == "slow":
+            time.sleep(1)
+            whole([message("".join(f"t{i} " for i in range(30)))])
+        elif prompt in ("endless-line", "flood"):  # 40 MiB of answer: past the job's budget
+            whole([message("y" * 40 * MiB)])
+        elif prompt == "bomb":
+            self.head(kind="application/json", Content_Encoding="gzip", Content_Length=str(len(self.bomb)))
+            w.write(self.bomb)
+        elif prompt in ("huge-index", "far-choice"):
+            whole([message("a"), message("x", 20_000_000)])
+        elif prompt == "html":
+            whole([message("hi")], kind="text/html")
+        elif prompt == "json":  # a good whole answer: for this request, not a fault
+            whole([message("hi")])
+        elif prompt == "redirect":
+            self.head(302, Location="/v1/done")
+        elif prompt == "cut":  # half of an answer, then the connection ends
+            self.head(kind="application/json")
+            w.write(b'{"id": "c", "choices": [{"index": 0, "message": {"content": "The answer is')
+        elif prompt == "no-finish":
+            whole([message("half", reason=None)])
 
     def answer(self, prompt: str) -> None:
         w = self.wfile
@@ -147,6 +180,18 @@ def ask(pool: Pool, prompt: str, stream: bool = False) -> httpx.Response:
                                       "messages": [{"role": "user", "content": prompt}]})
 
 
+def failure(r: httpx.Response) -> dict:
+    """The error a client saw: a 502's body, or a stream's error event (a stream never ends "stop" then)."""
+    if r.status_code != 200:
+        assert r.status_code == 502, r.text
+        return r.json()["error"]
+    events = stream_events(r)
+    assert not any(c.get("finish_reason") == "stop" for e in events for c in e.get("choices") or ()), r.text
+    errors = [e["error"] for e in events if "error" in e]
+    assert errors, r.text
+    return errors[0]
+
+
 def peak_rss(pid: int) -> int:
     """The process's resident-set high-water mark (VmHWM), in bytes."""
     with open(f"/proc/{pid}/status") as f:
@@ -189,9 +234,10 @@ def test_oversized_answers_fail_their_job_within_bounded_memory(pool):
     before = psutil.Process(worker).memory_info().rss
     for prompt, words in [("endless-line", "line longer than"), ("bomb", "max_job_output_bytes"),
                           ("flood", "max_job_output_bytes")]:
-        r = ask(pool, prompt)
-        assert r.status_code == 502 and r.json()["error"]["code"] == "runtime_error", (prompt, r.text)
-        assert words in r.json()["error"]["message"], (prompt, r.text)
+        for stream in (True, False):
+            error = failure(ask(pool, prompt, stream))
+            assert error["code"] == "runtime_error", (prompt, stream, error)
+            assert (words if stream else "max_job_output_bytes") in error["message"], (prompt, stream, error)
     # Bound: the worker's peak (VmHWM) grows less than 4 x the 16 MiB budget over its resting size; a
     # 40 MiB line read whole (twice over, as it grows), or a 256 MiB inflated bomb, would pass it.
     grown = peak_rss(worker) - before
@@ -209,9 +255,9 @@ def test_a_choice_index_past_n_is_a_protocol_error_not_an_allocation(pool):
     supervisor_before = psutil.Process(pool.proc.pid).memory_info().rss
     ex, honest, other = bystanders(pool)
     for prompt in ("huge-index", "far-choice"):
-        r = ask(pool, prompt)
-        assert r.status_code == 502 and r.json()["error"]["code"] == "protocol_error", (prompt, r.text)
-        assert "choice index" in r.json()["error"]["message"]
+        for stream in (True, False):
+            error = failure(ask(pool, prompt, stream))
+            assert error["code"] == "protocol_error" and "choice index" in error["message"], (prompt, stream, error)
     # Bound: 32 MiB, for peaks of the worker and (resident) of the supervisor; a list of
     # 2x10^7 finish reasons, or 3x10^6 choices, takes hundreds of MiB.
     assert peak_rss(pids["hostile"]) - before < 32 * MiB
@@ -221,15 +267,9 @@ def test_a_choice_index_past_n_is_a_protocol_error_not_an_allocation(pool):
 
 @pytest.mark.parametrize("prompt", ["html", "json", "redirect", "cut", "no-finish"])
 def test_a_broken_answer_is_never_a_success(pool, prompt):
-    r = ask(pool, prompt)
-    assert r.status_code == 502 and r.json()["error"]["code"] == "runtime_error", r.text
-    r = ask(pool, prompt, stream=True)
-    if r.status_code == 200:  # the stream had begun: it ends with an error event, never a clean stop
-        events = stream_events(r)
-        assert any("error" in e for e in events), r.text
-        assert not any(c.get("finish_reason") == "stop" for e in events for c in e.get("choices") or ()), r.text
-    else:
-        assert r.status_code == 502 and r.json()["error"]["code"] == "runtime_error", r.text
+    if prompt != "json":  # a JSON answer is right for a request that wants it whole
+        assert failure(ask(pool, prompt))["code"] == "runtime_error"
+    assert failure(ask(pool, prompt, stream=True))["code"] == "runtime_error"
 
 
 def test_sse_lines_are_found_across_any_chunking():
