@@ -227,16 +227,18 @@ class Worker:
             # Its parent alive, a silent supervisor is slow (a stalled loop, a SIGSTOP), not dead:
             # the jobs go on for supervisor_patience_s. A dead local one ends this worker at once
             # (PR_SET_PDEATHSIG, or the parent check above); a remote worker cannot tell, and
-            # its Ray actor dies with the supervisor's driver.
+            # its Ray actor dies with the supervisor's driver. A worker never set up (never let
+            # in: a wrong key, a stale endpoint) has nothing to keep: it goes after liveness_s.
             silent_s = time.monotonic() - self.last_heard
-            if silent_s > self.args.supervisor_patience_s:
-                log.error("no word from the supervisor for %.1fs (supervisor_patience_s); exiting", silent_s)
+            patience_s = self.args.supervisor_patience_s if self.setup.done() else self.args.liveness_s
+            if silent_s > patience_s:
+                log.error("no word from the supervisor for %.1fs; exiting", silent_s)
                 self.stop(WorkerExit.SUPERVISOR_GONE)
                 return
             if silent_s > self.args.liveness_s and not self._silence_told:
                 self._silence_told = True
-                log.warning("no word from the supervisor for %.1fs; it lives, so its %d jobs go on for up to "
-                            "%.0fs", silent_s, len(self.jobs), self.args.supervisor_patience_s)
+                log.warning("no word from the supervisor for %.1fs (stalled?); its %d jobs go on for up to %.0fs",
+                            silent_s, len(self.jobs), self.args.supervisor_patience_s)
             elif silent_s <= self.args.liveness_s and self._silence_told:
                 self._silence_told = False
                 log.info("the supervisor answers again")

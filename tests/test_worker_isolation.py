@@ -108,3 +108,8 @@ def test_a_stopped_supervisor_is_waited_for_and_its_streams_resume(make_pool):
     assert results == [(500, "stop"), (500, "stop")], results
     assert {w["model"]: w["pid"] for w in pool.workers()} == pids
     assert all(w["restarts"] == 0 for w in pool.workers())
+    # dead is not slow: a killed supervisor's workers go at once, not after supervisor_patience_s (120 s)
+    pool.proc.kill()
+    pool.proc.wait(10)
+    wait_for(lambda: not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                             for pid in pids.values()), 10, what="workers gone with their supervisor")
