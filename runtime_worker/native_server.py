@@ -37,7 +37,8 @@ def free_port() -> int:
 RELAY_CHUNK_BYTES = 64 * 1024
 RELAY_LINE_BYTES = 16 * 1024  # a longer line of the child's output is split in the log
 STALE_RETRIES = 3  # keep-alive clients: resends after a connection error before any answer
-MAX_CHOICES = 128  # OpenAI's bound on `n`: a choice index the runtime sends is below both
+N_MAX = 128  # OpenAI's bound on `n`
+MAX_CHOICES = 2048  # n times the prompts of a legacy completions batch: a choice index is below both
 MAX_TOOL_CALLS = 1024  # a tool call index in one choice is below this
 INFLATE_PIECE_BYTES = 256 * 1024  # a compressed answer is inflated this much at a time
 ERROR_BODY_BYTES = 64 * 1024  # an error answer is read this far for its message
@@ -107,7 +108,8 @@ class OpenAIClient:
         cut inside a character keeps the server's U+FFFD, which a stream drops).
         Cancelling the consumer closes the HTTP stream, which makes the server
         drop the request and free its slot."""
-        chat, choices = path == "/chat/completions", requested_choices(request)
+        chat = path == "/chat/completions"
+        choices = requested_choices(request, completions=not chat)
         try:
             async for event in self._complete(path, self.body(request, stream=request.get("stream") is not False),
                                               chat, choices):
@@ -266,12 +268,16 @@ def finished(finishes: dict[int, str], usage, produced: int) -> Finished:
                                          or 0))
 
 
-def requested_choices(request: dict) -> int:
-    """How many choices a request asked for (its `n`), at most MAX_CHOICES."""
+def requested_choices(request: dict, completions: bool = False) -> int:
+    """How many choices a request asked for: its `n` (1 to N_MAX), for legacy
+    completions times the prompts of a batch; at most MAX_CHOICES. (The
+    supervisor holds a runtime to the same rule: supervisor/request_bounds.py.)"""
     n = request.get("n")
-    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
-        return min(n, MAX_CHOICES)
-    return 1
+    n = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= N_MAX else 1
+    prompt = request.get("prompt")
+    if completions and isinstance(prompt, list) and prompt and all(isinstance(x, (str, list)) for x in prompt):
+        n *= len(prompt)
+    return min(n, MAX_CHOICES)
 
 
 def choice_index(choice, choices: int) -> int:

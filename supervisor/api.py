@@ -21,8 +21,10 @@ from supervisor.engine import ModelRouterEngine
 from supervisor.http_guard import HttpEdge, error_response
 from supervisor.inference import add_inference_routes
 from supervisor.live import Activity
+from supervisor.loop_lag import LoopLag
 from supervisor.metrics import Metrics
 from supervisor.observe import refresh_remote_views, worker_views
+from supervisor.request_bounds import clip
 from supervisor.states import ModelState
 
 log = logging.getLogger("llm_pool.api")
@@ -35,11 +37,13 @@ def create_app(config: PoolConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        lag.start()
         await engine.start()
         activity.start()
         yield
         await engine.shutdown(config.server.shutdown_grace_s)
         await activity.close()
+        await lag.close()
 
     # FastAPI's OpenTelemetry hooks off: unused here (metrics are Prometheus), and checking
     # whether a provider is configured costs on every request
@@ -48,6 +52,7 @@ def create_app(config: PoolConfig) -> FastAPI:
     app.state.engine = engine
     app.state.activity = activity = Activity(engine)  # the request log and the live samples
     metrics = Metrics(engine, on_finished=activity.finished)
+    lag = LoopLag(metrics.lag)
     direct = add_inference_routes(app, engine, metrics, config)
     app.include_router(admin_feeds.router)
     app.include_router(ui.router)
@@ -68,9 +73,9 @@ def create_app(config: PoolConfig) -> FastAPI:
             return error_response(PoolError(ErrorCode.INVALID_REQUEST,
                                             f"body: not valid JSON at offset {where}: {reason}", param="body"))
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
+        param = clip(".".join(loc)) or None  # a location holds the client's own keys
         return error_response(PoolError(ErrorCode.INVALID_REQUEST,
-                                        f"{param or 'body'}: {err.get('msg')}", param=param))
+                                        f"{param or 'body'}: {clip(str(err.get('msg')))}", param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):

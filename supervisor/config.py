@@ -35,14 +35,18 @@ class ServerConfig(_Strict):
     liveness_s: float = Field(10.0, gt=0)  # no heartbeat this long: the peer is gone
     # a worker whose supervisor still lives but is silent (stalled, stopped) serves its jobs this long
     supervisor_patience_s: float = Field(120.0, gt=0)
-    # bounds on what one job brings in from its runtime (worker side); past them only that job fails (502)
-    max_job_output_bytes: int = Field(64 * 1024 * 1024, ge=64 * 1024)
+    # one line of a runtime's stream, as its worker reads it (max_job_output_bytes bounds the whole
+    # answer there too); past either, only that job fails (502)
     max_upstream_line_bytes: int = Field(8 * 1024 * 1024, ge=4096, le=MAX_FRAME_BYTES // 2)
     shutdown_grace_s: float = Field(30.0, ge=0)
     sse_ping_s: float = Field(15.0, gt=0)  # a stream quiet this long gets a ": ping" comment line
     state_dir: str | None = None  # replica logs and the request log; default: the user's state dir
     request_log_max_rows: int = Field(100_000, ge=1)  # the request log keeps the newest rows...
     request_log_days: float = Field(7.0, gt=0)  # ...and none older than this
+    request_log_max_bytes: int = Field(64 * 2**20, ge=2**20)  # ...and its file stays about this small
+    # What one job may make the supervisor hold or send: its output in all (text, logprobs,
+    # tool calls). Past it the job ends with 502 runtime_error and its worker stops it.
+    max_job_output_bytes: int = Field(64 * 2**20, ge=64 * 1024)
     # The HTTP edge (supervisor/http_guard.py): bounds on what a client may send before a route runs.
     allowed_hosts: list[str] = Field(default_factory=list)  # more Host names for /admin ("name" or "name:port")
     max_connections: int = Field(1000, ge=1, le=1_000_000)  # more are closed at once

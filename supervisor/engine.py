@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,9 @@ from supervisor.observe import gpu_memory_by_pid
 from supervisor.process import spawn_worker, sweep_stale_workers
 from supervisor.ray_placement import RayCluster
 from supervisor.replica import Replica
+from supervisor.request_bounds import check_request_bounds, echo
 from supervisor.scheduler import Executor
+from supervisor.state_dir import make_private_dir, pool_state_dir
 from supervisor.states import MODEL_TRANSITIONS, ModelState, ReplicaState, transition
 from supervisor.transport import Transport, sweep_stale_socket_dirs
 
@@ -34,11 +35,6 @@ log = logging.getLogger("llm_pool.engine")
 SERVER_KEYS_APPLIED_ON_RELOAD = frozenset({"memory_budget_mb", "gpu_memory_budget_mb", "idle_unload_s",
                                            "max_swap_wait_s"})
 MEASURE_EVERY_S = 5.0  # a footprint walks the process tree (and asks NVML): not on every heartbeat
-
-
-def default_state_dir() -> Path:
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "llm-pool"
 
 
 # Keys a reload applies in place: they change when the model comes and goes, not how it runs.
@@ -136,7 +132,8 @@ class ModelRouterEngine:
         self.load_durations = LoadDurations()
         self.transport: Transport | None = None
         self.cluster: RayCluster | None = None  # replicas on Ray nodes (placement = "ray"), once one loads
-        self.log_dir = Path(config.server.state_dir or default_state_dir()) / "logs"
+        self.state_dir = pool_state_dir(config.server.state_dir)  # see supervisor/state_dir.py
+        self.log_dir = self.state_dir / "logs"
         self.shutting_down = False
         self._drain: asyncio.Future | None = None  # the one drain of a graceful stop
         self._closed = False
@@ -145,9 +142,7 @@ class ModelRouterEngine:
     # -- process-wide lifecycle ----------------------------------------------------------
     async def start(self) -> None:
         # replica logs, and the request log with any bodies it keeps: for this user only
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        for path in (self.log_dir.parent, self.log_dir):
-            os.chmod(path, 0o700)
+        make_private_dir(self.log_dir)
         swept = sweep_stale_workers()
         if swept:
             log.warning("swept %d stale worker(s) of a dead supervisor", len(swept))
@@ -276,8 +271,7 @@ class ModelRouterEngine:
         executor = entry.executor
         executor.accepting_new_requests = False
         if entry.cfg.load_on_demand:
-            entry.pending = list(executor.queue)
-            executor.queue.clear()
+            entry.pending = executor.take_queued()
         if spawn:
             self._spawn(self.unload(entry.cfg.name))
 
@@ -294,13 +288,16 @@ class ModelRouterEngine:
                 job.finish(error)
             return
         log.info("model %s: %d requests waited through its unload; loading it again", entry.cfg.name, len(waiting))
-        self._load_on_demand(entry).queue.extend(waiting)
+        self._load_on_demand(entry).adopt(waiting)
 
     # -- load / unload ----------------------------------------------------------------------
     def entry(self, name: str, removed_too: bool = False) -> ModelEntry:
-        entry = self.models.get(name) or self.models.get(self.aliases.get(name, ""))
+        entry = self.models.get(name)
         if entry is None or (entry.removed and not removed_too):
-            raise PoolError(ErrorCode.MODEL_NOT_FOUND, f"model {name!r} does not exist", param="model")
+            # an alias; also the name of a model that drains after a reload made it another's alias
+            entry = self.models.get(self.aliases.get(name, ""))
+        if entry is None or (entry.removed and not removed_too):
+            raise PoolError(ErrorCode.MODEL_NOT_FOUND, f"model {echo(name)} does not exist", param="model")
         return entry
 
     async def _load_quietly(self, name: str, reason: str) -> None:
@@ -398,8 +395,7 @@ class ModelRouterEngine:
     @staticmethod
     def _fail_waiters(executor: Executor, error: PoolError) -> None:
         executor.accepting_new_requests = False
-        while executor.queue:
-            executor.queue.popleft().finish(error)
+        executor.fail_queued(error)
 
     # -- memory budget -------------------------------------------------------------------------
     def footprint(self, entry: ModelEntry) -> tuple[float | None, str | None]:
@@ -537,13 +533,11 @@ class ModelRouterEngine:
                               f"{self._fit_text(entry, short)}; nothing loaded there can be unloaded now",
                               retry_after_s=1)
             executor = entry.executor
-            for job in executor.queue:
-                job.queue_reason = error  # a waiter that times out says why it waited
+            executor.mark_queued(error)  # a waiter that times out says why it waited
             if time.monotonic() >= deadline or self.shutting_down or (waiters_only and not executor.queue):
                 raise error
             await asyncio.sleep(min(self.config.server.heartbeat_s, 0.25))
-        for job in entry.executor.queue:
-            job.queue_reason = None
+        entry.executor.mark_queued(None)
         if evicted:
             self.swaps += 1
         entry.holds_memory = True
@@ -606,6 +600,7 @@ class ModelRouterEngine:
     # -- jobs -------------------------------------------------------------------------------------
     def submit(self, model: str, request: dict, endpoint: str = "chat") -> Job:
         entry = self.entry(model)
+        check_request_bounds(request, endpoint)
         if self.shutting_down:
             raise PoolError(ErrorCode.MODEL_UNLOADING, "the pool is shutting down")
         executor = entry.executor
@@ -635,7 +630,8 @@ class ModelRouterEngine:
         return job
 
     def _job(self, entry: ModelEntry, request: dict, endpoint: str) -> Job:
-        job = Job(entry.cfg.name, request, entry.cfg.request_timeout_s, entry.cfg.queue_timeout_s, endpoint)
+        job = Job(entry.cfg.name, request, entry.cfg.request_timeout_s, entry.cfg.queue_timeout_s, endpoint,
+                  self.config.server.max_job_output_bytes)
         if entry.cfg.log_bodies:
             job.transcript = []
         entry.used()

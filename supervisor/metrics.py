@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import psutil
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from protocol import Done
@@ -16,6 +16,7 @@ from supervisor.engine import LOAD_BUCKETS
 from supervisor.jobs import Job
 from supervisor.states import ReplicaState
 
+LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # Label values come only from these and from the configured model names: never from what a
 # client sent, or /metrics would grow with every new name or path.
@@ -40,7 +41,16 @@ class Metrics:
         self.latency = Histogram("llm_pool_request_duration_seconds", "Admission to last token",
                                  ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.tokens = Counter("llm_pool_generated_tokens", "Tokens generated", ["model"], registry=self.registry)
+        self.loop_lag = Gauge("llm_pool_event_loop_lag_seconds", "How late the supervisor's event loop woke, "
+                              "last measure (supervisor/loop_lag.py)", registry=self.registry)
+        self.loop_lags = Histogram("llm_pool_event_loop_lag_distribution_seconds", "How late the supervisor's "
+                                   "event loop woke, every measure", buckets=LAG_BUCKETS, registry=self.registry)
         self.registry.register(_EngineCollector(engine))
+
+    def lag(self, seconds: float) -> None:
+        """One measure of the event loop's lag."""
+        self.loop_lag.set(seconds)
+        self.loop_lags.observe(seconds)
 
     def request(self, model: str | None, endpoint: str, status: int, job: Job | None = None,
                 done: Done | None = None, error: PoolError | None = None) -> None:

@@ -43,6 +43,8 @@ class ReplicaOwner(Protocol):
 
     def requeue(self, job: Job) -> None: ...  # run this job again, ahead of the queue
 
+    def job_finished(self, replica: Replica, job: Job) -> None: ...  # it ended on that replica (any outcome)
+
 
 class Launcher(Protocol):
     """Starts a worker (process.spawn_worker; ray_placement.RayLauncher, which also
@@ -407,6 +409,7 @@ class Replica:
             self.unknown_job_replies += 1  # late reply for a job already ended: dropped
             return
         job.finish(outcome)
+        self.owner.job_finished(self, job)
         self.owner.replica_changed()
 
     def _reconcile_jobs(self, beat: p.Heartbeat) -> None:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ModelConfig
+from supervisor.job_queue import FifoQueue, JobQueue
 from supervisor.jobs import Job, JobState
 from supervisor.replica import Replica
+from supervisor.replica_choice import ReplicaChoice, make_replica_choice
 from supervisor.states import ReplicaState
 
 log = logging.getLogger("llm_pool.scheduler")
@@ -25,13 +26,13 @@ class Executor:
     def __init__(self, cfg: ModelConfig) -> None:
         self.cfg = cfg
         self.replicas: list[Replica] = []
-        self.queue: deque[Job] = deque()
+        self.queue: JobQueue = FifoQueue()  # read-only outside: changed only through the methods below
+        self.choice: ReplicaChoice = make_replica_choice()
         self.accepting_new_requests = False
         self.loading = False  # its replicas are being started: jobs wait, and a failure is the load's to report
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()  # set whenever nothing is inflight
         self._idle.set()
-        self._rr = 0
         self._driver: asyncio.Task | None = None
         self._stop_draining = asyncio.Event()  # a drain ends now, whatever still runs
         self._closed = False
@@ -76,16 +77,13 @@ class Executor:
             raise PoolError(ErrorCode.QUEUE_FULL,
                             f"model {self.cfg.name!r} has {len(self.queue)} requests queued (max_queue)",
                             retry_after_s=1)
-        self.queue.append(job)
+        self.queue.push(job)
         self._dispatch()  # a free slot takes it now, without waiting for the driver's turn
 
     def cancel(self, job: Job) -> None:
         """The client is gone: drop a queued job, or ask its worker to stop it."""
         if job.state is JobState.QUEUED:
-            try:
-                self.queue.remove(job)
-            except ValueError:
-                pass
+            self.queue.remove(job)
             job.finish(PoolError(ErrorCode.INVALID_REQUEST, "cancelled by the client"))
         elif job.state is JobState.SUBMITTED and job.replica:
             job.replica.cancel(job)
@@ -95,9 +93,11 @@ class Executor:
         if self.runtime_inflight == 0:
             self._idle.set()
         if self.queue and self._all_fatal() and not self.loading:  # nothing will ever run them
-            while self.queue:
-                self.queue.popleft().finish(self._no_replica_error())
+            self.fail_queued(self._no_replica_error())
         self._wake.set()
+
+    def job_finished(self, replica: Replica, job: Job) -> None:
+        self.choice.finished(replica, job)
 
     def requeue(self, job: Job) -> None:
         """A job lost with its crashed worker before producing anything: it goes
@@ -107,8 +107,29 @@ class Executor:
             return
         job.state = JobState.QUEUED
         job.replica = None
-        self.queue.appendleft(job)
+        self.queue.push_front(job)
         self._wake.set()
+
+    def fail_queued(self, error: PoolError) -> int:
+        """End every queued job with `error`; how many there were."""
+        jobs = self.queue.take_all()
+        for job in jobs:
+            job.finish(error)
+        return len(jobs)
+
+    def take_queued(self) -> list[Job]:
+        """Remove and return the queued jobs (they wait for the model's next load)."""
+        return self.queue.take_all()
+
+    def adopt(self, jobs: list[Job]) -> None:
+        """Jobs that waited through an earlier unload join this queue, in their order."""
+        self.queue.extend(jobs)
+        self._wake.set()
+
+    def mark_queued(self, reason: PoolError | None) -> None:
+        """Tell every queued job why it waits (None: for a slot, as usual)."""
+        for job in self.queue:
+            job.queue_reason = reason
 
     def _all_fatal(self) -> bool:
         return bool(self.replicas) and all(r.state is ReplicaState.FATAL for r in self.replicas)
@@ -130,10 +151,11 @@ class Executor:
         Once intake stopped (an unload, even one waiting for a load), queued jobs
         never start: the drain fails them."""
         while self.queue and self.accepting_new_requests:
-            replica = self._pick_replica()
+            job = self.queue.peek()
+            replica = self.choice.choose(self.replicas, job)
             if replica is None:
                 break
-            job = self.queue.popleft()
+            self.queue.pop()
             self._idle.clear()
             try:
                 replica.submit(job)
@@ -147,28 +169,13 @@ class Executor:
     def _has_free_slot(self) -> bool:
         return any(r.free_slots > 0 for r in self.replicas)
 
-    def _pick_replica(self) -> Replica | None:
-        n = len(self.replicas)
-        best, best_key = None, None
-        for offset in range(n):  # scan from the round-robin cursor: ties go to the earliest
-            r = self.replicas[(self._rr + offset) % n]
-            if r.free_slots <= 0:
-                continue
-            key = len(r.inflight) / r.capacity
-            if best_key is None or key < best_key:
-                best, best_key = r, key
-        if best is not None:
-            self._rr = (best.index + 1) % n
-        return best
-
     # -- unload ------------------------------------------------------------------------
     async def drain(self, timeout_s: float) -> None:
         """Stop accepting, fail every queued job with 503, wait for submitted
         jobs to finish (their own deadlines bound this; `timeout_s` is the
         backstop, and `stop_draining` ends it at once)."""
         self.accepting_new_requests = False
-        while self.queue:
-            self.queue.popleft().finish(self._unloading_error())
+        self.fail_queued(self._unloading_error())
         if self.runtime_inflight and not self._stop_draining.is_set():
             idle = asyncio.ensure_future(self._idle.wait())
             stop = asyncio.ensure_future(self._stop_draining.wait())
@@ -199,8 +206,7 @@ class Executor:
             error = self._stranded_error()
             if error is not None:
                 log.error("model %s: failing %d queued jobs: %s", self.cfg.name, len(self.queue), error.message)
-                while self.queue:
-                    self.queue.popleft().finish(error)
+                self.fail_queued(error)
         self.ensure_driver()
         if self.queue:
             self._wake.set()

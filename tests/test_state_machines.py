@@ -107,6 +107,9 @@ class FakeOwner:
     def requeue(self, job: Job) -> None:
         self.requeued.append(job)
 
+    def job_finished(self, replica, job: Job) -> None:
+        pass
+
 
 class Rig:
     """One replica wired to fakes. Workers exit on Shutdown unless `obey_shutdown` is off."""
@@ -476,12 +479,12 @@ async def test_reconcile_fails_a_queue_nothing_will_take():
     stuck = StubReplica(0, ReplicaState.STOPPED)
     ex = executor(stuck)
     job = Job("m", {}, 60)
-    ex.queue.append(job)
+    ex.queue.push(job)
     ex.reconcile()
     assert outcome(job).code is ErrorCode.NO_HEALTHY_REPLICA
     stuck.state = ReplicaState.FATAL
     job = Job("m", {}, 60)
-    ex.queue.append(job)
+    ex.queue.push(job)
     ex.reconcile()
     assert outcome(job).code is ErrorCode.NO_HEALTHY_REPLICA and "fatal" in outcome(job).message
     await ex.close()
@@ -491,7 +494,7 @@ async def test_reconcile_fails_a_queue_nothing_will_take():
 async def test_reconcile_keeps_a_queue_a_restart_will_take():
     ex = executor(StubReplica(0, ReplicaState.BACKOFF))
     job = Job("m", {}, 60)
-    ex.queue.append(job)
+    ex.queue.push(job)
     ex.reconcile()
     assert job.state is JobState.QUEUED and list(ex.queue) == [job]
     await ex.close()
@@ -502,7 +505,7 @@ async def test_reconcile_fails_a_queue_left_by_an_unload():
     ex = executor(StubReplica(0, ReplicaState.DRAINING))
     ex.accepting_new_requests = False
     job = Job("m", {}, 60)
-    ex.queue.append(job)
+    ex.queue.push(job)
     ex.reconcile()
     assert outcome(job).code is ErrorCode.MODEL_UNLOADING
     await ex.close()
@@ -547,7 +550,7 @@ async def test_a_dead_driver_is_restarted_by_reconcile():
     assert not ex.driver_alive()
     ex.reconcile()
     assert ex.driver_alive()
-    ex.queue.append(Job("m", {}, 60))
+    ex.queue.push(Job("m", {}, 60))
     ex.replica_changed()  # the driver wakes and dispatches
     await settle(lambda: replica.submitted, "dispatched by the new driver")
     await ex.close()

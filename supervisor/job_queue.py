@@ -1,0 +1,85 @@
+"""The order in which a model's waiting jobs are dispatched: one owner.
+
+The executor asks its queue for the next job to hand to a replica; nothing
+else reaches into the queue. `FifoQueue` is first come, first served; a
+fair-share queue (tenants) keeps the same interface and chooses differently
+across tenants while staying FIFO within one."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Protocol
+
+from supervisor.jobs import Job
+
+
+class JobQueue(Protocol):
+    def push(self, job: Job) -> None:
+        """A newly admitted job joins the queue."""
+
+    def push_front(self, job: Job) -> None:
+        """A job that was handed out and came back (its worker died before
+        producing anything) goes ahead of the others it was admitted before."""
+
+    def extend(self, jobs: Iterable[Job]) -> None:
+        """Jobs carried over from an earlier queue of the same model, in their order."""
+
+    def peek(self) -> Job | None:
+        """The next job to dispatch (the one `pop` returns next); None when empty."""
+
+    def pop(self) -> Job | None:
+        """The next job to dispatch, removed; None when empty."""
+
+    def remove(self, job: Job) -> bool:
+        """Drop one job (its client left); False if it was not queued."""
+
+    def take_all(self) -> list[Job]:
+        """Empty the queue, returning its jobs in dispatch order."""
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Job]: ...
+
+
+class FifoQueue:
+    """First come, first served."""
+
+    def __init__(self) -> None:
+        self._jobs: deque[Job] = deque()
+
+    def push(self, job: Job) -> None:
+        self._jobs.append(job)
+
+    def push_front(self, job: Job) -> None:
+        self._jobs.appendleft(job)
+
+    def extend(self, jobs: Iterable[Job]) -> None:
+        self._jobs.extend(jobs)
+
+    def peek(self) -> Job | None:
+        return self._jobs[0] if self._jobs else None
+
+    def pop(self) -> Job | None:
+        return self._jobs.popleft() if self._jobs else None
+
+    def remove(self, job: Job) -> bool:
+        try:
+            self._jobs.remove(job)
+        except ValueError:
+            return False
+        return True
+
+    def take_all(self) -> list[Job]:
+        jobs = list(self._jobs)
+        self._jobs.clear()
+        return jobs
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def __bool__(self) -> bool:
+        return bool(self._jobs)
+
+    def __iter__(self) -> Iterator[Job]:
+        return iter(self._jobs)
