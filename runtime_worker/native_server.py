@@ -12,7 +12,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import sys
 import time
 import zlib
@@ -21,17 +20,13 @@ from collections.abc import AsyncIterator
 import aiohttp
 import httpx
 
+from procutil.groups import signal_group, stop_group
+from procutil.net import free_port
 from protocol.errors import ErrorCode
 from protocol.redact import mask_url_credentials
 from runtime_worker.backends.base import (
     Backend, BackendLoadError, Event, Finished, JobError, OutputLimits, PartsDelta, TextDelta)
 from runtime_worker.lifeline import lifeline_argv
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 RELAY_CHUNK_BYTES = 64 * 1024
@@ -391,7 +386,7 @@ class NativeServer:
         if not task.cancelled() and task.exception() is not None:
             self.log.error("relaying %s's output failed: %r; stopping it", self.name, task.exception())
             if self.proc and self.proc.returncode is None:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # the worker sees it die and exits
+                signal_group(self.proc.pid, signal.SIGKILL)  # the worker sees it die and exits
 
     async def _relay_output(self) -> None:
         """Copy the child's output to the worker's log, line by line, whatever
@@ -452,18 +447,8 @@ class NativeServer:
         proc = self.proc
         if proc is None or proc.returncode is not None:
             return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            await asyncio.wait_for(proc.wait(), timeout_s)
-        except TimeoutError:
+        if await stop_group(proc, timeout_s):
             self.log.warning("%s ignored SIGTERM for %.0fs; SIGKILL", self.name, timeout_s)
-        except ProcessLookupError:
-            pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        await proc.wait()
         if self._relay:
             await asyncio.wait([self._relay], timeout=2)
 

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from protocol.errors import ERROR_TYPE, ErrorCode, PoolError
 from supervisor import admin_feeds, ui
+from supervisor.admission import Admission
 from supervisor.config import PoolConfig
 from supervisor.engine import ModelRouterEngine
 from supervisor.http_guard import HttpEdge, error_response
@@ -23,7 +24,7 @@ from supervisor.inference import add_inference_routes
 from supervisor.live import Activity
 from supervisor.loop_lag import LoopLag
 from supervisor.metrics import Metrics
-from supervisor.observe import refresh_remote_views, worker_views
+from supervisor.observe import SAMPLE_EVERY_S, worker_views
 from supervisor.request_bounds import clip
 from supervisor.states import ModelState
 
@@ -53,10 +54,11 @@ def create_app(config: PoolConfig) -> FastAPI:
     app.state.activity = activity = Activity(engine)  # the request log and the live samples
     metrics = Metrics(engine, on_finished=activity.finished)
     lag = LoopLag(metrics.lag)
-    direct = add_inference_routes(app, engine, metrics, config)
+    admission = Admission(engine, api_key, admin_key)
+    add_inference_routes(app, engine, admission, metrics, config)
     app.include_router(admin_feeds.router)
     app.include_router(ui.router)
-    app.add_middleware(HttpEdge, server=config.server, api_key=api_key, admin_key=admin_key, direct=direct)
+    app.add_middleware(HttpEdge, server=config.server, admission=admission, api_key=api_key, admin_key=admin_key)
 
     # -- errors -------------------------------------------------------------------------------
     @app.exception_handler(PoolError)
@@ -93,6 +95,7 @@ def create_app(config: PoolConfig) -> FastAPI:
     # -- health --------------------------------------------------------------------------------------
     @app.get("/metrics")
     async def prometheus_metrics():
+        await engine.sampler.fresh(SAMPLE_EVERY_S)  # process figures at most one period old
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/health")
@@ -104,7 +107,7 @@ def create_app(config: PoolConfig) -> FastAPI:
         if engine.ready():
             return {"status": "ready"}
         waiting = [n for n, e in engine.models.items()
-                   if e.cfg.load_on_start and engine.model_state(e) is not ModelState.LOADED]
+                   if e.cfg.load_on_start and engine.model_state(e) not in (ModelState.LOADED, ModelState.DEGRADED)]
         return JSONResponse({"status": "not_ready", "waiting_for": waiting}, status_code=503)
 
     # -- admin ----------------------------------------------------------------------------------------
@@ -134,8 +137,7 @@ def create_app(config: PoolConfig) -> FastAPI:
     @app.get("/admin/workers")
     async def admin_workers():
         replicas = [r for e in engine.models.values() if e.executor for r in e.executor.replicas]
-        await refresh_remote_views(replicas)
-        return {"workers": worker_views(replicas)}
+        return {"workers": await worker_views(replicas, engine.sampler)}
 
     @app.get("/admin/models/{name}/logs")
     async def admin_logs(name: str, replica: int = 0, lines: int = 200):

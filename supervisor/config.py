@@ -48,6 +48,8 @@ class ServerConfig(_Strict):
     # tool calls). Past it the job ends with 502 runtime_error and its worker stops it.
     max_job_output_bytes: int = Field(64 * 2**20, ge=64 * 1024)
     # The HTTP edge (supervisor/http_guard.py): bounds on what a client may send before a route runs.
+    # the request bodies being read, all together (each at most max_body_bytes); more: 429, retry
+    max_buffered_body_bytes: int = Field(256 * 1024 * 1024, ge=1024)
     allowed_hosts: list[str] = Field(default_factory=list)  # more Host names for /admin ("name" or "name:port")
     max_connections: int = Field(1000, ge=1, le=1_000_000)  # more are closed at once
     max_header_bytes: int = Field(64 * 1024, ge=1024, le=16 * 1024 * 1024)  # request line + headers; else 431
@@ -75,6 +77,14 @@ class ServerConfig(_Strict):
             if not h or any(c.isspace() or c in "/@?#," for c in h):
                 raise ValueError(f"{h!r} is not a host name (expected 'name', 'name:port' or '*')")
         return hosts
+
+    @field_validator("max_buffered_body_bytes")
+    @classmethod
+    def _room_for_one_body(cls, value: int, info: ValidationInfo) -> int:
+        largest = info.data.get("max_body_bytes")
+        if largest is not None and value < largest:
+            raise ValueError(f"must be at least max_body_bytes ({largest})")
+        return value
 
     @field_validator("ray_address")
     @classmethod
@@ -180,6 +190,9 @@ BACKEND_OPTIONS: dict[str, type[_Options]] = {
 DEFAULT_LOAD_TIMEOUT_S = {"vllm_serve": 600.0}
 
 
+# runtimes whose prompt cache makes a replica's history worth returning to
+PREFIX_CACHING_BACKENDS = frozenset({"llama_server", "vllm_serve"})
+
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
 
 
@@ -210,6 +223,10 @@ class ModelConfig(_Strict):
     placement: Literal["local", "ray"] = "local"  # "ray": each replica on a Ray node that fits [models.ray]
     ray: RayPlacement | None = None
     log_bodies: bool = False  # the request log keeps prompts and outputs (truncated): debugging only
+    # Replica choice (supervisor/replica_choice.py); default: "prefix" for several replicas of a
+    # runtime with a prompt cache (llama_server, vllm_serve), else "least_inflight"
+    routing: Literal["least_inflight", "prefix", "session"] | None = None
+    prefix_cache_tokens: int | None = Field(None, ge=1)  # per replica, for "prefix"; default: the runtime's
     options: dict = Field(default_factory=dict)  # checked against BACKEND_OPTIONS by parse_config
 
     @model_validator(mode="before")
@@ -229,6 +246,12 @@ class ModelConfig(_Strict):
     @property
     def remote(self) -> bool:
         return self.placement == "ray"
+
+    @property
+    def replica_routing(self) -> str:
+        if self.routing is not None:
+            return self.routing
+        return "prefix" if self.replicas > 1 and self.backend in PREFIX_CACHING_BACKENDS else "least_inflight"
 
 
 class PoolConfig(_Strict):

@@ -1,12 +1,12 @@
 """Prometheus metrics. Request outcomes, latencies and tokens are recorded as
 they happen; queue, capacity, worker and memory gauges are read from the
-engine at scrape time, so they can never drift from the admin view."""
+engine at scrape time, so they can never drift from the admin view; process
+figures from the engine's ProcessSampler (observe.py), never read on the loop."""
 
 from __future__ import annotations
 
 import time
 
-import psutil
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
@@ -14,6 +14,7 @@ from protocol import Done
 from protocol.errors import PoolError
 from supervisor.engine import LOAD_BUCKETS
 from supervisor.jobs import Job
+from supervisor.observe import replica_view
 from supervisor.states import ReplicaState
 
 LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -117,7 +118,18 @@ class _EngineCollector:
         bad = CounterMetricFamily("llm_pool_protocol_errors", "Malformed frames from the replica", labels=rlabels)
         rss = GaugeMetricFamily("llm_pool_process_rss_bytes", "Resident memory per process",
                                 labels=["model", "replica", "process"])
-        rss.add_metric(["", "", "supervisor"], psutil.Process().memory_info().rss)
+        sampler = self.engine.sampler  # process figures: its last sample (or a Ray actor's last view)
+        if sampler.sample.supervisor_rss is not None:
+            rss.add_metric(["", "", "supervisor"], sampler.sample.supervisor_rss)
+        routed = CounterMetricFamily("llm_pool_routing_decisions", "Replica choices by the decision that made "
+                                     "them (prefix_hit, session, balance_fallback, least_inflight)",
+                                     labels=[*rlabels, "decision"])
+        prompt = CounterMetricFamily("llm_pool_prompt_tokens", "Prompt tokens the replica's runtime reported",
+                                     labels=rlabels)
+        cached = CounterMetricFamily("llm_pool_cached_prompt_tokens", "Of those, served from its prompt cache",
+                                     labels=rlabels)
+        hit_ratio = GaugeMetricFamily("llm_pool_prompt_cache_hit_ratio", "cached / prompt tokens, since the "
+                                      "model was loaded", labels=rlabels)
         for name, entry in self.engine.models.items():
             view = self.engine.model_view(entry)
             queue.add_metric([name], view["queue_depth"])
@@ -130,24 +142,23 @@ class _EngineCollector:
                 up.add_metric(key, 1 if r.state is ReplicaState.READY else 0)
                 restarts.add_metric(key, r.restarts)
                 bad.add_metric(key, r.protocol_errors)
+                routing = entry.executor.choice.replica_view(r)
+                for decision, count in routing["decisions"].items():
+                    routed.add_metric([*key, decision], count)
+                prompt.add_metric(key, routing["prompt_tokens"])
+                cached.add_metric(key, routing["cached_tokens"])
+                if routing["cache_hit_ratio"] is not None:
+                    hit_ratio.add_metric(key, routing["cache_hit_ratio"])
                 by_process: dict[str, int] = {}  # summed per process name: one series each
-                if r.pid and r.cfg.remote:  # on a Ray node: what its actor saw last
-                    view = r.proc.view
-                    if view.get("rss_bytes") is not None:
-                        by_process["worker"] = view["rss_bytes"]
-                        for child in view["children"]:
-                            by_process[child["name"]] = by_process.get(child["name"], 0) + child["rss_bytes"]
-                elif r.pid:
-                    try:
-                        proc = psutil.Process(r.pid)
-                        by_process["worker"] = proc.memory_info().rss
-                        for child in proc.children(recursive=True):
-                            by_process[child.name()] = by_process.get(child.name(), 0) + child.memory_info().rss
-                    except psutil.Error:
-                        pass
+                view = replica_view(sampler, r)
+                if view and view.get("rss_bytes") is not None:
+                    by_process["worker"] = view["rss_bytes"]
+                    for child in view["children"]:
+                        by_process[child["name"]] = by_process.get(child["name"], 0) + child["rss_bytes"]
                 for process, value in by_process.items():
                     rss.add_metric([*key, process], value)
-        yield from (queue, inflight, configured, effective, loaded, up, restarts, bad, rss)
+        yield from (queue, inflight, configured, effective, loaded, up, restarts, bad, rss, routed, prompt, cached,
+                    hit_ratio)
         yield from self._lifecycle()
 
     def _lifecycle(self):

@@ -16,10 +16,10 @@ from typing import Protocol
 
 import protocol as p
 from protocol.errors import ErrorCode, PoolError
-from protocol.redact import mask_values
+from protocol.redact import POOL_SECRET_ENV, mask_values
 from supervisor.config import ModelConfig, ServerConfig
 from supervisor.jobs import Job, JobState
-from supervisor.process import POOL_SECRET_ENV, WorkerProcess, spawn_worker
+from supervisor.process import WorkerProcess, spawn_worker
 from supervisor.restart_policy import CrashHistory, RestartPolicy, restart_delay
 from supervisor.states import REPLICA_TRANSITIONS, ReplicaState, transition
 from supervisor.transport import Transport
@@ -44,6 +44,8 @@ class ReplicaOwner(Protocol):
     def requeue(self, job: Job) -> None: ...  # run this job again, ahead of the queue
 
     def job_finished(self, replica: Replica, job: Job) -> None: ...  # it ended on that replica (any outcome)
+
+    def replica_restarted(self, replica: Replica) -> None: ...  # a new worker starts: its cache is empty
 
 
 class Launcher(Protocol):
@@ -179,6 +181,7 @@ class Replica:
         # unique in this process: a model removed by a reload may still drain while a new
         # one of the same name starts, and a routing id must never be shared
         self.identity = f"{self.name}#{next(_IDENTITY_SERIAL)}"
+        self.owner.replica_restarted(self)
         self.capacity = 0
         self.last_error = None
         self.submits_sent = 0
