@@ -33,6 +33,11 @@ class ServerConfig(_Strict):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=MAX_FRAME_BYTES // 2)
     heartbeat_s: float = Field(1.0, gt=0)  # both directions
     liveness_s: float = Field(10.0, gt=0)  # no heartbeat this long: the peer is gone
+    # a worker whose supervisor still lives but is silent (stalled, stopped) serves its jobs this long
+    supervisor_patience_s: float = Field(120.0, gt=0)
+    # one line of a runtime's stream, as its worker reads it (max_job_output_bytes bounds the whole
+    # answer there too); past either, only that job fails (502)
+    max_upstream_line_bytes: int = Field(8 * 1024 * 1024, ge=4096, le=MAX_FRAME_BYTES // 2)
     shutdown_grace_s: float = Field(30.0, ge=0)
     sse_ping_s: float = Field(15.0, gt=0)  # a stream quiet this long gets a ": ping" comment line
     state_dir: str | None = None  # replica logs and the request log; default: the user's state dir
@@ -95,6 +100,14 @@ class ServerConfig(_Strict):
         heartbeat = info.data.get("heartbeat_s")
         if heartbeat is not None and value <= heartbeat:
             raise ValueError(f"must be greater than heartbeat_s ({heartbeat})")
+        return value
+
+    @field_validator("supervisor_patience_s")
+    @classmethod
+    def _patience_at_least_liveness(cls, value: float, info: ValidationInfo) -> float:
+        liveness = info.data.get("liveness_s")
+        if liveness is not None and value < liveness:
+            raise ValueError(f"must be at least liveness_s ({liveness})")
         return value
 
 

@@ -181,10 +181,18 @@ class ModelRouterEngine:
             log.error("engine task %s failed", task.get_name(), exc_info=task.exception())
 
     async def _heartbeat_loop(self) -> None:
+        period = self.config.server.heartbeat_s
+        last = time.monotonic()
         while True:
-            await asyncio.sleep(self.config.server.heartbeat_s)
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            stalled_s, last = now - last - period, now
             try:
-                self.tick(time.monotonic())
+                if stalled_s > period:  # this process was stalled (or stopped): the silence was its own
+                    for entry in self.models.values():
+                        for r in entry.executor.replicas if entry.executor else ():
+                            r.excuse_silence(stalled_s)
+                self.tick(now)
             except Exception:  # one bad tick must not end the heartbeats
                 log.exception("heartbeat tick failed")
 

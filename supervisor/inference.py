@@ -115,6 +115,8 @@ def add_inference_routes(app: FastAPI, engine, admission, metrics, config) -> No
         the JSON that `to_json(choices, done)` builds. However the handler ends
         (a client gone at any moment, an error, a cancelled task), the job is
         cancelled unless finished: no slot outlives its request."""
+        if sse_shape is None and job_endpoint != "embeddings":
+            job_request["stream"] = False  # wanted whole: a runtime that can answer whole does (its own bytes)
         try:
             job = admission.submit(request.scope.get(TENANT_KEY, DEFAULT_TENANT), model, job_request, job_endpoint)
         except PoolError as err:

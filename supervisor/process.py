@@ -14,6 +14,7 @@ import psutil
 
 from procutil.tree import ChildTree, kill_tree
 from protocol.owner import OWNER_ENV
+from protocol.redact import worker_env
 
 log = logging.getLogger("llm_pool.process")
 
@@ -22,11 +23,11 @@ log = logging.getLogger("llm_pool.process")
 WorkerProcess = ChildTree
 
 
-async def spawn_worker(args: list[str], log_path: Path, extra_env: dict[str, str]) -> WorkerProcess:
+async def spawn_worker(args: list[str], log_path: Path, extra_env: dict[str, str | None]) -> WorkerProcess:
     """Start `python -m runtime_worker ARGS`. Raises OSError when it cannot
-    (log directory not creatable, no such interpreter, out of pids)."""
-    env = dict(os.environ)
-    env.update(extra_env)
+    (log directory not creatable, no such interpreter, out of pids).
+    `extra_env` over this process's environment; None values remove a name."""
+    env = worker_env(dict(os.environ), extra_env)
     env[OWNER_ENV] = str(os.getpid())
     env.setdefault("PYTHONUNBUFFERED", "1")
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -110,8 +110,11 @@ class Lifecycle:
         if entry.cfg.remote and self.cluster is None:
             self.cluster = RayCluster(self._server(), self.transport)
         launcher = self.cluster.launcher(entry.cfg) if entry.cfg.remote else self.launcher
+        # every model's key variable: each worker sees its own model's alone
+        key_env = frozenset(e.cfg.options["api_key_env"] for e in self.registry.configured()
+                            if e.cfg.options.get("api_key_env"))
         executor.replicas = [Replica(entry.cfg, self._server(), i, self.transport, self.log_dir, executor,
-                                     launcher=launcher) for i in range(entry.cfg.replicas)]
+                                     launcher=launcher, secret_env=key_env) for i in range(entry.cfg.replicas)]
         executor.start()
         entry.executor = executor
         entry.set_state(ModelState.LOADING)
