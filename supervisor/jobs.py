@@ -46,10 +46,11 @@ def encode_submit(job_id: str, request: dict, endpoint: str = "chat") -> bytes:
 class Job:
     __slots__ = ("id", "model", "request", "endpoint", "frame", "state", "replica", "events", "created_at",
                  "deadline", "queue_deadline", "cancel_requested", "first_token_at", "attempts", "submit_seq",
-                 "_waiter", "submitted_at", "transcript", "queue_reason", "_timer", "_timer_at", "counted")
+                 "_waiter", "submitted_at", "transcript", "queue_reason", "_timer", "_timer_at", "counted", "tenant",
+                 "meter")
 
     def __init__(self, model: str, request: dict, timeout_s: float, queue_timeout_s: float | None = None,
-                 endpoint: str = "chat") -> None:
+                 endpoint: str = "chat", tenant: str = "default") -> None:
         self.id = os.urandom(16).hex()  # as unique as uuid4, and cheaper
         self.model = model
         self.request = request
@@ -74,10 +75,14 @@ class Job:
         self.transcript: list[str] | None = None  # the output, kept only for a model with log_bodies
         self.counted = False  # its outcome is in the metrics and the request log (Metrics.request)
         self.queue_reason: PoolError | None = None  # why it waits, when not for a slot (e.g. memory)
+        self.tenant = tenant  # who asked (admission); its queue lane and share
+        self.meter = None  # charges its tokens to its tenant as they come (fair_queue.TokenMeter), once handed out
 
     def push(self, event: Delta) -> None:
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
+        if self.meter is not None:
+            self.meter.delta()
         if self.transcript is not None:  # text of every kind and choice, tool-call names and arguments
             self.transcript.extend(part.get("t") or (part.get("name") or "") + (part.get("args") or "")
                                    for part in p.delta_parts(event))
@@ -86,6 +91,8 @@ class Job:
     def finish(self, outcome: Done | PoolError) -> None:
         if self.state is not JobState.FINISHED:
             self.state = JobState.FINISHED
+            if self.meter is not None and isinstance(outcome, Done):
+                self.meter.done(outcome.usage)
             self._put(outcome)
             if self._timer is not None:  # nothing more to wait for: the loop lets go of the job now
                 self._timer.cancel()
