@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from protocol.errors import ERROR_TYPE, ErrorCode, PoolError
 from supervisor import admin_feeds, ui
+from supervisor.admission import Admission
 from supervisor.config import PoolConfig
 from supervisor.engine import ModelRouterEngine
 from supervisor.http_guard import HttpEdge, error_response
@@ -48,10 +49,11 @@ def create_app(config: PoolConfig) -> FastAPI:
     app.state.engine = engine
     app.state.activity = activity = Activity(engine)  # the request log and the live samples
     metrics = Metrics(engine, on_finished=activity.finished)
-    direct = add_inference_routes(app, engine, metrics, config)
+    admission = Admission(engine, api_key, admin_key)
+    add_inference_routes(app, engine, admission, metrics, config)
     app.include_router(admin_feeds.router)
     app.include_router(ui.router)
-    app.add_middleware(HttpEdge, server=config.server, api_key=api_key, admin_key=admin_key, direct=direct)
+    app.add_middleware(HttpEdge, server=config.server, admission=admission, api_key=api_key, admin_key=admin_key)
 
     # -- errors -------------------------------------------------------------------------------
     @app.exception_handler(PoolError)

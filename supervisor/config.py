@@ -39,6 +39,8 @@ class ServerConfig(_Strict):
     request_log_max_rows: int = Field(100_000, ge=1)  # the request log keeps the newest rows...
     request_log_days: float = Field(7.0, gt=0)  # ...and none older than this
     # The HTTP edge (supervisor/http_guard.py): bounds on what a client may send before a route runs.
+    # the request bodies being read, all together (each at most max_body_bytes); more: 429, retry
+    max_buffered_body_bytes: int = Field(256 * 1024 * 1024, ge=1024)
     allowed_hosts: list[str] = Field(default_factory=list)  # more Host names for /admin ("name" or "name:port")
     max_connections: int = Field(1000, ge=1, le=1_000_000)  # more are closed at once
     max_header_bytes: int = Field(64 * 1024, ge=1024, le=16 * 1024 * 1024)  # request line + headers; else 431
@@ -66,6 +68,14 @@ class ServerConfig(_Strict):
             if not h or any(c.isspace() or c in "/@?#," for c in h):
                 raise ValueError(f"{h!r} is not a host name (expected 'name', 'name:port' or '*')")
         return hosts
+
+    @field_validator("max_buffered_body_bytes")
+    @classmethod
+    def _room_for_one_body(cls, value: int, info: ValidationInfo) -> int:
+        largest = info.data.get("max_body_bytes")
+        if largest is not None and value < largest:
+            raise ValueError(f"must be at least max_body_bytes ({largest})")
+        return value
 
     @field_validator("ray_address")
     @classmethod

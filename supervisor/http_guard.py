@@ -1,10 +1,11 @@
 """The HTTP edge: what is refused before a request reaches a route.
 
-- `GuardedHttpToolsProtocol`: per-connection bounds under uvicorn's httptools
-  protocol. llhttp does not bound header size (httptools joins a header
-  value's pieces as it goes, so a huge one costs memory and quadratic time on
-  the event loop), and uvicorn has no header or body read timeout and no
-  connection cap; this subclass adds them and keeps the parser.
+- `BoundedConnection`: per-connection bounds around uvicorn's HTTP protocol,
+  by composition (it is the asyncio protocol; uvicorn's protocol object gets
+  the bytes through the asyncio.Protocol methods). llhttp does not bound
+  header size (httptools joins a header value's pieces as it goes, so a huge
+  one costs memory and quadratic time on the event loop), and uvicorn has no
+  header or body read timeout and no connection cap; this layer adds them.
   It also tells a request's handler when its client goes away (`Disconnect`),
   without a task per request that waits for http.disconnect.
 - `HttpEdge`: one ASGI layer for every request: API keys, the browser rules
@@ -15,19 +16,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import enum
-import hmac
 import ipaddress
 import json
 import logging
 import time
 from asyncio import TimerHandle
+from contextvars import ContextVar
 from urllib.parse import urlsplit
 
+import httptools
 from fastapi.responses import JSONResponse
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.config import HTTP_PROTOCOLS
+from uvicorn.importer import import_from_string
 
 from protocol.errors import ErrorCode, PoolError
+from supervisor.admission import Admission, key_matches, presented_key
 from supervisor.config import ServerConfig
 
 log = logging.getLogger("llm_pool.http")
@@ -77,14 +82,21 @@ class _Phase(enum.Enum):
     IDLE = "idle"  # between requests (or before the first): the next bytes start a request
     HEADERS = "headers"  # a request line has begun; its headers are not complete
     BODY = "body"  # headers complete, body not yet
+    UNTRACKED = "untracked"  # after an Upgrade request: no longer HTTP/1.1 requests to bound
 
 
-DISCONNECT_KEY = "llm_pool.disconnect"  # in the ASGI scope of each request this protocol reads
+DISCONNECT_KEY = "llm_pool.disconnect"  # in the ASGI scope of each request read by a BoundedConnection
+TENANT_KEY = "llm_pool.tenant"  # in the ASGI scope of each /v1/ request: admission.Tenant
+
+# The connection whose bytes are being handed to the server's protocol. The request task that
+# the server starts then inherits it (asyncio copies the context into a new task), so that
+# HttpEdge finds the connection of the request it serves.
+_connection: ContextVar[BoundedConnection | None] = ContextVar("llm_pool.connection", default=None)
 
 
 class Disconnect:
     """Whether a request's client has gone, and what to do when it goes: set by
-    the connection (`GuardedHttpToolsProtocol.connection_lost`), read by the
+    the connection (`BoundedConnection.connection_lost`), read by the
     handler. A callback costs nothing until it fires, where a task that waits
     on receive() for http.disconnect costs a task per request."""
 
@@ -107,55 +119,95 @@ class Disconnect:
             return callback()
         self.callback = callback
         if self._listen is not None:
-            # uvicorn pauses reading past a large body or at a pipelined request: a close
+            # the server pauses reading past a large body or at a pipelined request: a close
             # is only seen while reading
             self._listen()
 
 
-class GuardedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with bounds (see `guarded_protocol`):
+class _Shared:
+    """What the connections of one server count together."""
+
+    def __init__(self, bounds: ServerConfig) -> None:
+        self.bounds = bounds
+        self.open = 0
+
+
+class BoundedConnection(asyncio.Protocol):
+    """One HTTP connection, bounded, around the ASGI server's own protocol object
+    (`inner`), which it feeds through the asyncio.Protocol interface only:
     - at most `max_connections` open connections; more are closed at once;
     - a request's line and headers: at most `max_header_bytes` and `max_headers`
       lines (else 431 and close), complete within `header_timeout_s` of the read
       that began them or of the connection opening (else the connection is closed);
-    - its body complete within `body_timeout_s` of the headers (else closed).
-    A request read whole in one read costs no timer.
-    Bytes are counted as they arrive, before the parser sees them; a read that
-    holds the end of one request and the start of the next counts from the
-    next read on (so a request's headers can exceed the cap by one read)."""
+    - its body complete within `body_timeout_s` of the headers (else closed);
+    - a request that HTTP cannot parse gets the error envelope (400) and a close.
+    The bytes are read by a parser of its own (httptools, with no per-header
+    callback but a count) before the server's protocol gets them: llhttp itself
+    bounds no header size, and the server has no header or body timeout and no
+    connection cap. A request read whole in one read costs no timer.
+    Bytes are counted as they arrive; a read that holds the end of one request
+    and the start of the next counts from the next read on (so a request's
+    headers can exceed the cap by one read).
+    It also tells a request's handler when its client goes away (`Disconnect`)."""
 
-    limits: ServerConfig  # set by guarded_protocol()
+    shared: _Shared  # set by bounded_protocol()
+    inner_class: type[asyncio.Protocol]
 
-    def connection_made(self, transport) -> None:
-        self._refused = len(self.connections) >= self.limits.max_connections
+    def __init__(self, *args, **kwargs) -> None:
+        # whatever the server passes to its protocol factory goes to its protocol, untouched
+        self.inner = self.inner_class(*args, **kwargs)
+        self.bounds = self.shared.bounds
+        self.transport: asyncio.Transport | None = None
+        self._refused = False
+        self._parser = httptools.HttpRequestParser(self)
+        try:  # as uvicorn's: a request after one that asked to close is left to the server
+            self._parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        except AttributeError:  # httptools < 0.6.3
+            pass
         self._phase = _Phase.IDLE
         self._header_bytes = 0
         self._header_lines = 0
         self._completed = 0  # requests read whole
         self._timer: TimerHandle | None = None
-        if self._refused:
-            self.transport = transport
+        self.request: Disconnect | None = None  # of the request whose handler runs (HttpEdge sets it)
+
+    # asyncio.Protocol
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        if self.shared.open >= self.bounds.max_connections:
+            self._refused = True
             _warnings.warn("connections", "refusing a connection: %d open (server.max_connections)",
-                           len(self.connections))
+                           self.shared.open)
             transport.abort()
             return
-        super().connection_made(transport)
-        self._arm(self.limits.header_timeout_s, self._header_timeout)
+        self.shared.open += 1
+        self.inner.connection_made(transport)
+        self._arm(self.bounds.header_timeout_s, self._header_timeout)
 
     def connection_lost(self, exc) -> None:
+        if self._refused:
+            return
+        self.shared.open -= 1
         self._disarm()
-        if not self._refused:
-            cycle = self.cycle
-            super().connection_lost(exc)
-            if cycle is not None and cycle.disconnected:  # uvicorn's test: a request still unanswered
-                cycle.scope[DISCONNECT_KEY].fire()
+        self.inner.connection_lost(exc)
+        if self.request is not None:  # a handler still runs: its client has gone
+            self.request.fire()
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def eof_received(self):
+        return self.inner.eof_received()
 
     def data_received(self, data: bytes) -> None:
         if self._refused or self.transport.is_closing():
             return
-        if self._phase is _Phase.BODY:
+        if self._phase is _Phase.BODY or self._phase is _Phase.UNTRACKED:
             return self._feed(data)
-        room = self.limits.max_header_bytes - self._header_bytes
+        room = self.bounds.max_header_bytes - self._header_bytes
         if len(data) <= room:
             self._header_bytes += len(data)
             return self._feed(data)
@@ -164,52 +216,64 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._feed(data[:room])
         if self.transport.is_closing():
             return
-        if self._phase is not _Phase.BODY and self._header_bytes >= self.limits.max_header_bytes:
-            return self._refuse_headers(f"request headers over {self.limits.max_header_bytes} bytes")
+        if self._phase is not _Phase.BODY and self._header_bytes >= self.bounds.max_header_bytes:
+            return self._refuse_headers(f"request headers over {self.bounds.max_header_bytes} bytes")
         self.data_received(data[room:])
 
     def _feed(self, data: bytes) -> None:
-        """Parse, then start the deadline for what is left half-read. A request that came
-        whole in one read (the usual case) sets no timer."""
+        """Parse, hand the bytes on, then start the deadline for what is left half-read.
+        A request that came whole in one read (the usual case) sets no timer."""
         completed = self._completed
-        super().data_received(data)
+        if self._phase is not _Phase.UNTRACKED:
+            try:
+                self._parser.feed_data(data)
+            except httptools.HttpParserUpgrade:
+                self._phase = _Phase.UNTRACKED  # the server decides what an upgrade becomes
+            except httptools.HttpParserError as exc:
+                if self._header_lines > self.bounds.max_headers:
+                    return self._refuse_headers(f"more than {self.bounds.max_headers} request header lines")
+                return self._answer_and_close(PoolError(ErrorCode.INVALID_REQUEST,
+                                                        f"invalid HTTP request: {str(exc).rstrip('.')}"))
+        token = _connection.set(self)
+        try:
+            self.inner.data_received(data)
+        finally:
+            _connection.reset(token)
         if self._timer is not None or self.transport.is_closing():
             return
         if self._phase is _Phase.BODY:
-            self._arm(self.limits.body_timeout_s, self._body_timeout)
-        elif self._phase is _Phase.HEADERS or self._completed == completed:  # a partial request, or blank lines
-            self._arm(self.limits.header_timeout_s, self._header_timeout)
+            self._arm(self.bounds.body_timeout_s, self._body_timeout)
+        elif self._phase is _Phase.HEADERS or (self._completed == completed and self._phase is _Phase.IDLE):
+            self._arm(self.bounds.header_timeout_s, self._header_timeout)  # a partial request, or blank lines
 
-    # parser callbacks
+    # our parser's callbacks
     def on_message_begin(self) -> None:
-        super().on_message_begin()
         self._phase = _Phase.HEADERS
         self._header_lines = 0
 
-    def on_header(self, name: bytes, value: bytes) -> None:
+    def on_header(self, name: bytes, value: bytes) -> None:  # noqa: ARG002 -- counted, not kept
         self._header_lines += 1
-        if self._header_lines > self.limits.max_headers:
-            raise _TooManyHeaders  # stops the parser; it reports a callback error to send_400_response
-        super().on_header(name, value)
+        if self._header_lines > self.bounds.max_headers:
+            raise _TooManyHeaders  # stops the parser: feed_data raises HttpParserCallbackError
 
     def on_headers_complete(self) -> None:
         self._disarm()
         self._phase = _Phase.BODY
         self._header_bytes = 0
-        self.scope[DISCONNECT_KEY] = Disconnect(self.flow.resume_reading)
-        super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         self._disarm()
         self._phase = _Phase.IDLE
         self._completed += 1
-        super().on_message_complete()
 
-    def send_400_response(self, msg: str) -> None:
-        """uvicorn's answer to a request llhttp cannot parse, as the error envelope."""
-        if self._header_lines > self.limits.max_headers:
-            return self._refuse_headers(f"more than {self.limits.max_headers} request header lines")
-        self._answer_and_close(PoolError(ErrorCode.INVALID_REQUEST, msg.rstrip(".")))
+    # the handler of a request (HttpEdge)
+    def begin_request(self) -> Disconnect:
+        """A request's handler starts: the Disconnect that tells it when its client goes."""
+        self.request = Disconnect(self.transport.resume_reading)
+        return self.request
+
+    def end_request(self) -> None:
+        self.request = None
 
     # bounds
     def _refuse_headers(self, why: str) -> None:
@@ -218,39 +282,34 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _header_timeout(self) -> None:
         self._timer = None
-        if self.cycle is not None and not self.cycle.response_complete:
+        if self.request is not None:
             # A pipelined request waits while the one before it is answered (reading is paused).
-            return self._arm(self.limits.header_timeout_s, self._header_timeout)
+            return self._arm(self.bounds.header_timeout_s, self._header_timeout)
         if self._phase is _Phase.HEADERS:
             _warnings.warn("header_timeout", "closed a connection from %s: headers not complete within %gs",
-                           self._peer(), self.limits.header_timeout_s)
+                           self._peer(), self.bounds.header_timeout_s)
         self.transport.abort()  # abort, not close: a client that does not read would keep it open
 
     def _body_timeout(self) -> None:
         self._timer = None
         _warnings.warn("body_timeout", "closed a connection from %s: body not complete within %gs",
-                       self._peer(), self.limits.body_timeout_s)
+                       self._peer(), self.bounds.body_timeout_s)
         self.transport.abort()
 
     def _answer_and_close(self, err: PoolError) -> None:
-        cycle = self.cycle
-        if cycle is not None and not cycle.response_complete:
-            if cycle.response_started:  # a pipelined request went wrong mid-answer: no room for a reply
-                return self.transport.abort()
-            cycle.disconnected = True  # the app's request is over: it must not answer after this
-            cycle.message_event.set()
-            cycle.scope[DISCONNECT_KEY].fire()
+        self._disarm()
+        if self.request is not None:  # a request before this one is being answered: no room for a reply
+            return self.transport.abort()
         body = json.dumps(err.envelope()).encode()
         head = (f"HTTP/1.1 {err.status} {_REASONS.get(err.status, '')}\r\n"
                 f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
                 "connection: close\r\n\r\n").encode()
-        self._disarm()
         self.transport.write(head + body)
         self.transport.close()
 
     def _arm(self, delay: float, callback) -> None:
         self._disarm()
-        self._timer = self.loop.call_later(delay, callback)
+        self._timer = asyncio.get_running_loop().call_later(delay, callback)
 
     def _disarm(self) -> None:
         if self._timer is not None:
@@ -258,7 +317,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._timer = None
 
     def _peer(self) -> str:
-        return "%s:%d" % self.client if self.client else "?"
+        peer = self.transport.get_extra_info("peername") if self.transport is not None else None
+        return "%s:%s" % tuple(peer[:2]) if isinstance(peer, tuple) else "?"
 
 
 class _TooManyHeaders(Exception):
@@ -268,9 +328,11 @@ class _TooManyHeaders(Exception):
 _REASONS = {400: "Bad Request", 431: "Request Header Fields Too Large"}
 
 
-def guarded_protocol(server: ServerConfig) -> type[GuardedHttpToolsProtocol]:
-    """The protocol class for uvicorn.Config(http=...), bound to these limits."""
-    return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": server})
+def bounded_protocol(server: ServerConfig, http: str = "httptools") -> type[BoundedConnection]:
+    """The protocol factory for uvicorn.Config(http=...): uvicorn's protocol `http` (its
+    --http choice), each connection bounded by these limits."""
+    inner = import_from_string(HTTP_PROTOCOLS[http])
+    return type("BoundedConnection", (BoundedConnection,), {"shared": _Shared(server), "inner_class": inner})
 
 
 # -- requests -----------------------------------------------------------------------------------------
@@ -290,17 +352,21 @@ class HttpEdge:
     Sec-Fetch-Site, when sent, must be same-origin or none.
 
     Body: over `max_body_bytes` is refused with 413, at once when the
-    Content-Length says so, else while reading (the body is buffered up to the
-    cap). `direct` maps a POST path to `handle(scope, receive, send, body)`,
-    which gets the body read here; every other request goes on to `app` with
-    the body replayed."""
+    Content-Length says so, else while reading. The bodies being read are held
+    here, all of them together at most `max_buffered_body_bytes`; a request
+    that would go over is refused with 429 and Retry-After. The request goes
+    on to `app` with its body in one message.
 
-    def __init__(self, app, server: ServerConfig, api_key: str | None, admin_key: str | None,
-                 direct: dict | None = None) -> None:
+    The connection (BoundedConnection) tells the request's handler when its
+    client goes: `scope[DISCONNECT_KEY]`."""
+
+    def __init__(self, app, server: ServerConfig, admission: Admission, api_key: str | None,
+                 admin_key: str | None) -> None:
         self.app = app
         self.limit = server.max_body_bytes
-        self.direct = direct if direct is not None else {}
-        self.inference = [k.encode() for k in (api_key, admin_key) if k] if api_key else []
+        self.budget = server.max_buffered_body_bytes
+        self.buffered = 0  # bytes of the bodies being read now
+        self.admission = admission
         self.admin = [admin_key.encode()] if admin_key else []
         self.admin_refused = bool(api_key) and not admin_key
         self.allowed_hosts = frozenset(h.lower() for h in server.allowed_hosts)
@@ -317,21 +383,11 @@ class HttpEdge:
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > self.limit:
                 return await self._too_large()(scope, receive, send)
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left while sending
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.limit:
-                return await self._too_large()(scope, receive, send)
-            if not message.get("more_body"):
-                break
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        handle = self.direct.get(scope["path"]) if scope["method"] == "POST" else None
-        if handle is not None:
-            return await handle(scope, receive, send, body)
+        body = await self._read_body(receive)
+        if isinstance(body, PoolError):
+            return await error_response(body)(scope, receive, send)
+        if body is None:  # the client left while sending
+            return
         replayed = False
 
         async def replay():
@@ -341,16 +397,58 @@ class HttpEdge:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # after the body: disconnect notices pass through
 
-        return await self.app(scope, replay, send)
+        connection = _connection.get()
+        if connection is None:  # another server than BoundedConnection's: no disconnect notice
+            return await self.app(scope, replay, send)
+        scope[DISCONNECT_KEY] = connection.begin_request()
+        try:
+            return await self.app(scope, replay, send)
+        finally:
+            connection.end_request()
+
+    async def _read_body(self, receive) -> bytes | PoolError | None:
+        """The whole body; a PoolError when it is over a bound; None when the client left."""
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunk = message.get("body", b"")
+        if not message.get("more_body"):  # the usual case: the body came whole
+            return self._too_large_error() if len(chunk) > self.limit else chunk
+        chunks, size = [], 0
+        try:
+            while True:
+                if size + len(chunk) > self.limit:
+                    return self._too_large_error()
+                if self.buffered + len(chunk) > self.budget:
+                    _warnings.warn("buffered", "refused a request: %d bytes of bodies being read "
+                                   "(server.max_buffered_body_bytes)", self.buffered)
+                    return PoolError(ErrorCode.QUEUE_FULL, "the pool is reading too many request bodies at once; "
+                                     "retry shortly", retry_after_s=1)
+                chunks.append(chunk)
+                size += len(chunk)
+                self.buffered += len(chunk)
+                if not message.get("more_body"):
+                    return b"".join(chunks)
+                message = await receive()
+                if message["type"] != "http.request":
+                    return None
+                chunk = message.get("body", b"")
+        finally:
+            self.buffered -= size
 
     def _too_large(self) -> JSONResponse:
-        return error_response(PoolError(ErrorCode.REQUEST_TOO_LARGE, f"request body over {self.limit} bytes"))
+        return error_response(self._too_large_error())
+
+    def _too_large_error(self) -> PoolError:
+        return PoolError(ErrorCode.REQUEST_TOO_LARGE, f"request body over {self.limit} bytes")
 
     def _refusal(self, scope) -> PoolError | None:
         path = scope["path"]
         if path.startswith("/v1/"):
-            if self.inference and not _key_given(scope["headers"], self.inference):
-                return PoolError(ErrorCode.UNAUTHORIZED, "missing or wrong API key")
+            try:
+                scope[TENANT_KEY] = self.admission.tenant(scope["headers"])
+            except PoolError as refusal:
+                return refusal
             return None
         if not is_admin_path(path):
             return None
@@ -360,7 +458,7 @@ class HttpEdge:
         if self.admin_refused:
             return PoolError(ErrorCode.UNAUTHORIZED, "the admin endpoints are closed: only api_key is set; "
                                                      "set server.admin_key (or LLM_POOL_ADMIN_KEY) to use them")
-        if self.admin and not _key_given(scope["headers"], self.admin):
+        if self.admin and not key_matches(presented_key(scope["headers"]), self.admin):
             return PoolError(ErrorCode.UNAUTHORIZED, "missing or wrong admin key")
         return None
 
@@ -393,17 +491,6 @@ class HttpEdge:
         if server is None or (port or 80) != server[1]:
             return False
         return name in self.local_names or _is_ip_literal(name)  # a page at an IP has no name to rebind
-
-
-def _key_given(headers, wanted: list[bytes]) -> bool:
-    given = b""
-    for name, value in headers:
-        if name == b"authorization" and value[:7].lower() == b"bearer ":
-            given = value[7:]
-            break
-        if name == b"x-api-key":
-            given = value
-    return any(hmac.compare_digest(given, k) for k in wanted)
 
 
 def _is_ip_literal(name: str) -> bool:

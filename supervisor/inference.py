@@ -2,28 +2,27 @@
 /v1/embeddings and /v1/responses. Each request becomes one job through the
 engine's scheduler (queue, capacity, drain, cancel on disconnect, metrics,
 the error table); this module only translates bodies and job events, with
-the shapes in openai_shapes. The routes are served straight from the HTTP
-edge (see `route`): FastAPI's dependency solving, and the layers between the
-edge and a route, cost more per request than the request's own handling."""
+the shapes in openai_shapes. The routes are plain Starlette routes (see
+`route`): a body is decoded and validated by msgspec, in C, and the same
+Structs give the OpenAPI document its schemas (`document`)."""
 
 from __future__ import annotations
 
 import asyncio
-import email.message
 import functools
 import json
+import re
 
+import msgspec
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException
 
 from protocol import Delta, Done
 from protocol.errors import ErrorCode, PoolError
 from supervisor import openai_shapes as shapes
 from supervisor import responses_shapes as rshapes
-from supervisor.http_guard import DISCONNECT_KEY, Disconnect
+from supervisor.admission import DEFAULT_TENANT
+from supervisor.http_guard import DISCONNECT_KEY, TENANT_KEY, Disconnect
 from supervisor.jobs import Job
 from supervisor.metrics import CLIENT_CLOSED
 
@@ -67,8 +66,10 @@ class JobStream(StreamingResponse):
             self.end(self.job)
 
 
-def add_inference_routes(app: FastAPI, engine, metrics, config) -> dict:
-    """Declare the inference routes; returns what HttpEdge serves directly: {path: handler}."""
+def add_inference_routes(app: FastAPI, engine, admission, metrics, config) -> None:
+    """Add the inference routes to `app` (POST, plain Starlette routes; see `route`), and
+    their bodies' schemas to its OpenAPI document."""
+    documented: dict[str, tuple[str, type[msgspec.Struct]]] = {}  # path -> (operation, body Struct)
     # -- running a job for a client ------------------------------------------------------------------
     async def collect(job: Job) -> tuple[shapes.Choices, Done]:
         choices = shapes.Choices()
@@ -115,7 +116,7 @@ def add_inference_routes(app: FastAPI, engine, metrics, config) -> dict:
         (a client gone at any moment, an error, a cancelled task), the job is
         cancelled unless finished: no slot outlives its request."""
         try:
-            job = engine.submit(model, job_request, job_endpoint)
+            job = admission.submit(request.scope.get(TENANT_KEY, DEFAULT_TENANT), model, job_request, job_endpoint)
         except PoolError as err:
             metrics.request(model, endpoint, err.status, error=err)
             raise
@@ -189,106 +190,152 @@ def add_inference_routes(app: FastAPI, engine, metrics, config) -> dict:
     def include_usage(body) -> bool:
         return bool(body.stream_options and body.stream_options.include_usage)
 
-    direct = {}  # path -> the handler that HttpEdge calls with the body
-
-    def route(path: str, model: type[BaseModel]):
-        """Serve POST `path` from the HTTP edge (http_guard.HttpEdge): `handle(body,
-        request)` with the body validated as FastAPI would (parse_body), and the
-        app's exception handlers for what it raises; without FastAPI's
-        per-request dependency solving, nor the router and the layers between
-        the edge and it. FastAPI still declares the route, so that it stays in
-        the OpenAPI document (and answers other methods with 405)."""
+    def route(path: str, model: type[msgspec.Struct]):
+        """POST `path` as a plain Starlette route: `handle(body, data, request)` gets the
+        body decoded and validated as `model` (request_body) and its JSON object as sent;
+        what it raises goes to the app's exception handlers. The OpenAPI document lists
+        the route with `model`'s schema (see `document_inference_routes`)."""
         def register(handle):
-            async def serve(scope, receive, send, raw: bytes):
-                request = Request(scope, receive, send)
+            async def endpoint(request: Request):
                 try:
-                    response = await handle(parse_body(raw, request.headers.get("content-type"), model), request)
-                except Exception as exc:
-                    handler = exception_handler(exc)
-                    if handler is None:
-                        raise  # to ServerErrorMiddleware: a 500
-                    response = await handler(request, exc)
-                await response(scope, receive, send)
-            direct[path] = serve
-
-            async def documented(body):  # noqa: ARG001 -- never called: the edge answers POST first
-                raise AssertionError("unreachable")
-            documented.__annotations__ = {"body": model}  # a type, not the string this module's annotations are
-            documented.__name__ = handle.__name__  # the same operationId as when FastAPI served it
-            app.post(path)(documented)
+                    body, data = request_body(await request.body(), request.headers.get("content-type"), model)
+                except PoolError as err:
+                    metrics.request(None, path, err.status)
+                    raise
+                return await handle(body, data, request)
+            endpoint.__name__ = handle.__name__
+            app.add_route(path, endpoint, methods=["POST"], include_in_schema=False)
+            documented[path] = (handle.__name__, model)
             return handle
         return register
 
-    def exception_handler(exc: Exception):
-        """The app's handler for `exc`, as Starlette looks it up (by class, most specific first)."""
-        for cls in type(exc).__mro__:
-            if cls in app.exception_handlers:
-                return app.exception_handlers[cls]
-        return None
-
     @route("/v1/responses", rshapes.ResponsesRequest)
-    async def create_response(body: rshapes.ResponsesRequest, request: Request):
-        return await serve_job(request, "responses", body.model, rshapes.job_request_from_responses(body),
+    async def create_response(body: rshapes.ResponsesRequest, data: dict, request: Request):
+        return await serve_job(request, "responses", body.model, rshapes.job_request_from_responses(body, data),
                                rshapes.ResponsesStream(body) if body.stream else None,
                                lambda choices, done: rshapes.response_json(body, choices, done))
 
     @route("/v1/chat/completions", shapes.ChatRequest)
-    async def chat_completions(body: shapes.ChatRequest, request: Request):
+    async def chat_completions(body: shapes.ChatRequest, data: dict, request: Request):
         return await serve_job(
-            request, "chat_completions", body.model, body.job_request(),
+            request, "chat_completions", body.model, shapes.job_request(data),
             shapes.ChatStream(body.model, include_usage(body)) if body.stream else None,
             lambda choices, done: shapes.chat_completion(body.model, choices, done))
 
     @route("/v1/completions", shapes.CompletionRequest)
-    async def completions(body: shapes.CompletionRequest, request: Request):
+    async def completions(body: shapes.CompletionRequest, data: dict, request: Request):
         return await serve_job(
-            request, "completions", body.model, body.job_request(),
+            request, "completions", body.model, shapes.job_request(data),
             shapes.CompletionStream(body.model, include_usage(body)) if body.stream else None,
             lambda choices, done: shapes.text_completion(body.model, choices, done), "completions")
 
     @route("/v1/embeddings", shapes.EmbeddingRequest)
-    async def create_embeddings(body: shapes.EmbeddingRequest, request: Request):
-        return await serve_job(request, "embeddings", body.model, body.job_request(), None,
+    async def create_embeddings(body: shapes.EmbeddingRequest, data: dict, request: Request):
+        if body.stream:
+            metrics.request(None, "/v1/embeddings", 400)
+            raise PoolError(ErrorCode.INVALID_REQUEST, "stream: embeddings are never streamed", param="stream")
+        return await serve_job(request, "embeddings", body.model, shapes.job_request(data), None,
                                lambda choices, done: shapes.embeddings(body.model, done), "embeddings")
 
-    return direct
+    document(app, documented)
 
 
-# -- the request body, as FastAPI reads it ----------------------------------------------------------------
-_MISSING = object()
+# -- the OpenAPI document ------------------------------------------------------------------------------
+_ERROR_ENVELOPE = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 
 
-@functools.lru_cache(maxsize=64)
-def _is_json(content_type: str) -> bool:
-    """FastAPI's test: application/json or application/*+json, parameters allowed."""
-    message = email.message.Message()
-    message["content-type"] = content_type
-    subtype = message.get_content_subtype()
-    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
+def document(app: FastAPI, routes: dict[str, tuple[str, type[msgspec.Struct]]]) -> None:
+    """Add `routes` to the app's OpenAPI document, their bodies' schemas made by msgspec
+    from the Structs that validate them (FastAPI's documented way to extend the document:
+    an `openapi()` of one's own, cached in `app.openapi_schema`)."""
+    fastapi_openapi = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = fastapi_openapi()
+            models = [model for _, model in routes.values()]
+            refs, components = msgspec.json.schema_components(models, ref_template="#/components/schemas/{name}")
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(
+                {**components, "ErrorEnvelope": _ERROR_ENVELOPE})
+            error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorEnvelope"}}}}
+            for (path, (name, _)), ref in zip(routes.items(), refs):
+                schema.setdefault("paths", {})[path] = {"post": {
+                    "summary": name.replace("_", " ").capitalize(), "operationId": f"{name}_{path.strip('/').replace('/', '_')}_post",
+                    "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}},
+                    "responses": {
+                        "200": {"description": "The answer, or its server-sent events when `stream` is true",
+                                "content": {"application/json": {"schema": {"type": "object"}},
+                                            "text/event-stream": {"schema": {"type": "string"}}}},
+                        "400": {"description": "A body the API refuses", **error},
+                        "default": {"description": "An error, in the OpenAI error envelope", **error}}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
-def parse_body(raw: bytes, content_type: str | None, model: type[BaseModel]) -> BaseModel:
-    """The request's body validated as `model`, with the errors a FastAPI
-    `body: model` parameter gives (and so the same handlers, statuses and
-    messages): a body that is not JSON is a json_invalid error at its offset;
-    one that cannot be parsed at all (nested too deep) a 400 HTTPException;
-    a missing body "Field required"; a body sent under another content type
-    is validated as bytes (and refused). Field errors are located under "body"."""
-    data = _MISSING
-    if raw:
-        data = raw
-        if content_type and _is_json(content_type):
-            try:
-                data = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.pos),
-                                               "msg": "JSON decode error", "input": {},
-                                               "ctx": {"error": exc.msg}}]) from None
-            except Exception:
-                raise HTTPException(status_code=400, detail="There was an error parsing the body") from None
-    if data is _MISSING:
-        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
+# -- the request body ---------------------------------------------------------------------------------
+_decode = msgspec.json.Decoder().decode
+
+
+def _is_json(content_type: str | None) -> bool:
+    """application/json or application/<anything>+json, parameters allowed."""
+    if not content_type:
+        return False
+    media = content_type.partition(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def request_body(raw: bytes, content_type: str | None, model: type[msgspec.Struct]) -> tuple[msgspec.Struct, dict]:
+    """The body decoded as a JSON object and validated as `model` (strictly: "5" is not an
+    int), and the object itself. A client error is a PoolError naming where it is: `param`
+    "body" for a body that is not JSON, the field's dotted path for a wrong field, and none
+    for a body that is absent, sent as another type, or not an object."""
+    if not raw:
+        raise PoolError(ErrorCode.INVALID_REQUEST, "body: Field required")
+    if not _is_json(content_type):
+        raise PoolError(ErrorCode.INVALID_REQUEST, f"body: expected a JSON object sent as application/json, "
+                        f"got {(content_type or 'no Content-Type')[:100]!r}")
     try:
-        return model.model_validate(data, from_attributes=True)
-    except ValidationError as exc:
-        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+        data = _decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        data = _lenient_decode(raw)  # NaN, Infinity or huge numbers: the field's range refuses them below
+    if not isinstance(data, dict):
+        raise PoolError(ErrorCode.INVALID_REQUEST, f"body: Expected `object`, got `{type(data).__name__}`")
+    try:
+        return msgspec.convert(data, model, strict=True), data
+    except msgspec.ValidationError as exc:
+        message, param = _located(str(exc))
+        raise PoolError(ErrorCode.INVALID_REQUEST, f"{param or 'body'}: {message}", param=param) from None
+
+
+def _lenient_decode(raw: bytes):
+    """What msgspec refuses, read by the standard library, which takes NaN and the infinities
+    (a wrong value of a field, not a broken body) and says where a broken body breaks."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise PoolError(ErrorCode.INVALID_REQUEST, f"body: not valid JSON at offset {exc.pos}: {exc.msg}",
+                        param="body") from None
+    except (RecursionError, UnicodeDecodeError, ValueError):
+        raise PoolError(ErrorCode.INVALID_REQUEST, "body: There was an error parsing the body",
+                        param="body") from None
+
+
+_AT = re.compile(r"^(.*?)(?: - at `\$(.*)`)?$", re.DOTALL)
+_MISSING = re.compile(r"missing required field `([^`]*)`")
+
+
+def _located(error: str) -> tuple[str, str | None]:
+    """msgspec's "Expected ... - at `$.messages[0].role`" as ("Expected ...", "messages.0.role");
+    a missing field is named in the path as well."""
+    message, path = _AT.match(error).groups()
+    parts = re.findall(r"\.([^.\[]+)|\[(\d+)\]", path or "")
+    names = [name or index for name, index in parts]
+    if missing := _MISSING.search(message):
+        names.append(missing.group(1))
+        message = "Field required"
+    return message, ".".join(names) or None

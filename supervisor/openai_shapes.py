@@ -9,76 +9,83 @@ import functools
 import json
 import os
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import msgspec
+from msgspec import Meta
 
 from protocol import Delta, Done
 from protocol.errors import PoolError
 
 
-class _Req(BaseModel):
-    # strict: "5" is not an int and "yes" is not a bool; unknown fields are ignored
-    model_config = ConfigDict(strict=True, extra="ignore")
+# -- requests: msgspec Structs, decoded and validated in C (see `request_body`) ------------------------
+# Only the fields the pool reads are declared, strictly typed ("5" is not an int, "yes" not a bool);
+# every other field of the client's body passes through to the runtime as sent: the job request is
+# the decoded JSON object itself, less the fields the pool owns.
 
-
-class StreamOptions(_Req):
+class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
 # Fields of a client's body that the pool owns: the rest reaches the runtime as sent.
 POOL_OWNED = frozenset({"model", "stream", "stream_options"})
 
+ModelName = Annotated[str, Meta(min_length=1)]
 
-class _PassThrough(BaseModel):
-    """An OpenAI body that goes to the runtime whole: only the fields the pool
-    reads itself are declared (and strictly typed); every other field passes
-    through, for the runtime (or the backend's own check) to judge."""
-    model_config = ConfigDict(strict=True, extra="allow")
-    model: str = Field(min_length=1)
+
+class _PassThrough(msgspec.Struct, kw_only=True):
+    """An OpenAI body that goes to the runtime whole (see `job_request`)."""
+    model: ModelName
     stream: bool = False
 
-    def job_request(self) -> dict:
-        return self.model_dump(exclude_unset=True, exclude=POOL_OWNED)
 
-
-class ChatMessage(BaseModel):
+class ChatMessage(msgspec.Struct):
     """What the pool reads of a message (its role and the text it counts for
     the prompt bounds); every other key passes through as sent."""
-    model_config = ConfigDict(strict=True, extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list | None = None
 
 
-class _Sampling(_PassThrough):
-    """The OpenAI sampling fields, checked against the API's own ranges so that a
-    wrong value is the client's 400 whatever the backend (a runtime might take
-    NaN, and the synthetic one ignores them); sent on as given."""
-    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
-    top_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
-    presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
-    n: int | None = Field(None, ge=1, le=128)
+# The OpenAI sampling fields, checked against the API's own ranges so that a wrong value is the
+# client's 400 whatever the backend (a runtime might take NaN, and the synthetic one ignores them).
+# NaN and the infinities fail every range.
+Temperature = Annotated[float, Meta(ge=0, le=2)]
+TopP = Annotated[float, Meta(ge=0, le=1)]
+Penalty = Annotated[float, Meta(ge=-2, le=2)]
+Choices_n = Annotated[int, Meta(ge=1, le=128)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+
+
+class _Sampling(_PassThrough, kw_only=True):
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    n: Choices_n | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
 
 
-class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+class ChatRequest(_Sampling, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
     stream_options: StreamOptions | None = None
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: PositiveInt | None = None
     stream_options: StreamOptions | None = None
 
 
-class EmbeddingRequest(_PassThrough):
-    input: str | list
-    stream: Literal[False] = False  # embeddings are never streamed
+class EmbeddingRequest(_PassThrough, kw_only=True):
+    input: str | list  # a stream of embeddings is refused by `request_body`
+
+
+def job_request(data: dict) -> dict:
+    """The request the runtime gets: the client's JSON object as sent, less what the pool owns."""
+    return {k: v for k, v in data.items() if k not in POOL_OWNED}
 
 
 _json_str = json.JSONEncoder().encode  # a str goes straight to the C escaper (ensure_ascii, as json.dumps)

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+import msgspec
+from msgspec import Meta
 
 import protocol as p
 from protocol import Delta, Done
 from protocol.errors import ErrorCode, PoolError
-from supervisor.openai_shapes import Choices, new_id
+from supervisor.openai_shapes import Choices, ModelName, PositiveInt, Temperature, new_id
 
 # Responses fields about the Responses API's own storage and delivery: the pool stores
 # nothing and answers at once, so these ask nothing of the runtime and are not sent on.
@@ -23,15 +24,15 @@ BOOKKEEPING = frozenset({"store", "include", "truncation", "service_tier", "prom
                          "safety_identifier", "stream_options"})
 
 
-class ResponsesRequest(BaseModel):
-    # strict: "5" is not an int and "yes" is not a bool; other fields pass on to the runtime
-    model_config = ConfigDict(strict=True, extra="allow")
-    model: str = Field(min_length=1)
+class ResponsesRequest(msgspec.Struct, kw_only=True):
+    """The fields the pool reads (strictly typed: "5" is not an int, "yes" not a bool); the
+    body's other fields pass on to the runtime (see `job_request_from_responses`)."""
+    model: ModelName
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    max_output_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
     stream: bool = False
     metadata: dict[str, str] | None = None
     previous_response_id: str | None = None
@@ -40,6 +41,9 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
+
+
+DECLARED = frozenset(ResponsesRequest.__struct_fields__)
 
 
 def _bad(message: str, param: str, code: ErrorCode = ErrorCode.INVALID_REQUEST) -> PoolError:
@@ -161,8 +165,8 @@ def _response_format(text: dict) -> dict | None:
                ErrorCode.UNSUPPORTED_PARAMETER)
 
 
-def job_request_from_responses(req: ResponsesRequest) -> dict:
-    """The Chat Completions body for a Responses request."""
+def job_request_from_responses(req: ResponsesRequest, data: dict) -> dict:
+    """The Chat Completions body for a Responses request (`data`: its JSON object as sent)."""
     if req.previous_response_id is not None:
         raise _bad("previous_response_id is not supported (the pool stores no responses): send the "
                    "conversation in `input`", "previous_response_id")
@@ -179,10 +183,10 @@ def job_request_from_responses(req: ResponsesRequest) -> dict:
         request["response_format"] = fmt
     if req.reasoning and req.reasoning.get("effort") is not None:
         request["reasoning_effort"] = req.reasoning["effort"]
-    if (req.model_extra or {}).get("background"):
+    if data.get("background"):
         raise _bad("background responses are not supported", "background", ErrorCode.UNSUPPORTED_PARAMETER)
-    for key, value in (req.model_extra or {}).items():  # e.g. seed, top_k, user: the runtime judges them
-        if key not in BOOKKEEPING and key != "background":
+    for key, value in data.items():  # e.g. seed, top_k, user: the runtime judges them
+        if key not in DECLARED and key not in BOOKKEEPING and key != "background":
             request[key] = value
     return request
 

@@ -13,7 +13,7 @@ import uvicorn
 from protocol.errors import PoolError
 from supervisor.api import create_app
 from supervisor.config import PoolConfig
-from supervisor.http_guard import guarded_protocol
+from supervisor.http_guard import bounded_protocol
 
 log = logging.getLogger("llm_pool.server")
 
@@ -95,7 +95,7 @@ def run(cfg: PoolConfig, log_level: str = "info") -> None:
     _room_for_connections(cfg.server.max_connections)
     server = DrainingServer(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level=log_level, loop="uvloop",
-        http=guarded_protocol(cfg.server), ws="none",  # no WebSocket routes: no upgrade path to guard
+        http=bounded_protocol(cfg.server), ws="none",  # no WebSocket routes: no upgrade path to guard
         access_log=False, timeout_graceful_shutdown=5),
         app.state.engine, cfg.server.shutdown_grace_s)
     server.run()

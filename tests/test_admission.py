@@ -1,0 +1,86 @@
+"""Admission (supervisor/admission.py): key -> tenant -> model scope -> limits -> queue.
+
+The order is checked against a real pool: a wrong key is refused before the
+body is read or the model looked up; with the right key, an unknown model is
+the engine's 404 and a known one is served. The key logic is pure and gets
+unit tests of its own."""
+
+from __future__ import annotations
+
+import pytest
+
+from protocol.errors import ErrorCode, PoolError
+from supervisor.admission import DEFAULT_TENANT, Admission, key_matches, presented_key
+from tests.conftest import synthetic
+
+
+def headers(**given: str) -> list[tuple[bytes, bytes]]:
+    return [(k.replace("_", "-").encode(), v.encode()) for k, v in given.items()]
+
+
+def test_the_key_is_read_from_bearer_first_then_x_api_key():
+    assert presented_key(headers(authorization="Bearer abc")) == b"abc"
+    assert presented_key(headers(authorization="bearer abc")) == b"abc"
+    assert presented_key(headers(x_api_key="xyz")) == b"xyz"
+    assert presented_key(headers(x_api_key="xyz", authorization="Bearer abc")) == b"abc"
+    assert presented_key(headers(authorization="Basic abc")) == b""
+    assert presented_key([]) == b""
+
+
+def test_key_matching():
+    assert key_matches(b"a", [b"b", b"a"])
+    assert not key_matches(b"", [b"a"])
+    assert not key_matches(b"ab", [b"a"])
+    assert not key_matches(b"a", [])
+
+
+class NoEngine:
+    """Admission with no key in the way must not reach the engine in these tests."""
+
+    def submit(self, *args):
+        raise AssertionError(f"submit reached the engine: {args}")
+
+
+def test_without_keys_every_request_is_the_default_tenant():
+    admission = Admission(NoEngine(), None, None)
+    assert admission.tenant([]) is DEFAULT_TENANT
+    assert admission.tenant(headers(authorization="Bearer anything")) is DEFAULT_TENANT
+    # an admin key alone guards the admin surface only
+    assert Admission(NoEngine(), None, "admin").tenant([]) is DEFAULT_TENANT
+
+
+@pytest.mark.parametrize("given, admitted", [
+    ({}, False), ({"authorization": "Bearer wrong"}, False), ({"x_api_key": "infe"}, False),
+    ({"authorization": "Bearer infer"}, True), ({"x_api_key": "infer"}, True),
+    ({"authorization": "Bearer admin"}, True),  # the admin key may call the inference routes too
+])
+def test_with_an_inference_key_it_or_the_admin_key_is_needed(given, admitted):
+    admission = Admission(NoEngine(), "infer", "admin")
+    if admitted:
+        assert admission.tenant(headers(**given)) is DEFAULT_TENANT
+    else:
+        with pytest.raises(PoolError) as refused:
+            admission.tenant(headers(**given))
+        assert refused.value.code is ErrorCode.UNAUTHORIZED and refused.value.status == 401
+
+
+def test_the_order_on_a_real_pool(make_pool):
+    """Key before body and model: a wrong key with an unknown model, or with a body that is
+    not JSON, is a 401; the right key gets the body's 400, the unknown model's 404, and a
+    known model's answer."""
+    pool = make_pool([synthetic("syn", tokens=2)], server={"api_key": "infer"})
+    chat = {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}
+    wrong = {"Authorization": "Bearer wrong"}
+    right = {"Authorization": "Bearer infer"}
+    for given in ({}, wrong):
+        r = pool.http.post("/v1/chat/completions", json=chat, headers=given)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized", r.text
+        r = pool.http.post("/v1/chat/completions", content=b"{not json", headers=given)
+        assert r.status_code == 401, r.text
+    r = pool.http.post("/v1/chat/completions", content=b"{not json",
+                       headers={**right, "Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body", r.text
+    r = pool.http.post("/v1/chat/completions", json=chat, headers=right)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+    r = pool.http.post("/v1/chat/completions", json={**chat, "model": "syn"}, headers=right)
+    assert r.status_code == 200 and r.json()["object"] == "chat.completion", r.text

@@ -1,0 +1,196 @@
+"""The HTTP edge on documented APIs (supervisor/http_guard.py, supervisor/inference.py):
+request bodies decoded and validated by msgspec (pure tests of `request_body`), the
+OpenAPI document made from the same Structs, and the global bound on the request
+bodies being read, against a real pool over raw sockets."""
+
+from __future__ import annotations
+
+import json
+import math
+import select
+import socket
+
+import httpx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from protocol.errors import ErrorCode, PoolError
+from supervisor import openai_shapes as shapes
+from supervisor import responses_shapes as rshapes
+from supervisor.inference import request_body
+from tests.conftest import synthetic
+
+JSON = "application/json"
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def refused(raw: bytes, content_type: str | None = JSON, model=shapes.ChatRequest) -> PoolError:
+    with pytest.raises(PoolError) as error:
+        request_body(raw, content_type, model)
+    assert error.value.code is ErrorCode.INVALID_REQUEST and error.value.status == 400
+    return error.value
+
+
+# -- bodies -----------------------------------------------------------------------------------------------
+def test_unknown_fields_pass_through_as_sent():
+    sent = {**CHAT, "stream": True, "stream_options": {"include_usage": True, "x": 1}, "top_k": 5,
+            "temperature": 1, "logit_bias": {"50256": -100}, "response_format": {"type": "json_object"},
+            "messages": [{"role": "user", "content": "hi", "name": "ann", "cache_control": {"type": "x"}}]}
+    body, data = request_body(json.dumps(sent).encode(), JSON, shapes.ChatRequest)
+    assert data == sent
+    assert body.stream and body.stream_options.include_usage and body.model == "m"
+    job = shapes.job_request(data)
+    assert job == {k: v for k, v in sent.items() if k not in ("model", "stream", "stream_options")}
+    assert type(job["temperature"]) is int  # as sent: no float made of it
+
+
+@given(st.dictionaries(st.text(min_size=1).filter(lambda k: k not in {"model", "messages", "stream"}),
+                       st.none() | st.booleans() | st.integers() | st.text(), max_size=5))
+def test_any_extra_field_reaches_the_job_request(extra):
+    fields = shapes.ChatRequest.__struct_fields__
+    extra = {k: v for k, v in extra.items() if k not in fields}  # declared fields are typed: not "any"
+    _, data = request_body(json.dumps({**CHAT, **extra}).encode(), JSON, shapes.ChatRequest)
+    assert shapes.job_request(data) == {"messages": CHAT["messages"], **extra}
+
+
+@pytest.mark.parametrize("raw, param", [
+    (b'{"model": "m", "messages": [}', "body"), (b"\xff\xfe", "body"), (b'{"model":', "body"),
+    (b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "body"),
+    (b"", None), (b"[1, 2]", None), (b'"text"', None),
+    (b'{"messages": [{"role": "user"}]}', "model"), (b'{"model": "m"}', "messages"),
+    (b'{"model": "", "messages": [{"role": "user"}]}', "model"),
+    (b'{"model": "m", "messages": []}', "messages"),
+    (b'{"model": "m", "messages": [{"content": "x"}]}', "messages.0.role"),
+    (b'{"model": "m", "messages": [{"role": "user"}, {"role": "robot"}]}', "messages.1.role"),
+    (b'{"model": "m", "messages": [{"role": "user"}], "temperature": NaN}', "temperature"),
+    (b'{"model": "m", "messages": [{"role": "user"}], "top_p": 1e999}', "top_p"),
+    (b'{"model": "m", "messages": [{"role": "user"}], "max_tokens": true}', "max_tokens"),
+    (b'{"model": "m", "messages": [{"role": "user"}], "n": 129}', "n"),
+    (b'{"model": "m", "messages": [{"role": "user"}], "stream_options": {"include_usage": 1}}',
+     "stream_options.include_usage"),
+])
+def test_a_refused_body_names_where(raw, param):
+    error = refused(raw)
+    assert error.param == param, error.message
+    assert error.message.startswith(f"{param or 'body'}: "), error.message
+
+
+def test_a_body_must_be_sent_as_json():
+    raw = json.dumps(CHAT).encode()
+    assert refused(raw, None).param is None
+    assert refused(raw, "text/plain").param is None
+    for content_type in ("application/json; charset=utf-8", "Application/JSON", "application/vnd.api+json"):
+        assert request_body(raw, content_type, shapes.ChatRequest)[1] == CHAT
+
+
+def test_responses_bodies_keep_their_runtime_fields_and_drop_bookkeeping():
+    sent = {"model": "m", "input": "hi", "seed": 3, "top_k": 2, "store": True, "include": [], "user": "u"}
+    body, data = request_body(json.dumps(sent).encode(), JSON, rshapes.ResponsesRequest)
+    job = rshapes.job_request_from_responses(body, data)
+    assert job == {"messages": [{"role": "user", "content": "hi"}], "seed": 3, "top_k": 2, "user": "u"}
+    assert refused(b'{"model": "m", "input": "x", "top_p": 0}', model=rshapes.ResponsesRequest).param == "top_p"
+    # a huge number where none is checked is the standard library's infinity, for the runtime to judge
+    _, data = request_body(b'{"model": "m", "prompt": "x", "logit_scale": 1e999}', JSON, shapes.CompletionRequest)
+    assert math.isinf(data["logit_scale"])
+
+
+# -- against a real pool --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    from tests.pool import Pool
+    pool = Pool(tmp_path_factory.mktemp("edge"), [synthetic("syn", capacity=4, target_inflight=4, tokens=2)],
+                server={"max_body_bytes": 256 * 1024, "max_buffered_body_bytes": 256 * 1024})
+    pool.start()
+    yield pool
+    pool.stop()
+
+
+def test_the_openapi_document_lists_the_inference_routes_with_their_schemas(pool):
+    doc = pool.http.get("/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    for path, name in (("/v1/chat/completions", "ChatRequest"), ("/v1/completions", "CompletionRequest"),
+                       ("/v1/embeddings", "EmbeddingRequest"), ("/v1/responses", "ResponsesRequest")):
+        post = doc["paths"][path]["post"]
+        ref = post["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref == f"#/components/schemas/{name}", post
+        assert post["requestBody"]["required"] is True and "200" in post["responses"]
+    chat = schemas["ChatRequest"]
+    assert set(chat["required"]) == {"model", "messages"}
+    assert chat["properties"]["messages"]["minItems"] == 1
+    assert chat["properties"]["messages"]["items"] == {"$ref": "#/components/schemas/ChatMessage"}
+    assert {"type": "number", "minimum": 0, "maximum": 2} in chat["properties"]["temperature"]["anyOf"]
+    assert "ChatMessage" in schemas and "StreamOptions" in schemas and "ErrorEnvelope" in schemas
+    # every reference resolves
+    refs = {m for m in json.dumps(doc).split('"') if m.startswith("#/components/schemas/")}
+    assert {r.rsplit("/", 1)[1] for r in refs} <= set(schemas)
+    # the routes answer only POST, as ordinary routes do
+    assert pool.http.get("/v1/chat/completions").status_code == 405
+
+
+def test_a_wrong_field_is_a_400_with_the_envelope(pool):
+    r = pool.http.post("/v1/embeddings", json={"model": "syn", "input": "x", "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream", r.text
+    r = pool.http.post("/v1/chat/completions", json={**CHAT, "model": "syn", "n": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    assert r.headers["x-should-retry"] == "false"
+
+
+def chunked_post(pool, payload: bytes, keep: int) -> socket.socket:
+    """A chunked POST of `payload` whose last `keep` bytes (and end) are not sent yet."""
+    s = socket.create_connection(("127.0.0.1", pool.port), timeout=10)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Transfer-Encoding: chunked\r\n\r\n")
+    sent = payload[:-keep]
+    for i in range(0, len(sent), 16 * 1024):
+        piece = sent[i:i + 16 * 1024]
+        s.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+    return s
+
+
+def finish(s: socket.socket, payload: bytes, keep: int) -> bytes:
+    rest = payload[-keep:]
+    s.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(rest), rest))
+    return read_response(s)
+
+
+def read_response(s: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < content_length(data):
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def content_length(data: bytes) -> int:
+    for line in data.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0
+
+
+def test_the_bodies_being_read_are_bounded_all_together(pool):
+    """max_buffered_body_bytes = 256 KiB: two bodies of 160 KiB, each held unfinished, cannot
+    both be read: one is refused with 429 and Retry-After, at once; the other, once complete,
+    is answered; and then the room is back."""
+    pad = "p" * 160 * 1024
+    big = {"model": "syn", "messages": [{"role": "user", "content": pad}]}
+    payload = json.dumps(big).encode()
+    uploads = [chunked_post(pool, payload, keep=100) for _ in range(2)]
+    try:
+        ready, _, _ = select.select(uploads, [], [], 10)
+        assert len(ready) == 1, "exactly one upload is refused while both are held"
+        answer = read_response(ready[0])
+        assert answer.startswith(b"HTTP/1.1 429"), answer[:300]
+        assert b"retry-after: 1" in answer.lower() and b'"queue_full"' in answer
+        held = uploads[1 - uploads.index(ready[0])]
+        answer = finish(held, payload, keep=100)
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+    finally:
+        for s in uploads:
+            s.close()
+    r = httpx.post(pool.url + "/v1/chat/completions", json=big, timeout=10)
+    assert r.status_code == 200, r.text
