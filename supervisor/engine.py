@@ -25,6 +25,8 @@ from supervisor.ray_placement import RayCluster
 from supervisor.replica import Replica
 from supervisor.scheduler import Executor
 from supervisor.states import MODEL_TRANSITIONS, ModelState, ReplicaState, transition
+from supervisor.tenants import DEFAULT as DEFAULT_TENANT
+from supervisor.tenants import Tenants
 from supervisor.transport import Transport, sweep_stale_socket_dirs
 
 log = logging.getLogger("llm_pool.engine")
@@ -126,8 +128,9 @@ def _text_chars(content) -> int:
 
 
 class ModelRouterEngine:
-    def __init__(self, config: PoolConfig) -> None:
+    def __init__(self, config: PoolConfig, tenants: Tenants | None = None) -> None:
         self.config = config
+        self.tenants = tenants or Tenants(config)  # their shares order each model's queue; a reload updates them
         self.models = {m.name: ModelEntry(m, busy=asyncio.Lock()) for m in config.models}
         self.aliases = {a: m.name for m in config.models for a in m.aliases}
         self.loads = dict.fromkeys(LOAD_REASONS, 0)  # counters for /metrics
@@ -306,7 +309,7 @@ class ModelRouterEngine:
         entry.set_state(ModelState.LOADING)
         entry.error = None
         entry.load_started = time.monotonic()
-        executor = Executor(entry.cfg)
+        executor = Executor(entry.cfg, self.tenants)
         if entry.cfg.remote and self.cluster is None:
             self.cluster = RayCluster(self.config.server, self.transport)
         launcher = self.cluster.launcher(entry.cfg) if entry.cfg.remote else spawn_worker
@@ -590,7 +593,7 @@ class ModelRouterEngine:
         return entry
 
     # -- jobs -------------------------------------------------------------------------------------
-    def submit(self, model: str, request: dict, endpoint: str = "chat") -> Job:
+    def submit(self, model: str, request: dict, endpoint: str = "chat", tenant: str = DEFAULT_TENANT) -> Job:
         entry = self.entry(model)
         if self.shutting_down:
             raise PoolError(ErrorCode.MODEL_UNLOADING, "the pool is shutting down")
@@ -601,7 +604,7 @@ class ModelRouterEngine:
             if len(entry.pending) >= entry.cfg.max_queue:
                 raise PoolError(ErrorCode.QUEUE_FULL, f"model {entry.cfg.name!r} has {len(entry.pending)} "
                                 f"requests waiting for its next load (max_queue)", retry_after_s=1)
-            job = self._job(entry, request, endpoint)
+            job = self._job(entry, request, endpoint, tenant)
             entry.pending.append(job)
             return job
         if entry.state is ModelState.UNLOADING or (executor and not executor.accepting_new_requests):
@@ -612,16 +615,16 @@ class ModelRouterEngine:
                 raise PoolError(ErrorCode.MODEL_NOT_LOADED,
                                 f"model {entry.cfg.name!r} is {entry.state.value}; load it first", param="model")
             check_prompt_bounds(entry.cfg, request)
-            job = self._job(entry, request, endpoint)  # a request that cannot travel starts no load
+            job = self._job(entry, request, endpoint, tenant)  # a request that cannot travel starts no load
             self._load_on_demand(entry).enqueue(job)
             return job
         check_prompt_bounds(entry.cfg, request)
-        job = self._job(entry, request, endpoint)
+        job = self._job(entry, request, endpoint, tenant)
         executor.enqueue(job)  # while loading, it waits in the queue for the replicas
         return job
 
-    def _job(self, entry: ModelEntry, request: dict, endpoint: str) -> Job:
-        job = Job(entry.cfg.name, request, entry.cfg.request_timeout_s, entry.cfg.queue_timeout_s, endpoint)
+    def _job(self, entry: ModelEntry, request: dict, endpoint: str, tenant: str) -> Job:
+        job = Job(entry.cfg.name, request, entry.cfg.request_timeout_s, entry.cfg.queue_timeout_s, endpoint, tenant)
         if entry.cfg.log_bodies:
             job.transcript = []
         entry.used()
@@ -653,6 +656,10 @@ class ModelRouterEngine:
         if bound:  # keys, limits, timings: fixed at start; refusing beats reporting a change that did not happen
             raise PoolError(ErrorCode.INVALID_REQUEST, f"[server] {', '.join(sorted(bound))} take effect only "
                             f"when the pool restarts; reload refused, nothing changed")
+        try:
+            self.tenants.apply(new)  # weights, scopes, limits and keys; no worker is touched
+        except ConfigError as exc:
+            raise PoolError(ErrorCode.INVALID_REQUEST, f"config error: {exc}") from None
         old_models = {m.name: m for m in self.config.models}
         new_models = {m.name: m for m in new.models}
         added = [n for n in new_models if n not in old_models]

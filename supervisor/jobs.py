@@ -47,7 +47,7 @@ class Job:
     __slots__ = ("id", "model", "request", "endpoint", "frame", "state", "replica", "events", "created_at",
                  "deadline", "queue_deadline", "cancel_requested", "first_token_at", "attempts", "submit_seq",
                  "_waiter", "submitted_at", "transcript", "queue_reason", "_timer", "_timer_at", "counted", "tenant",
-                 "meter")
+                 "meter", "on_end")
 
     def __init__(self, model: str, request: dict, timeout_s: float, queue_timeout_s: float | None = None,
                  endpoint: str = "chat", tenant: str = "default") -> None:
@@ -77,6 +77,7 @@ class Job:
         self.queue_reason: PoolError | None = None  # why it waits, when not for a slot (e.g. memory)
         self.tenant = tenant  # who asked (admission); its queue lane and share
         self.meter = None  # charges its tokens to its tenant as they come (fair_queue.TokenMeter), once handed out
+        self.on_end = None  # on_end(job, outcome) once it ends, however (admission: the tenant's limits)
 
     def push(self, event: Delta) -> None:
         if self.first_token_at is None:
@@ -93,6 +94,8 @@ class Job:
             self.state = JobState.FINISHED
             if self.meter is not None and isinstance(outcome, Done):
                 self.meter.done(outcome.usage)
+            if self.on_end is not None:
+                self.on_end(self, outcome)
             self._put(outcome)
             if self._timer is not None:  # nothing more to wait for: the loop lets go of the job now
                 self._timer.cancel()

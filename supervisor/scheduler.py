@@ -13,7 +13,8 @@ import logging
 
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ModelConfig
-from supervisor.job_queue import FifoQueue, JobQueue
+from supervisor.fair_queue import FairQueue
+from supervisor.job_queue import JobQueue
 from supervisor.jobs import Job, JobState
 from supervisor.replica import Replica
 from supervisor.replica_choice import ReplicaChoice, make_replica_choice
@@ -23,10 +24,13 @@ log = logging.getLogger("llm_pool.scheduler")
 
 
 class Executor:
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tenants=None) -> None:
         self.cfg = cfg
         self.replicas: list[Replica] = []
-        self.queue: JobQueue = FifoQueue()  # read-only outside: changed only through the methods below
+        # token-fair across tenants, FIFO within one (and so plain FIFO with one tenant); read-only
+        # outside: changed only through the methods below
+        self.queue: JobQueue = (FairQueue(tenants.share, tenants.output_weight) if tenants is not None
+                                else FairQueue())
         self.choice: ReplicaChoice = make_replica_choice()
         self.accepting_new_requests = False
         self.loading = False  # its replicas are being started: jobs wait, and a failure is the load's to report
