@@ -49,13 +49,13 @@ def _since(value: str | None) -> float | None:
 @router.get("/admin/requests")
 async def admin_requests(request: Request, model: str | None = None, status: str | None = None,
                          since: str | None = None, after_id: int | None = None,
-                         limit: int = Query(100, ge=1, le=10_000)):
+                         limit: int = Query(100, ge=1, le=10_000), tenant: str | None = None):
     """The newest finished requests first, from the request log."""
     if status not in (None, "", "ok", "error") and not (status.isdigit() and 100 <= int(status) <= 599):
         raise PoolError(ErrorCode.INVALID_REQUEST, "status: an HTTP status, 'ok' or 'error'", param="status")
     log = request.app.state.activity.requests
     rows = await asyncio.to_thread(log.query, model=model, status=status or None, since=_since(since),
-                                   after_id=after_id, limit=limit)
+                                   after_id=after_id, limit=limit, tenant=tenant)
     return {"requests": rows, "dropped": log.dropped}
 
 

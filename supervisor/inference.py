@@ -115,10 +115,11 @@ def add_inference_routes(app: FastAPI, engine, admission, metrics, config) -> No
         the JSON that `to_json(choices, done)` builds. However the handler ends
         (a client gone at any moment, an error, a cancelled task), the job is
         cancelled unless finished: no slot outlives its request."""
+        tenant = request.scope.get(TENANT_KEY, DEFAULT_TENANT)
         try:
-            job = admission.submit(request.scope.get(TENANT_KEY, DEFAULT_TENANT), model, job_request, job_endpoint)
+            job = admission.submit(tenant, model, job_request, job_endpoint)
         except PoolError as err:
-            metrics.request(model, endpoint, err.status, error=err)
+            metrics.request(model, endpoint, err.status, error=err, tenant=tenant.name)
             raise
         streaming = None
         try:

@@ -23,7 +23,7 @@ QUEUE_MAX = 100_000  # rows waiting for the writer; past it rows are dropped (an
 FLUSH_S = 0.1  # how often the writer looks for rows: one commit per burst, visible within this
 
 COLUMNS = ("ts", "model", "endpoint", "status", "error_code", "error_message", "queued_ms", "ttft_ms",
-           "duration_ms", "tokens_in", "tokens_out", "prompt", "output")
+           "duration_ms", "tokens_in", "tokens_out", "prompt", "output", "tenant")
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -39,10 +39,13 @@ CREATE TABLE IF NOT EXISTS requests (
     tokens_in INTEGER,
     tokens_out INTEGER,
     prompt TEXT,                 -- only with the model's log_bodies, truncated
-    output TEXT
+    output TEXT,
+    tenant TEXT                  -- who asked (a configured tenant name); NULL: refused before a tenant was known
 );
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 """
+# columns added since the first schema: a log written by an older version gets them on open
+ADDED_COLUMNS = {"tenant": "TEXT"}
 
 
 def truncate(text: str | None, limit: int = BODY_CHARS) -> str | None:
@@ -65,6 +68,10 @@ class RequestLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._connect() as db:
             db.executescript(SCHEMA)
+            have = {row[1] for row in db.execute("PRAGMA table_info(requests)")}
+            for column, kind in ADDED_COLUMNS.items():
+                if column not in have:
+                    db.execute(f"ALTER TABLE requests ADD COLUMN {column} {kind}")
             db.execute("PRAGMA journal_mode=WAL")  # readers do not wait for the writer
 
     def _connect(self) -> sqlite3.Connection:
@@ -126,12 +133,15 @@ class RequestLog:
 
     # -- reading (run in a thread) --------------------------------------------------------------
     def query(self, *, model: str | None = None, status: str | None = None, since: float | None = None,
-              after_id: int | None = None, limit: int = 100) -> list[dict]:
+              after_id: int | None = None, limit: int = 100, tenant: str | None = None) -> list[dict]:
         """Newest first. `status`: an HTTP status, or "ok" (below 400) or "error"."""
         where, args = [], []
         if model:
             where.append("model = ?")
             args.append(model)
+        if tenant:
+            where.append("tenant = ?")
+            args.append(tenant)
         if status == "ok":
             where.append("status < 400")
         elif status == "error":
