@@ -5,7 +5,8 @@ et al., "Fairness in Serving Large Language Models", OSDI'24).
 virtual counter: the weighted tokens the tenant was served on this model,
 divided by its weight. The next job comes from the backlogged tenant with the
 lowest counter within the highest priority band that is waiting (ties: the
-older head job), so with one tenant, or none charged yet, it is plain FIFO.
+tenant served longest ago, then the older head job), so with one tenant it is
+plain FIFO.
 
 Counters are charged as tokens are produced, not when a request ends: a job
 handed out is charged its prompt at once (an estimate from its size, set right
@@ -90,6 +91,8 @@ class FairQueue:
         self.counters: dict[str, float] = {}  # tenant -> weighted tokens served / weight
         self._lanes: dict[str, _Lane] = {}  # backlogged tenants only
         self._floor: dict[int, float] = {}  # band -> counter of the tenant served last in it
+        self._served: dict[str, int] = {}  # tenant -> number of its last hand-over (ties go to the longest ago)
+        self._handed = 0
         self._len = 0
         self._seq = 0  # arrival numbers; a requeued job takes a number before every other
         self._front_seq = 0
@@ -131,6 +134,8 @@ class FairQueue:
         counter = self.counters.get(tenant, 0.0)
         band = self.shares(tenant).priority
         self._floor[band] = max(self._floor.get(band, counter), counter)
+        self._handed += 1
+        self._served[tenant] = self._handed
         if not lane.jobs:
             del self._lanes[tenant]
         job.meter = TokenMeter(self, tenant, len(job.frame) // PROMPT_BYTES_PER_TOKEN)
@@ -185,7 +190,8 @@ class FairQueue:
     def _next_tenant(self) -> str | None:
         best, best_key = None, None
         for tenant, lane in self._lanes.items():
-            key = (-self.shares(tenant).priority, self.counters.get(tenant, 0.0), lane.jobs[0][0])
+            key = (-self.shares(tenant).priority, self.counters.get(tenant, 0.0), self._served.get(tenant, 0),
+                   lane.jobs[0][0])
             if best_key is None or key < best_key:
                 best, best_key = tenant, key
         return best

@@ -94,10 +94,20 @@ class WorkerProcess:
         return await self._proc.wait()
 
 
+# Variables holding the pool's own secrets (its API and admin keys, tenants' key_env): no worker needs
+# them, so none gets them (an openai_remote's api_key_env is its own variable, and reaches it).
+WITHHELD_ENV: set[str] = {"LLM_POOL_API_KEY", "LLM_POOL_ADMIN_KEY"}
+
+
+def withhold_env(names) -> None:
+    """Keep these environment variables out of every worker started from now on."""
+    WITHHELD_ENV.update(names)
+
+
 async def spawn_worker(args: list[str], log_path: Path, extra_env: dict[str, str]) -> WorkerProcess:
     """Start `python -m runtime_worker ARGS`. Raises OSError when it cannot
     (log directory not creatable, no such interpreter, out of pids)."""
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in WITHHELD_ENV}
     env.update(extra_env)
     env[OWNER_ENV] = str(os.getpid())
     env.setdefault("PYTHONUNBUFFERED", "1")

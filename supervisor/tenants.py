@@ -23,6 +23,7 @@ from fnmatch import fnmatchcase
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ConfigError, PoolConfig
 from supervisor.fair_queue import Share
+from supervisor.process import withhold_env
 
 DEFAULT = "default"  # the tenant of [server] api_key, and of every request when no key is set
 
@@ -213,6 +214,7 @@ class Tenants:
             specs.append(TenantSpec(t.name, t.weight, t.priority, tuple(t.models), t.rpm, t.tpm, t.max_inflight))
             for key in t.keys:
                 add_key(key, t.name)
+            withhold_env(t.key_env)  # never in a worker's environment
             for var in t.key_env:
                 value = os.environ.get(var)
                 if not value:

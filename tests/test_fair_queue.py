@@ -198,7 +198,7 @@ def test_a_newly_active_tenant_is_served_at_once_and_starves_nobody():
     for _ in range(60):
         sim.step(outputs)
     after = sim.order[handed_before:]
-    assert "a" in [j.tenant for j in after[:2]]
+    assert after[0].tenant == "a"  # the next free slot: lifted to b's counter, and b was served last
     share_a = sum(j.tenant == "a" for j in after) / len(after)
     assert 0.4 <= share_a <= 0.6, share_a  # neither starved nor starving: idleness banked no credit
 
