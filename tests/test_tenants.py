@@ -7,6 +7,7 @@ a weight without touching a worker."""
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import openai
@@ -280,3 +281,25 @@ def test_reload_changes_a_weight_without_touching_a_worker(make_pool):
     wait_for(lambda: served_order(pool, 16).count("b") == 8, 10, what="every request in the log")
     first_half = served_order(pool, 16)[:8]
     assert first_half.count("a") >= 5, first_half  # 3:1 gives six of the first eight; 1:1 four; FIFO none
+
+
+def test_request_log_gains_the_tenant_column_and_filters_by_it(tmp_path):
+    """A log written before tenants existed gets the column on open; rows filter by tenant."""
+    import sqlite3
+
+    from supervisor.request_log import RequestLog
+    path = tmp_path / "r.sqlite3"
+    with sqlite3.connect(path) as db:  # the schema before tenants
+        db.execute("CREATE TABLE requests (id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, model TEXT "
+                   "NOT NULL, endpoint TEXT NOT NULL, status INTEGER NOT NULL, error_code TEXT, error_message "
+                   "TEXT, queued_ms REAL, ttft_ms REAL, duration_ms REAL, tokens_in INTEGER, tokens_out INTEGER, "
+                   "prompt TEXT, output TEXT)")
+        db.execute("INSERT INTO requests (ts, model, endpoint, status) VALUES (?, 'old', 'chat_completions', 200)",
+                   (time.time() - 60,))
+    store = RequestLog(path, max_rows=100, days=1, flush_s=0.01)
+    store.start()
+    store.record(ts=time.time(), model="m", endpoint="chat_completions", status=200, tenant="team-a")
+    store.record(ts=time.time(), model="m", endpoint="chat_completions", status=429, tenant="team-b")
+    store.close()
+    assert [r["tenant"] for r in store.query()] == ["team-b", "team-a", None]
+    assert [r["status"] for r in store.query(tenant="team-a")] == [200]
