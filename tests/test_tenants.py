@@ -19,6 +19,7 @@ from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ConfigError, PoolConfig, parse_config
 from supervisor.tenants import Tenants, Window, duration
 from tests.conftest import synthetic
+from tests.test_cli import cli, table_rows
 from tests.procs import wait_for
 
 ADMIN = "admin-secret"
@@ -156,6 +157,9 @@ def test_identity_scope_and_model_list(make_pool):
         return http.get("/admin/requests", params={"tenant": "team-a"}, headers=ADMIN_H).json()["requests"]
     wait_for(lambda: len(team_a_rows()) == 4, 5, what="team-a's rows (2 served, 2 not found)")
     assert {r["tenant"] for r in team_a_rows()} == {"team-a"}
+    done = cli("requests", "--tenant", "team-b", url=pool.url, env={"LLM_POOL_ADMIN_KEY": ADMIN})
+    assert done.returncode == 0, done.stderr
+    assert [(r["TENANT"], r["MODEL"]) for r in table_rows(done.stdout)] == [("team-b", "syn-b")]
     metrics = http.get("/metrics").text
     assert 'llm_pool_tenant_requests_total{model="syn-a",status="200",tenant="team-a"} 2.0' in metrics
     assert 'llm_pool_tenant_requests_total{model="syn-b",status="404",tenant="team-a"} 1.0' in metrics
