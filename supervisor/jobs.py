@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 
 class JobState(StrEnum):
-    QUEUED = "queued"  # in the executor's FIFO; the scheduler may still drop it
+    QUEUED = "queued"  # in the executor's queue; the scheduler may still drop it
     SUBMITTED = "submitted"  # handed to a worker: past the cancel boundary, counts as inflight
     FINISHED = "finished"
 

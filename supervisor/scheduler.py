@@ -1,7 +1,8 @@
 """Scheduling policy, in one place: the per-model executor.
 
-An executor owns one public model's FIFO of queued jobs, its replicas, and one
-driver loop that hands the head of the queue to the replica with the lowest
+An executor owns one public model's queue of jobs (supervisor/fair_queue.py: FIFO
+within a tenant, token-fair across tenants), its replicas, and one driver loop
+that hands the next job of the queue to the replica with the lowest
 occupancy (inflight / effective capacity), round-robin among equals, while any
 replica has a free slot. Queued jobs are the scheduler's and can be dropped;
 submitted jobs belong to a worker until it reports them finished."""

