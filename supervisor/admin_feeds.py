@@ -46,17 +46,28 @@ def _since(value: str | None) -> float | None:
     return moment.timestamp()
 
 
+ROW_ID_MAX = 2**63 - 1  # SQLite's integer range: a bigger number is the client's 400
+
+
 @router.get("/admin/requests")
-async def admin_requests(request: Request, model: str | None = None, status: str | None = None,
-                         since: str | None = None, after_id: int | None = None,
-                         limit: int = Query(100, ge=1, le=10_000), tenant: str | None = None):
-    """The newest finished requests first, from the request log."""
-    if status not in (None, "", "ok", "error") and not (status.isdigit() and 100 <= int(status) <= 599):
+async def admin_requests(request: Request, model: str | None = Query(None, max_length=1000),
+                         status: str | None = None, since: str | None = None,
+                         after_id: int | None = Query(None, ge=0, le=ROW_ID_MAX),
+                         before_id: int | None = Query(None, ge=0, le=ROW_ID_MAX),
+                         limit: int = Query(100, ge=1, le=10_000),
+                         tenant: str | None = Query(None, max_length=64)):
+    """The newest finished requests first, from the request log: one page of at most
+    `limit` rows and about request_log.QUERY_MAX_BYTES. `more` says whether older
+    rows match (ask again with before_id = the last row's id); with after_id, the
+    page holds the oldest rows after it (ask again with after_id = the first row's id)."""
+    if status not in (None, "", "ok", "error") and not (
+            status.isascii() and status.isdigit() and 100 <= int(status) <= 599):
         raise PoolError(ErrorCode.INVALID_REQUEST, "status: an HTTP status, 'ok' or 'error'", param="status")
     log = request.app.state.activity.requests
-    rows = await asyncio.to_thread(log.query, model=model, status=status or None, since=_since(since),
-                                   after_id=after_id, limit=limit, tenant=tenant)
-    return {"requests": rows, "dropped": log.dropped}
+    rows, more = await asyncio.to_thread(log.page, model=model, status=status or None, since=_since(since),
+                                         after_id=after_id, before_id=before_id, limit=limit,
+                                         tenant=tenant)
+    return {"requests": rows, "more": more, "dropped": log.dropped}
 
 
 @router.get("/admin/live")

@@ -22,8 +22,10 @@ from supervisor.engine import ModelRouterEngine
 from supervisor.http_guard import TENANT_KEY, HttpEdge, error_response
 from supervisor.inference import add_inference_routes
 from supervisor.live import Activity
+from supervisor.loop_lag import LoopLag
 from supervisor.metrics import Metrics
 from supervisor.observe import refresh_remote_views, worker_views
+from supervisor.request_bounds import clip
 from supervisor.states import ModelState
 from supervisor.tenants import Tenants
 
@@ -33,15 +35,17 @@ log = logging.getLogger("llm_pool.api")
 def create_app(config: PoolConfig) -> FastAPI:
     api_key = config.server.api_key or os.environ.get("LLM_POOL_API_KEY")
     admin_key = config.server.admin_key or os.environ.get("LLM_POOL_ADMIN_KEY")
-    engine = ModelRouterEngine(config, Tenants(config, api_key, admin_key))
+    engine = ModelRouterEngine(config, tenants=Tenants(config, api_key, admin_key))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        lag.start()
         await engine.start()
         activity.start()
         yield
         await engine.shutdown(config.server.shutdown_grace_s)
         await activity.close()
+        await lag.close()
 
     # FastAPI's OpenTelemetry hooks off: unused here (metrics are Prometheus), and checking
     # whether a provider is configured costs on every request
@@ -50,6 +54,7 @@ def create_app(config: PoolConfig) -> FastAPI:
     app.state.engine = engine
     app.state.activity = activity = Activity(engine)  # the request log and the live samples
     metrics = Metrics(engine, on_finished=activity.finished)
+    lag = LoopLag(metrics.lag)
     admission = Admission(engine, engine.tenants)
     add_inference_routes(app, engine, admission, metrics, config)
     app.include_router(admin_feeds.router)
@@ -71,9 +76,9 @@ def create_app(config: PoolConfig) -> FastAPI:
             return error_response(PoolError(ErrorCode.INVALID_REQUEST,
                                             f"body: not valid JSON at offset {where}: {reason}", param="body"))
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
+        param = clip(".".join(loc)) or None  # a location holds the client's own keys
         return error_response(PoolError(ErrorCode.INVALID_REQUEST,
-                                        f"{param or 'body'}: {err.get('msg')}", param=param))
+                                        f"{param or 'body'}: {clip(str(err.get('msg')))}", param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -102,7 +107,7 @@ def create_app(config: PoolConfig) -> FastAPI:
         if engine.ready():
             return {"status": "ready"}
         waiting = [n for n, e in engine.models.items()
-                   if e.cfg.load_on_start and engine.model_state(e) is not ModelState.LOADED]
+                   if e.cfg.load_on_start and engine.model_state(e) not in (ModelState.LOADED, ModelState.DEGRADED)]
         return JSONResponse({"status": "not_ready", "waiting_for": waiting}, status_code=503)
 
     # -- admin ----------------------------------------------------------------------------------------

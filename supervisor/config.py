@@ -39,6 +39,10 @@ class ServerConfig(_Strict):
     state_dir: str | None = None  # replica logs and the request log; default: the user's state dir
     request_log_max_rows: int = Field(100_000, ge=1)  # the request log keeps the newest rows...
     request_log_days: float = Field(7.0, gt=0)  # ...and none older than this
+    request_log_max_bytes: int = Field(64 * 2**20, ge=2**20)  # ...and its file stays about this small
+    # What one job may make the supervisor hold or send: its output in all (text, logprobs,
+    # tool calls). Past it the job ends with 502 runtime_error and its worker stops it.
+    max_job_output_bytes: int = Field(64 * 2**20, ge=64 * 1024)
     # The HTTP edge (supervisor/http_guard.py): bounds on what a client may send before a route runs.
     # the request bodies being read, all together (each at most max_body_bytes); more: 429, retry
     max_buffered_body_bytes: int = Field(256 * 1024 * 1024, ge=1024)
@@ -176,6 +180,9 @@ BACKEND_OPTIONS: dict[str, type[_Options]] = {
 DEFAULT_LOAD_TIMEOUT_S = {"vllm_serve": 600.0}
 
 
+# runtimes whose prompt cache makes a replica's history worth returning to
+PREFIX_CACHING_BACKENDS = frozenset({"llama_server", "vllm_serve"})
+
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
 
 
@@ -206,6 +213,10 @@ class ModelConfig(_Strict):
     placement: Literal["local", "ray"] = "local"  # "ray": each replica on a Ray node that fits [models.ray]
     ray: RayPlacement | None = None
     log_bodies: bool = False  # the request log keeps prompts and outputs (truncated): debugging only
+    # Replica choice (supervisor/replica_choice.py); default: "prefix" for several replicas of a
+    # runtime with a prompt cache (llama_server, vllm_serve), else "least_inflight"
+    routing: Literal["least_inflight", "prefix", "session"] | None = None
+    prefix_cache_tokens: int | None = Field(None, ge=1)  # per replica, for "prefix"; default: the runtime's
     options: dict = Field(default_factory=dict)  # checked against BACKEND_OPTIONS by parse_config
 
     @model_validator(mode="before")
@@ -225,6 +236,12 @@ class ModelConfig(_Strict):
     @property
     def remote(self) -> bool:
         return self.placement == "ray"
+
+    @property
+    def replica_routing(self) -> str:
+        if self.routing is not None:
+            return self.routing
+        return "prefix" if self.replicas > 1 and self.backend in PREFIX_CACHING_BACKENDS else "least_inflight"
 
 
 TENANT_NAME = re.compile(r"^[A-Za-z0-9._-]+$")

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import protocol as p
 from protocol import Delta, Done
 from protocol.errors import ErrorCode, PoolError
+from supervisor.request_bounds import choice_limit, clip
 
 if TYPE_CHECKING:
     from supervisor.replica import Replica
@@ -36,6 +37,7 @@ def encode_submit(job_id: str, request: dict, endpoint: str = "chat") -> bytes:
             where, why = p.find_unencodable(request) or ("", "a value that cannot be sent to the runtime")
         except RecursionError:
             where, why = "", "nested too deeply"
+        where = clip(where)  # a field path holds the client's keys
         raise PoolError(ErrorCode.INVALID_REQUEST, f"{where or 'request'}: {why}", param=where or None) from None
     if len(frame) > p.MAX_FRAME_BYTES:
         raise PoolError(ErrorCode.REQUEST_TOO_LARGE, f"the request is {len(frame)} bytes once encoded for the "
@@ -43,14 +45,43 @@ def encode_submit(job_id: str, request: dict, endpoint: str = "chat") -> bytes:
     return frame
 
 
+DEFAULT_MAX_OUTPUT_BYTES = 64 * 2**20  # [server] max_job_output_bytes
+
+
+def output_size(delta: Delta) -> int:
+    """About the bytes a delta holds: its strings' lengths, and for logprobs
+    every string, number and container in them (the bulk when a runtime sends
+    many alternatives). Plain text, the token path, costs one len()."""
+    size = len(delta.text)
+    for part in delta.parts:
+        size += 16 + len(part.get("t") or "") + len(part.get("args") or "") + len(part.get("name") or "")
+        lp = part.get("lp")
+        if lp is not None:
+            stack = [lp]
+            while stack:
+                value = stack.pop()
+                if isinstance(value, str):
+                    size += len(value) + 2
+                elif isinstance(value, dict):
+                    size += 2 + sum(len(k) + 3 for k in value if isinstance(k, str))
+                    stack.extend(value.values())
+                elif isinstance(value, list):
+                    size += 2
+                    stack.extend(value)
+                else:
+                    size += 9
+    return size
+
+
 class Job:
     __slots__ = ("id", "model", "request", "endpoint", "frame", "state", "replica", "events", "created_at",
                  "deadline", "queue_deadline", "cancel_requested", "first_token_at", "attempts", "submit_seq",
-                 "_waiter", "submitted_at", "transcript", "queue_reason", "_timer", "_timer_at", "counted", "tenant",
-                 "meter", "on_end")
+                 "_waiter", "submitted_at", "transcript", "queue_reason", "_timer", "_timer_at", "counted",
+                 "max_choices", "max_output_bytes", "output_bytes", "tenant", "meter", "on_end")
 
     def __init__(self, model: str, request: dict, timeout_s: float, queue_timeout_s: float | None = None,
-                 endpoint: str = "chat", tenant: str = "default") -> None:
+                 endpoint: str = "chat", max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+                 tenant: str = "default") -> None:
         self.id = os.urandom(16).hex()  # as unique as uuid4, and cheaper
         self.model = model
         self.request = request
@@ -75,11 +106,29 @@ class Job:
         self.transcript: list[str] | None = None  # the output, kept only for a model with log_bodies
         self.counted = False  # its outcome is in the metrics and the request log (Metrics.request)
         self.queue_reason: PoolError | None = None  # why it waits, when not for a slot (e.g. memory)
+        # What a runtime may send for it: choice indexes below max_choices (the request's n), and
+        # max_output_bytes in all (held here, collected for a whole answer, or sent on)
+        self.max_choices = choice_limit(request, endpoint)
+        self.max_output_bytes = max_output_bytes
+        self.output_bytes = 0
         self.tenant = tenant  # who asked (admission); its queue lane and share
         self.meter = None  # charges its tokens to its tenant as they come (fair_queue.TokenMeter), once handed out
         self.on_end = None  # on_end(job, outcome) once it ends, however (admission: the tenant's limits)
 
     def push(self, event: Delta) -> None:
+        if self.state is JobState.FINISHED:  # e.g. ended over its bounds, its Cancel on the way: nobody reads it
+            return
+        if event.parts:
+            for part in event.parts:
+                if part.get("i", 0) >= self.max_choices:
+                    return self._refuse(self._bad_index(part.get("i", 0)))
+            self.output_bytes += output_size(event)
+        else:  # plain text: the token path
+            self.output_bytes += len(event.text)
+        if self.output_bytes > self.max_output_bytes:
+            return self._refuse(PoolError(ErrorCode.RUNTIME_ERROR, f"the runtime's answer is over the "
+                                          f"{self.max_output_bytes} bytes one request may produce "
+                                          f"(max_job_output_bytes)"), protocol=False)
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         if self.meter is not None:
@@ -89,7 +138,24 @@ class Job:
                                    for part in p.delta_parts(event))
         self._put(event)
 
+    def _bad_index(self, index) -> PoolError:
+        return PoolError(ErrorCode.PROTOCOL_ERROR, f"malformed reply from the runtime: choice index {index} "
+                         f"for a request of {self.max_choices} choice(s)")
+
+    def _refuse(self, error: PoolError, protocol: bool = True) -> None:
+        """The runtime sent what this job may not hold: the job ends with `error`, and
+        its worker is asked to stop it (the slot stays busy until the worker confirms).
+        Nothing of the offending delta is kept."""
+        replica = self.replica
+        if replica is not None and protocol:
+            replica.protocol_errors += 1
+        self.finish(error)
+        if replica is not None:
+            replica.cancel(self)
+
     def finish(self, outcome: Done | PoolError) -> None:
+        if isinstance(outcome, Done) and len(outcome.finish_reasons) > self.max_choices:
+            outcome = self._bad_index(len(outcome.finish_reasons) - 1)
         if self.state is not JobState.FINISHED:
             self.state = JobState.FINISHED
             if self.meter is not None and isinstance(outcome, Done):

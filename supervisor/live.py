@@ -10,11 +10,10 @@ import json
 import logging
 import time
 from collections import deque
-from pathlib import Path
 
 from protocol import Done
 from protocol.errors import PoolError
-from supervisor.engine import default_state_dir
+from supervisor.state_dir import make_private_dir
 from supervisor.jobs import Job
 from supervisor.request_log import RequestLog, truncate
 
@@ -28,9 +27,9 @@ class Activity:
     def __init__(self, engine) -> None:
         self.engine = engine
         server = engine.config.server
-        state_dir = Path(server.state_dir or default_state_dir())
+        state_dir = make_private_dir(engine.state_dir)  # before anything is written there
         self.requests = RequestLog(state_dir / "requests.sqlite3", server.request_log_max_rows,
-                                   server.request_log_days)
+                                   server.request_log_days, max_bytes=server.request_log_max_bytes)
         self.samples: deque[dict] = deque(maxlen=SAMPLES_KEPT)
         self._tokens: dict[str, int] = {}  # output tokens of finished requests, per model, since start
         # prompt + output tokens of finished requests per model and tenant, since start (the page's shares)

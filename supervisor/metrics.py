@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import psutil
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from protocol import Done
@@ -16,6 +16,7 @@ from supervisor.engine import LOAD_BUCKETS
 from supervisor.jobs import Job
 from supervisor.states import ReplicaState
 
+LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # Label values come only from these and from the configured model names: never from what a
 # client sent, or /metrics would grow with every new name or path.
@@ -49,7 +50,16 @@ class Metrics:
         self.tenant_queue_wait = Histogram("llm_pool_tenant_queue_wait_seconds", "Admission to hand-over to "
                                            "a worker, by tenant", ["tenant", "model"], buckets=LATENCY_BUCKETS,
                                            registry=self.registry)
+        self.loop_lag = Gauge("llm_pool_event_loop_lag_seconds", "How late the supervisor's event loop woke, "
+                              "last measure (supervisor/loop_lag.py)", registry=self.registry)
+        self.loop_lags = Histogram("llm_pool_event_loop_lag_distribution_seconds", "How late the supervisor's "
+                                   "event loop woke, every measure", buckets=LAG_BUCKETS, registry=self.registry)
         self.registry.register(_EngineCollector(engine))
+
+    def lag(self, seconds: float) -> None:
+        """One measure of the event loop's lag."""
+        self.loop_lag.set(seconds)
+        self.loop_lags.observe(seconds)
 
     def request(self, model: str | None, endpoint: str, status: int, job: Job | None = None,
                 done: Done | None = None, error: PoolError | None = None, tenant: str | None = None) -> None:
@@ -132,6 +142,15 @@ class _EngineCollector:
         rss = GaugeMetricFamily("llm_pool_process_rss_bytes", "Resident memory per process",
                                 labels=["model", "replica", "process"])
         rss.add_metric(["", "", "supervisor"], psutil.Process().memory_info().rss)
+        routed = CounterMetricFamily("llm_pool_routing_decisions", "Replica choices by the decision that made "
+                                     "them (prefix_hit, session, balance_fallback, least_inflight)",
+                                     labels=[*rlabels, "decision"])
+        prompt = CounterMetricFamily("llm_pool_prompt_tokens", "Prompt tokens the replica's runtime reported",
+                                     labels=rlabels)
+        cached = CounterMetricFamily("llm_pool_cached_prompt_tokens", "Of those, served from its prompt cache",
+                                     labels=rlabels)
+        hit_ratio = GaugeMetricFamily("llm_pool_prompt_cache_hit_ratio", "cached / prompt tokens, since the "
+                                      "model was loaded", labels=rlabels)
         for name, entry in self.engine.models.items():
             view = self.engine.model_view(entry)
             queue.add_metric([name], view["queue_depth"])
@@ -144,6 +163,13 @@ class _EngineCollector:
                 up.add_metric(key, 1 if r.state is ReplicaState.READY else 0)
                 restarts.add_metric(key, r.restarts)
                 bad.add_metric(key, r.protocol_errors)
+                routing = entry.executor.choice.replica_view(r)
+                for decision, count in routing["decisions"].items():
+                    routed.add_metric([*key, decision], count)
+                prompt.add_metric(key, routing["prompt_tokens"])
+                cached.add_metric(key, routing["cached_tokens"])
+                if routing["cache_hit_ratio"] is not None:
+                    hit_ratio.add_metric(key, routing["cache_hit_ratio"])
                 by_process: dict[str, int] = {}  # summed per process name: one series each
                 if r.pid and r.cfg.remote:  # on a Ray node: what its actor saw last
                     view = r.proc.view
@@ -161,7 +187,8 @@ class _EngineCollector:
                         pass
                 for process, value in by_process.items():
                     rss.add_metric([*key, process], value)
-        yield from (queue, inflight, configured, effective, loaded, up, restarts, bad, rss)
+        yield from (queue, inflight, configured, effective, loaded, up, restarts, bad, rss, routed, prompt, cached,
+                    hit_ratio)
         yield from self._lifecycle()
 
     def _lifecycle(self):

@@ -108,6 +108,7 @@ def worker_views(replicas: list[Replica]) -> list[dict]:
             "rss_bytes": None, "cpu_percent": None, "children": [], "gpu_memory_bytes": None,
             "log_path": str(r.log_path), "last_error": r.last_error, "runtime_info": r.info,
             "protocol_errors": r.protocol_errors, "unknown_job_replies": r.unknown_job_replies,
+            "routing": r.owner.choice.replica_view(r),  # replica choice: decisions, prompt cache hits
         }
         if r.cfg.remote:  # on a Ray node (the last one it ran on, while it is down): its actor's view
             view["node"] = getattr(r.proc, "node", None)

@@ -16,6 +16,7 @@ from msgspec import Meta
 
 from protocol import Delta, Done
 from protocol.errors import PoolError
+from supervisor.request_bounds import MAX_CHOICES
 
 
 # -- requests: msgspec Structs, decoded and validated in C (see `request_body`) ------------------------
@@ -148,7 +149,10 @@ class Choices:
                 choice.lp = _merge_lp(choice.lp, part["lp"])
 
     def count(self, done: Done) -> int:
-        return max(len(done.finish_reasons), max(self.by_index, default=0) + 1)
+        """Choices in the answer. The job kept every index below the request's
+        choice limit (Job.push), so this is no bigger than the request asked;
+        MAX_CHOICES stands behind that."""
+        return min(MAX_CHOICES, max(len(done.finish_reasons), max(self.by_index, default=0) + 1))
 
     def get(self, index: int) -> _Choice:
         return self.by_index.get(index) or _Choice()

@@ -45,6 +45,8 @@ class ReplicaOwner(Protocol):
 
     def job_finished(self, replica: Replica, job: Job) -> None: ...  # it ended on that replica (any outcome)
 
+    def replica_restarted(self, replica: Replica) -> None: ...  # a new worker starts: its cache is empty
+
 
 class Launcher(Protocol):
     """Starts a worker (process.spawn_worker; ray_placement.RayLauncher, which also
@@ -175,6 +177,7 @@ class Replica:
         # unique in this process: a model removed by a reload may still drain while a new
         # one of the same name starts, and a routing id must never be shared
         self.identity = f"{self.name}#{next(_IDENTITY_SERIAL)}"
+        self.owner.replica_restarted(self)
         self.capacity = 0
         self.last_error = None
         self.submits_sent = 0

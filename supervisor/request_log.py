@@ -2,10 +2,13 @@
 state dir, so that it survives a restart of the supervisor.
 
 The event loop never touches the database for a write: `record()` appends a
-tuple to a deque (atomic, no lock: well under a microsecond), and one writer
-thread wakes every `flush_s`, inserts what has piled up in one transaction,
-then trims the table to `max_rows` rows and `days` days. Reads (`query`) open
-their own connection and are meant to run in a thread."""
+tuple (its text columns cut to TEXT_LIMITS) to a deque, and one writer thread
+wakes every `flush_s`, inserts what has piled up in one transaction, then
+trims the table to `max_rows` rows, `days` days and about `max_bytes` bytes
+of data, and gives freed pages back to the file system (auto_vacuum =
+INCREMENTAL). Reads (`query`) open their own connection and are meant to run
+in a thread; one answer holds at most QUERY_MAX_BYTES of rows (and says
+where the next page starts)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import sqlite3
 import threading
 import time
 from collections import deque
+from contextlib import closing
 from pathlib import Path
 
 log = logging.getLogger("llm_pool.request_log")
@@ -21,6 +25,9 @@ log = logging.getLogger("llm_pool.request_log")
 BODY_CHARS = 4000  # prompt and output, each, when a model sets log_bodies
 QUEUE_MAX = 100_000  # rows waiting for the writer; past it rows are dropped (and counted), never blocking
 FLUSH_S = 0.1  # how often the writer looks for rows: one commit per burst, visible within this
+DEFAULT_MAX_BYTES = 64 * 2**20  # [server] request_log_max_bytes
+QUERY_MAX_BYTES = 4 * 2**20  # the rows of one /admin/requests answer, about (the page polls it every second)
+WAL_MAX_BYTES = 4 * 2**20  # the write-ahead log is cut back to this after a checkpoint
 
 COLUMNS = ("ts", "model", "endpoint", "status", "error_code", "error_message", "queued_ms", "ttft_ms",
            "duration_ms", "tokens_in", "tokens_out", "prompt", "output", "tenant")
@@ -44,6 +51,10 @@ CREATE TABLE IF NOT EXISTS requests (
 );
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 """
+# Each stored text column is cut to this many characters (what runs past says how much more)
+TEXT_LIMITS = {"model": 200, "endpoint": 64, "error_code": 64, "error_message": 1024,
+               "prompt": BODY_CHARS + 64, "output": BODY_CHARS + 64}  # room for truncate()'s note
+_TEXT_COLUMNS = tuple((COLUMNS.index(name), limit) for name, limit in TEXT_LIMITS.items())
 # columns added since the first schema: a log written by an older version gets them on open
 ADDED_COLUMNS = {"tenant": "TEXT"}
 
@@ -54,11 +65,28 @@ def truncate(text: str | None, limit: int = BODY_CHARS) -> str | None:
     return text[:limit] + f"... [{len(text) - limit} more characters]"
 
 
+def _cut(row: tuple) -> tuple:
+    """The row with every text column within TEXT_LIMITS."""
+    if all(not isinstance(row[i], str) or len(row[i]) <= limit for i, limit in _TEXT_COLUMNS):
+        return row  # the usual case: nothing to copy
+    row = list(row)
+    for i, limit in _TEXT_COLUMNS:
+        if isinstance(row[i], str):
+            row[i] = truncate(row[i], limit)
+    return tuple(row)
+
+
+def _row_bytes(row: dict) -> int:
+    return sum(len(v) + 8 if isinstance(v, str) else 12 for v in row.values())
+
+
 class RequestLog:
-    def __init__(self, path: Path, max_rows: int, days: float, flush_s: float = FLUSH_S) -> None:
+    def __init__(self, path: Path, max_rows: int, days: float, flush_s: float = FLUSH_S,
+                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.path = Path(path)
         self.max_rows = max_rows
         self.days = days
+        self.max_bytes = max_bytes
         self.flush_s = flush_s
         self.dropped = 0
         self.written = 0
@@ -66,7 +94,8 @@ class RequestLog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self._connect() as db:
+        with closing(self._connect()) as db, db:
+            db.execute("PRAGMA auto_vacuum=INCREMENTAL")  # before the first table: a new file has it
             db.executescript(SCHEMA)
             have = {row[1] for row in db.execute("PRAGMA table_info(requests)")}
             for column, kind in ADDED_COLUMNS.items():
@@ -80,6 +109,7 @@ class RequestLog:
         # with WAL, NORMAL syncs at checkpoints, not at each commit (ten a second): a crash of
         # the process loses nothing; a power cut may lose the last rows of a log, not corrupt it
         db.execute("PRAGMA synchronous=NORMAL")
+        db.execute(f"PRAGMA journal_size_limit={WAL_MAX_BYTES}")
         return db
 
     # -- writing (any thread; cheap on the event loop) ---------------------------------------
@@ -96,7 +126,7 @@ class RequestLog:
         if len(self._rows) >= QUEUE_MAX:  # the disk is stuck: lose log rows, never slow a request
             self.dropped += 1
             return
-        self._rows.append(row)
+        self._rows.append(_cut(row))
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Write what is queued, then stop the writer."""
@@ -107,6 +137,10 @@ class RequestLog:
 
     def _writer(self) -> None:
         db = self._connect()
+        try:
+            self._vacuum_mode(db)
+        except sqlite3.Error:
+            log.exception("request log: %s could not be switched to incremental vacuum", self.path)
         insert = f"INSERT INTO requests ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
         while True:
             stopping = self._stop.wait(self.flush_s)
@@ -118,6 +152,7 @@ class RequestLog:
                     with db:
                         db.executemany(insert, rows)
                         self._trim(db)
+                    self._give_back(db)
                     self.written += len(rows)
                 except sqlite3.Error:
                     log.exception("request log: %d rows not written to %s", len(rows), self.path)
@@ -125,16 +160,51 @@ class RequestLog:
                 break
         db.close()
 
+    def _vacuum_mode(self, db: sqlite3.Connection) -> None:
+        """A file made before auto_vacuum was set keeps mode NONE until one VACUUM
+        rewrites it (once; in the writer thread, never on the event loop)."""
+        if db.execute("PRAGMA auto_vacuum").fetchone()[0] != 2:  # 2: incremental
+            db.execute("PRAGMA auto_vacuum=INCREMENTAL")
+            db.execute("VACUUM")
+            log.info("request log: %s now gives freed space back (auto_vacuum=INCREMENTAL)", self.path)
+
+    def data_bytes(self, db: sqlite3.Connection) -> int:
+        """Bytes of the pages in use (the file less its free pages)."""
+        pages = db.execute("PRAGMA page_count").fetchone()[0] - db.execute("PRAGMA freelist_count").fetchone()[0]
+        return pages * db.execute("PRAGMA page_size").fetchone()[0]
+
     def _trim(self, db: sqlite3.Connection) -> None:
-        """Keep the newest max_rows rows, none older than `days`."""
+        """Keep the newest max_rows rows, none older than `days`, and about max_bytes of
+        data (the oldest tenth goes until it fits)."""
         db.execute("DELETE FROM requests WHERE ts < ?", (time.time() - self.days * 86400,))
         db.execute("DELETE FROM requests WHERE id <= (SELECT id FROM requests ORDER BY id DESC "
                    "LIMIT 1 OFFSET ?)", (self.max_rows,))
+        while self.data_bytes(db) > self.max_bytes:
+            rows = db.execute("SELECT count(*) FROM requests").fetchone()[0]
+            if rows <= 1:
+                break
+            db.execute("DELETE FROM requests WHERE id IN (SELECT id FROM requests ORDER BY id LIMIT ?)",
+                       (max(1, rows // 10),))
+
+    def _give_back(self, db: sqlite3.Connection) -> None:
+        """Free pages past an eighth of max_bytes (4 MiB at most) go back to the file system."""
+        if db.execute("PRAGMA freelist_count").fetchone()[0] * db.execute("PRAGMA page_size").fetchone()[0] \
+                > min(self.max_bytes // 8, 4 * 2**20):
+            db.executescript("PRAGMA incremental_vacuum;")  # run to the end (execute() frees one page only)
 
     # -- reading (run in a thread) --------------------------------------------------------------
-    def query(self, *, model: str | None = None, status: str | None = None, since: float | None = None,
-              after_id: int | None = None, limit: int = 100, tenant: str | None = None) -> list[dict]:
-        """Newest first. `status`: an HTTP status, or "ok" (below 400) or "error"."""
+    def query(self, **filters) -> list[dict]:
+        """The rows of one page (see page)."""
+        return self.page(**filters)[0]
+
+    def page(self, *, model: str | None = None, status: str | None = None, since: float | None = None,
+             after_id: int | None = None, before_id: int | None = None, limit: int = 100,
+             tenant: str | None = None,
+             max_bytes: int = QUERY_MAX_BYTES) -> tuple[list[dict], bool]:
+        """(rows, whether more rows match), newest first. `status`: an HTTP status, or "ok" (below 400) or "error".
+        At most `limit` rows and about `max_bytes` of them (one row at least):
+        the newest ones (below `before_id`), or with `after_id` the oldest ones
+        after it, so that a follower catching up misses none."""
         where, args = [], []
         if model:
             where.append("model = ?")
@@ -155,12 +225,24 @@ class RequestLog:
         if after_id is not None:
             where.append("id > ?")
             args.append(after_id)
+        if before_id is not None:
+            where.append("id < ?")
+            args.append(before_id)
         sql = "SELECT * FROM requests" + (" WHERE " + " AND ".join(where) if where else "")
-        sql += " ORDER BY id DESC LIMIT ?"
-        args.append(limit)
-        with self._connect() as db:
-            rows = [dict(r) for r in db.execute(sql, args)]
+        sql += f" ORDER BY id {'ASC' if after_id is not None else 'DESC'} LIMIT ?"
+        args.append(limit + 1)  # one more: whether there are more
+        rows, size, more = [], 0, False
+        with closing(self._connect()) as db:
+            for r in db.execute(sql, args):  # row by row: the bound holds before the rows are all read
+                row = dict(r)
+                size += _row_bytes(row)
+                if len(rows) == limit or (rows and size > max_bytes):
+                    more = True
+                    break
+                rows.append(row)
+        if after_id is not None:
+            rows.reverse()
         for r in rows:  # output tokens over the whole request (the time to the first one included)
             seconds = (r["duration_ms"] or 0) / 1000
             r["tokens_per_s"] = round(r["tokens_out"] / seconds, 1) if r["tokens_out"] and seconds > 0 else None
-        return rows
+        return rows, more

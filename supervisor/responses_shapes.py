@@ -17,10 +17,12 @@ import protocol as p
 from protocol import Delta, Done
 from protocol.errors import ErrorCode, PoolError
 from supervisor.openai_shapes import Choices, ModelName, PositiveInt, Temperature, new_id
+from supervisor.request_bounds import echo
 
 # Responses fields about the Responses API's own storage and delivery: the pool stores
 # nothing and answers at once, so these ask nothing of the runtime and are not sent on.
-BOOKKEEPING = frozenset({"store", "include", "truncation", "service_tier", "prompt_cache_key",
+# (prompt_cache_key is sent on, as in Chat Completions: the pool routes on it.)
+BOOKKEEPING = frozenset({"store", "include", "truncation", "service_tier",
                          "safety_identifier", "stream_options"})
 
 
@@ -70,7 +72,7 @@ def _content(content, where: str) -> str | list[dict]:
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             parts.append({"type": "text", "text": part["refusal"]})
         else:
-            raise _bad(f"content part type {kind!r} is not supported", f"{where}.content.{n}",
+            raise _bad(f"content part type {echo(kind)} is not supported", f"{where}.content.{n}",
                        ErrorCode.UNSUPPORTED_PARAMETER)
     if all(part["type"] == "text" for part in parts):
         return "".join(part["text"] for part in parts)
@@ -118,7 +120,7 @@ def _messages(req: ResponsesRequest) -> list[dict]:
                      if isinstance(c, dict)]
             reasoning = "".join(t for t in texts if isinstance(t, str))
         else:
-            raise _bad(f"input item type {kind!r} is not supported", f"{where}.type",
+            raise _bad(f"input item type {echo(kind)} is not supported", f"{where}.type",
                        ErrorCode.UNSUPPORTED_PARAMETER)
     if not messages:
         raise _bad("input is empty", "input")
@@ -129,7 +131,7 @@ def _tools(tools: list[dict]) -> list[dict]:
     out = []
     for n, tool in enumerate(tools):
         if tool.get("type") != "function":
-            raise _bad(f"tool type {tool.get('type')!r} is not supported: only function tools",
+            raise _bad(f"tool type {echo(tool.get('type'))} is not supported: only function tools",
                        f"tools.{n}.type", ErrorCode.UNSUPPORTED_PARAMETER)
         if not isinstance(tool.get("name"), str):
             raise _bad("a function tool needs a name", f"tools.{n}.name")
@@ -141,11 +143,11 @@ def _tools(tools: list[dict]) -> list[dict]:
 def _tool_choice(choice) -> str | dict:
     if isinstance(choice, str):
         if choice not in ("auto", "none", "required"):
-            raise _bad(f"tool_choice {choice!r} is not auto, none or required", "tool_choice")
+            raise _bad(f"tool_choice {echo(choice)} is not auto, none or required", "tool_choice")
         return choice
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise _bad(f"tool_choice of type {choice.get('type')!r} is not supported", "tool_choice",
+    raise _bad(f"tool_choice of type {echo(choice.get('type'))} is not supported", "tool_choice",
                ErrorCode.UNSUPPORTED_PARAMETER)
 
 
@@ -161,7 +163,7 @@ def _response_format(text: dict) -> dict | None:
         schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if fmt.get(k) is not None}
         schema.setdefault("name", "response")
         return {"type": "json_schema", "json_schema": schema}
-    raise _bad(f"text.format type {fmt.get('type')!r} is not supported", "text.format.type",
+    raise _bad(f"text.format type {echo(fmt.get('type'))} is not supported", "text.format.type",
                ErrorCode.UNSUPPORTED_PARAMETER)
 
 

@@ -5,12 +5,17 @@ within a tenant, token-fair across tenants), its replicas, and one driver loop
 that hands the next job of the queue to the replica with the lowest
 occupancy (inflight / effective capacity), round-robin among equals, while any
 replica has a free slot. Queued jobs are the scheduler's and can be dropped;
-submitted jobs belong to a worker until it reports them finished."""
+submitted jobs belong to a worker until it reports them finished.
+
+Its intake (`accepting_new_requests`) and `loading` are the model's state
+projected here: supervisor/models/registry.py `ModelEntry.set_state` sets them
+on every transition (the executor's own tests set them directly)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ModelConfig
@@ -25,16 +30,19 @@ log = logging.getLogger("llm_pool.scheduler")
 
 
 class Executor:
-    def __init__(self, cfg: ModelConfig, tenants=None) -> None:
+    def __init__(self, cfg: ModelConfig, on_replicas_changed: Callable[[], None] | None = None,
+                 tenants=None) -> None:
         self.cfg = cfg
         self.replicas: list[Replica] = []
         # token-fair across tenants, FIFO within one (and so plain FIFO with one tenant); read-only
         # outside: changed only through the methods below
         self.queue: JobQueue = (FairQueue(tenants.share, tenants.output_weight) if tenants is not None
                                 else FairQueue())
-        self.choice: ReplicaChoice = make_replica_choice()
+        self.choice: ReplicaChoice = make_replica_choice(cfg.replica_routing, cfg.prefix_cache_tokens)
         self.accepting_new_requests = False
         self.loading = False  # its replicas are being started: jobs wait, and a failure is the load's to report
+        # the model's machine hears of every replica change (ready, crashed, ...): DEGRADED and back
+        self._on_replicas_changed = on_replicas_changed
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()  # set whenever nothing is inflight
         self._idle.set()
@@ -95,6 +103,11 @@ class Executor:
 
     def replica_changed(self) -> None:
         """A slot freed or a replica changed state: the driver looks again."""
+        if self._on_replicas_changed is not None:
+            try:
+                self._on_replicas_changed()
+            except Exception:  # a bug in the model's machine must not break the replica's
+                log.exception("model %s: following a replica change failed", self.cfg.name)
         if self.runtime_inflight == 0:
             self._idle.set()
         if self.queue and self._all_fatal() and not self.loading:  # nothing will ever run them
@@ -103,6 +116,10 @@ class Executor:
 
     def job_finished(self, replica: Replica, job: Job) -> None:
         self.choice.finished(replica, job)
+
+    def replica_restarted(self, replica: Replica) -> None:
+        """A new worker starts for `replica`: its cache starts empty."""
+        self.choice.forget(replica)
 
     def requeue(self, job: Job) -> None:
         """A job lost with its crashed worker before producing anything: it goes

@@ -1,4 +1,6 @@
-"""Model and replica states, each with its one transition function."""
+"""Model and replica states, each with its one transition table and the one
+transition function that checks it (supervisor/models/ records the model's
+state only through `ModelEntry.set_state`)."""
 
 from __future__ import annotations
 
@@ -9,11 +11,32 @@ S = TypeVar("S", bound=StrEnum)
 
 
 class ModelState(StrEnum):
-    UNLOADED = "unloaded"
-    LOADING = "loading"
-    LOADED = "loaded"
-    UNLOADING = "unloading"
-    FAILED = "failed"
+    UNLOADED = "unloaded"  # nothing runs; a request loads it (load_on_demand) or gets 409
+    LOADING = "loading"  # its queue takes requests; the memory gate, then its replicas start
+    LOADED = "loaded"  # every configured replica is ready
+    DEGRADED = "degraded"  # some replica is not ready (crashed, restarting, fatal); the others serve
+    DOWN = "down"  # was loaded; no replica runs or will restart (all fatal or stopped): shown `failed`
+    UNLOADING = "unloading"  # draining, then stopping; a new request gets 503
+    # an automatic unload (idle, evicted) of a load_on_demand model: a new request waits
+    # for the next load, which starts when this unload ends; shown `unloading`
+    AUTO_UNLOADING = "auto_unloading"
+    FAILED = "failed"  # its last load failed; nothing runs; a request or `load` tries again
+
+    @property
+    def public(self) -> ModelState:
+        """The state as views show it: the six public names (contract) only."""
+        return _PUBLIC.get(self, self)
+
+
+_PUBLIC = {ModelState.DOWN: ModelState.FAILED, ModelState.AUTO_UNLOADING: ModelState.UNLOADING}
+
+# States in which the model has an executor (a queue, replicas): the others have none.
+HAS_EXECUTOR = frozenset({ModelState.LOADING, ModelState.LOADED, ModelState.DEGRADED, ModelState.DOWN,
+                          ModelState.UNLOADING, ModelState.AUTO_UNLOADING})
+# States whose executor takes new requests into its queue (its `accepting_new_requests`).
+INTAKE_OPEN = frozenset({ModelState.LOADING, ModelState.LOADED, ModelState.DEGRADED, ModelState.DOWN})
+# A loaded model: its replicas decide between these three (ModelEntry.replicas_changed).
+RUNNING = frozenset({ModelState.LOADED, ModelState.DEGRADED, ModelState.DOWN})
 
 
 class ReplicaState(StrEnum):
@@ -26,12 +49,31 @@ class ReplicaState(StrEnum):
     FATAL = "fatal"
 
 
+# Every edge, and what takes it (tests/test_model_machine.py walks each one):
+#   UNLOADED  -> LOADING         load (operator, start, reload) or load on demand (a request)
+#   LOADING   -> LOADED          every replica started
+#   LOADING   -> FAILED          a replica failed to start (a crash during the load)
+#   LOADING   -> UNLOADED        the memory gate gave up (nothing evictable in time; no waiter left)
+#   LOADING   -> UNLOADING       unload or removal during the load: intake stops at once
+#   LOADED    -> DEGRADED        a replica left ready (crash, restart)
+#   DEGRADED  -> LOADED          every replica ready again
+#   LOADED, DEGRADED -> DOWN     no replica runs or will restart
+#   DOWN      -> DEGRADED        an operator restart brought a replica back (all ready next: LOADED)
+#   LOADED, DEGRADED, DOWN -> UNLOADING       unload, reload change, removal, shutdown
+#   LOADED, DEGRADED, DOWN -> AUTO_UNLOADING  idle unload or eviction of a load_on_demand model
+#   AUTO_UNLOADING -> UNLOADING  an operator unload or a removal overrides it: the waiters get 503
+#   UNLOADING, AUTO_UNLOADING -> UNLOADED   its replicas stopped
+#   FAILED    -> LOADING         load again (operator, or a request)
+#   FAILED    -> UNLOADED        unload or reload change of a failed model: its error is cleared
 MODEL_TRANSITIONS: dict[ModelState, set[ModelState]] = {
     ModelState.UNLOADED: {ModelState.LOADING},
-    ModelState.LOADING: {ModelState.LOADED, ModelState.FAILED, ModelState.UNLOADING},
-    ModelState.LOADED: {ModelState.UNLOADING, ModelState.FAILED},
+    ModelState.LOADING: {ModelState.LOADED, ModelState.FAILED, ModelState.UNLOADED, ModelState.UNLOADING},
+    ModelState.LOADED: {ModelState.DEGRADED, ModelState.DOWN, ModelState.UNLOADING, ModelState.AUTO_UNLOADING},
+    ModelState.DEGRADED: {ModelState.LOADED, ModelState.DOWN, ModelState.UNLOADING, ModelState.AUTO_UNLOADING},
+    ModelState.DOWN: {ModelState.DEGRADED, ModelState.UNLOADING, ModelState.AUTO_UNLOADING},
     ModelState.UNLOADING: {ModelState.UNLOADED},
-    ModelState.FAILED: {ModelState.LOADING, ModelState.UNLOADING},
+    ModelState.AUTO_UNLOADING: {ModelState.UNLOADED, ModelState.UNLOADING},
+    ModelState.FAILED: {ModelState.LOADING, ModelState.UNLOADED},
 }
 
 REPLICA_TRANSITIONS: dict[ReplicaState, set[ReplicaState]] = {

@@ -125,7 +125,7 @@ def test_page_shows_models_workers_activity_and_log(pool, open_page):
 
     # the log tail (replica syn/0, the first in the list) shows a line written now
     expect(page.locator("#log-target")).to_have_value("syn/0")
-    log_path = pool.config_path.parent / "state" / "logs" / "syn-0.log"
+    log_path = pool.config_path.parent / "state" / "llm-pool" / "logs" / "syn-0.log"
     expect(page.locator("#log-lines")).not_to_be_empty()
     with open(log_path, "a") as f:
         f.write("a line the test wrote just now\n")

@@ -3,12 +3,15 @@ file, the model and the key, before anything starts."""
 
 from __future__ import annotations
 
+import os
+import stat
 import subprocess
 import sys
 
 import pytest
 
 from supervisor.config import ConfigError, load_config
+from tests.conftest import synthetic
 from tests.pool import ROOT
 
 GOOD_MODEL = '[[models]]\nname = "a"\nbackend = "synthetic"\n'
@@ -18,6 +21,8 @@ GOOD_MODEL = '[[models]]\nname = "a"\nbackend = "synthetic"\n'
     (GOOD_MODEL + 'replicass = 2\n', ["model 'a'", "'replicass'", "Extra inputs"]),
     (GOOD_MODEL + 'target_inflight = "4"\n', ["model 'a'", "'target_inflight'", "integer"]),
     (GOOD_MODEL + 'target_inflight = 0\n', ["model 'a'", "'target_inflight'", "greater than"]),
+    ('[server]\nmax_job_output_bytes = 1000\n' + GOOD_MODEL, ["'server.max_job_output_bytes'", "greater than"]),
+    ('[server]\nrequest_log_max_bytes = "big"\n' + GOOD_MODEL, ["'server.request_log_max_bytes'", "integer"]),
     (GOOD_MODEL + GOOD_MODEL, ["model 'a'", "'name'", "duplicate"]),
     # names and aliases share one namespace; no model larger than the whole budget
     (GOOD_MODEL + '[[models]]\nname = "b"\nbackend = "synthetic"\naliases = ["a"]\n',
@@ -193,3 +198,18 @@ def test_example_configs_are_valid():
     assert {"demo.toml", "synthetic.toml"} <= {p.name for p in paths}, paths
     for path in paths:
         assert load_config(path).models, path
+
+
+def test_a_shared_state_dir_keeps_its_mode_and_the_pool_makes_its_own(make_pool, tmp_path):
+    """state_dir set to a shared directory (mode 1777) was once chmod-ed to 0700."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    pool = make_pool([synthetic("s", tokens=2)], server={"state_dir": str(shared)})
+    assert pool.http.post("/v1/chat/completions", json={"model": "s", "messages": [
+        {"role": "user", "content": "hi"}]}).status_code == 200
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o1777
+    own = shared / "llm-pool"
+    assert stat.S_IMODE(own.stat().st_mode) == 0o700 and stat.S_IMODE((own / "logs").stat().st_mode) == 0o700
+    assert (own / "logs" / "s-0.log").is_file() and (own / "requests.sqlite3").is_file()
+    assert sorted(p.name for p in shared.iterdir()) == ["llm-pool"]  # nothing of the pool's lies open beside it

@@ -7,13 +7,22 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
+import contextlib
 import json
+import os
 import random
+import signal
 import socket
+import threading
 import time
+import tomllib
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import psutil
+import tomli_w
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import llama, synthetic
 from tests.pool import wait_for
@@ -222,3 +231,214 @@ def test_a_slow_reader_of_a_fast_stream_costs_no_memory(make_pool):
                 peak = max(peak, supervisor.memory_info().rss)
     assert peak - rss_before < 64 * 2**20, (rss_before, peak)
     assert_settled(pool)
+
+
+# -- bounds on what one request or one runtime answer may make the supervisor hold (issue 22) ---------
+
+class HostileUpstream(BaseHTTPRequestHandler):
+    """An OpenAI-compatible upstream that answers a streamed chat request with
+    what `script` (set per test) writes: a list of SSE data lines, sent until
+    the client goes; a request whose text is "normal" gets a plain short answer.
+    `written` counts the bytes of the script that got out."""
+    script: list[bytes] = []
+    written = 0
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        if body["messages"][-1]["content"] == "normal":
+            self.wfile.write(sse_line({"index": 0, "delta": {"content": "fine"}, "finish_reason": "stop"}))
+            self.wfile.write(b"data: [DONE]\n\n")
+            return
+        try:
+            for line in type(self).script:
+                self.wfile.write(line)
+                type(self).written += len(line)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the worker stopped the job
+
+
+@contextlib.contextmanager
+def hostile_upstream(script: list[bytes]):
+    handler = type("Scripted", (HostileUpstream,), {"script": script, "written": 0})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield handler, f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def sse_line(choice: dict) -> bytes:
+    return f"data: {json.dumps({'id': 'c', 'object': 'chat.completion.chunk', 'choices': [choice]})}\n\n".encode()
+
+
+def remote(name: str, base_url: str, **extra) -> dict:
+    return {"name": name, "backend": "openai_remote", "target_inflight": 2,
+            "options": {"base_url": base_url, "model": "upstream"}, **extra}
+
+
+def stream_text(pool, model: str, **extra) -> tuple[int, str]:
+    """A streamed chat request read to its end: (status, the body)."""
+    with pool.http.stream("POST", CHAT, json={**chat_body("go", stream=True), "model": model, **extra}) as r:
+        return r.status_code, r.read().decode()
+
+
+def test_request_fields_past_openai_ranges_get_400_naming_the_field(make_pool):
+    """top_logprobs 0-20, n 1-128, logit_bias up to 300 entries, a legacy completion's
+    logprobs 0-5: one small request once made llama-server answer 178 MiB."""
+    script = [sse_line({"index": 0, "delta": {"content": "ok"}, "finish_reason": "stop"}), b"data: [DONE]\n\n"]
+    with hostile_upstream(script) as (_, url):  # an upstream that takes any field (as llama-server does)
+        _fields_in_and_out_of_range(make_pool([remote("syn", url)]))
+
+
+def _fields_in_and_out_of_range(pool) -> None:
+    bias = {str(t): 1 for t in range(301)}
+    for path, body, param in [
+            (CHAT, chat_body(logprobs=True, top_logprobs=50_000), "top_logprobs"),
+            (CHAT, chat_body(logprobs=True, top_logprobs=-1), "top_logprobs"),
+            (CHAT, chat_body(top_logprobs="5"), "top_logprobs"),
+            (CHAT, chat_body(n=129), "n"),
+            (CHAT, chat_body(logit_bias=bias), "logit_bias"),
+            ("/v1/completions", {"model": "syn", "prompt": "hi", "logprobs": 6}, "logprobs"),
+            ("/v1/completions", {"model": "syn", "prompt": "hi", "logit_bias": bias}, "logit_bias"),
+            ("/v1/completions", {"model": "syn", "prompt": ["a"] * 17, "n": 128}, "prompt"),
+            ("/v1/responses", {"model": "syn", "input": "hi", "top_logprobs": 21}, "top_logprobs")]:
+        r = pool.http.post(path, json=body)
+        assert r.status_code == 400, (path, body.keys(), r.text)
+        assert r.json()["error"]["code"] == "invalid_request" and r.json()["error"]["param"] == param, r.text
+    in_range = dict(list(bias.items())[:300])
+    for path, body in [(CHAT, chat_body(logprobs=True, top_logprobs=20, n=1, logit_bias=in_range)),
+                       ("/v1/completions", {"model": "syn", "prompt": "hi", "logprobs": 5}),
+                       ("/v1/responses", {"model": "syn", "input": "hi", "top_logprobs": 0})]:
+        r = pool.http.post(path, json=body)
+        assert r.status_code == 200, (path, body.keys(), r.text)
+    assert_settled(pool)
+
+
+def test_a_choice_index_past_n_is_the_jobs_protocol_error_not_an_allocation(make_pool):
+    """One upstream chunk with index 3,000,000 once built 3,000,001 choices in the
+    supervisor (1.8 GB, a 16 s stall that killed every worker of every model)."""
+    script = [sse_line({"index": 3_000_000, "delta": {"content": "x"}, "finish_reason": None}),
+              sse_line({"index": 0, "delta": {}, "finish_reason": "stop"}), b"data: [DONE]\n\n"]
+    with hostile_upstream(script) as (_, url):
+        pool = make_pool([remote("evil", url), synthetic("syn", tokens=40, tps=20)])
+        supervisor = psutil.Process(pool.proc.pid)
+        rss_before = supervisor.memory_info().rss
+        with concurrent.futures.ThreadPoolExecutor(1) as bystander:
+            innocent = bystander.submit(stream_text, pool, "syn")  # a stream of 2 s on another model
+            for stream in (False, True):
+                if stream:
+                    status, body = stream_text(pool, "evil")  # before the first byte: a plain 502
+                    assert status == 502 and '"code":"protocol_error"' in body and "choice index 3000000" in body
+                else:
+                    r = pool.http.post(CHAT, json={**chat_body("go"), "model": "evil"})
+                    assert r.status_code == 502 and r.json()["error"]["code"] == "protocol_error", r.text
+            status, body = innocent.result()
+        assert status == 200 and body.count('"content":"') >= 40 and body.endswith("data: [DONE]\n\n")
+        # generous: the bug held 1.8 GB; the choices of one request are a few KiB
+        assert supervisor.memory_info().rss - rss_before < 64 * 2**20
+        assert_settled(pool, "evil")
+        assert_settled(pool, "syn")
+
+
+def test_one_jobs_output_past_max_job_output_bytes_ends_that_job_only(make_pool):
+    """An upstream that sends 48 MiB for one request: the job ends with 502
+    runtime_error once it passes max_job_output_bytes (2 MiB here), its worker
+    stops reading, and a stream on another model goes on untouched."""
+    piece = "y" * 32 * 1024
+    script = [sse_line({"index": 0, "delta": {"content": piece}, "finish_reason": None})] * 1536
+    script += [sse_line({"index": 0, "delta": {}, "finish_reason": "stop"}), b"data: [DONE]\n\n"]
+    total = sum(len(line) for line in script)
+    with hostile_upstream(script) as (upstream, url):
+        pool = make_pool([remote("flood", url), synthetic("syn", tokens=40, tps=20)],
+                         server={"max_job_output_bytes": 2 * 2**20})
+        supervisor = psutil.Process(pool.proc.pid)
+        rss_before = supervisor.memory_info().rss
+        with concurrent.futures.ThreadPoolExecutor(1) as bystander:
+            innocent = bystander.submit(stream_text, pool, "syn")
+            r = pool.http.post(CHAT, json={**chat_body("go"), "model": "flood"})
+            assert r.status_code == 502 and r.json()["error"]["code"] == "runtime_error", r.text
+            assert "max_job_output_bytes" in r.json()["error"]["message"]
+            status, body = stream_text(pool, "flood")  # past the first byte: an error event ends it
+            assert status == 200 and '"code":"runtime_error"' in body and "max_job_output_bytes" in body
+            assert '"finish_reason":"stop"' not in body and body.count(piece) <= 64
+            status, text = innocent.result()
+        assert status == 200 and text.count('"content":"') >= 40 and text.endswith("data: [DONE]\n\n")
+        # generous: one job may hold 2 MiB (and its JSON); without the budget it held all 48 MiB, twice
+        assert supervisor.memory_info().rss - rss_before < 48 * 2**20
+        wait_for(lambda: pool.model("flood")["runtime_inflight"] == 0, 20, what="the flood jobs stopped")
+        assert upstream.written < total  # the worker stopped reading: the upstream could not send it all
+        assert_settled(pool, "syn")
+
+
+def test_client_text_echoed_in_errors_is_cut(make_pool):
+    """A 1,000,000-character model name once came back whole in the 404, and into the request log."""
+    pool = make_pool([synthetic("syn", tokens=2)])
+    name = "m" * 1_000_000
+    r = pool.http.post(CHAT, json={**chat_body(), "model": name})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    message = r.json()["error"]["message"]
+    assert len(message) < 400 and "999744 more characters" in message
+    r = pool.http.post("/v1/responses", json={"model": "syn", "input": "hi", "tools": [{"type": "t" * 100_000}]})
+    assert r.status_code == 400 and len(r.json()["error"]["message"]) < 400, r.text[:500]
+    r = pool.http.post(CHAT, content=json.dumps({**chat_body(), "metadata": {"k" * 100_000: "\ud800"}}),
+                       headers={"content-type": "application/json"})  # a lone surrogate under a long key
+    assert r.status_code == 400 and len(r.json()["error"]["message"]) < 600 and len(r.json()["error"]["param"]) < 400
+    missing = wait_for(lambda: next((row for row in pool.http.get("/admin/requests").json()["requests"]
+                                     if row["status"] == 404), None), 5, what="the 404 in the request log")
+    assert len(missing["error_message"]) < 1200 and len(missing["model"]) < 300
+    assert_settled(pool)
+
+
+def test_the_supervisor_reports_its_event_loop_lag(make_pool):
+    """A stopped loop (SIGSTOP here: as a blocking call would) shows on /metrics as a
+    gauge and a histogram, and as a warning in the log past 1 s."""
+    pool = make_pool([synthetic("syn", tokens=2)])
+    metrics = pool.http.get("/metrics").text
+    assert "llm_pool_event_loop_lag_seconds " in metrics
+    assert 'llm_pool_event_loop_lag_distribution_seconds_bucket{le="1.0"}' in metrics
+    os.kill(pool.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(1.5)  # a stall to measure (the workers wait liveness_s, 5 s, before they give up)
+    finally:
+        os.kill(pool.proc.pid, signal.SIGCONT)
+
+    def over_a_second() -> float:
+        samples = {s.name + str(s.labels): s.value for family in text_string_to_metric_families(
+            pool.http.get("/metrics").text) for s in family.samples}
+        count = samples["llm_pool_event_loop_lag_distribution_seconds_count{}"]
+        return count - samples["llm_pool_event_loop_lag_distribution_seconds_bucket{'le': '1.0'}"]
+    wait_for(over_a_second, 5, what="a lag measure over 1 s")
+    wait_for(lambda: "the event loop was blocked for 1." in pool.log(), 5, what="the warning in the log")
+    assert_settled(pool)
+
+
+def test_a_renamed_models_old_name_reaches_it_as_an_alias_while_the_old_one_drains(make_pool):
+    """Reload renaming x to y with aliases = ["x"] while x drains a long job:
+    requests for x once got 404 for the whole drain."""
+    x = synthetic("x", tps=10, tokens=40)  # a 4 s job keeps x draining
+    pool = make_pool([x])
+    with pool.http.stream("POST", CHAT, json={**chat_body("long", stream=True), "model": "x"}) as long_job:
+        lines = long_job.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        config = tomllib.loads(pool.config_path.read_text())
+        config["models"] = [{**x, "name": "y", "aliases": ["x"], "options": {**x["options"], "tokens_per_second": 0}}]
+        pool.config_path.write_text(tomli_w.dumps(config))
+        r = pool.http.post("/admin/reload")
+        assert r.status_code == 200 and r.json()["added"] == ["y"] and r.json()["removed"] == ["x"], r.text
+        wait_for(lambda: pool.model("y")["state"] == "loaded", 15, what="y loaded")
+        assert pool.model("x")["state"] == "unloading"  # still draining the long job
+        r = pool.http.post(CHAT, json={**chat_body(), "model": "x", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert pool.model("x")["state"] == "unloading"  # served by y during the drain
+        rest = "".join(lines)
+    assert rest.endswith("[DONE]")  # the draining job finished whole
+    wait_for(lambda: "x" not in pool.models(), 15, what="x gone")
+    assert pool.http.post(CHAT, json={**chat_body(), "model": "x", "max_tokens": 2}).status_code == 200

@@ -235,7 +235,7 @@ def test_a_spawn_error_makes_the_replica_fatal(make_pool, tmp_path):
     an operator restart recovers once the cause is fixed."""
     state = tmp_path / "state"
     pool = make_pool([synthetic("s")], server={"state_dir": str(state)})
-    logs = state / "logs"
+    logs = state / "llm-pool" / "logs"  # the pool makes its own directory in state_dir
     shutil.rmtree(logs)
     logs.write_text("not a directory")
     os.kill(pool.workers("s")[0]["pid"], signal.SIGKILL)

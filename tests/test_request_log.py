@@ -170,7 +170,7 @@ def test_live_samples_over_sse(make_pool):
 
 def test_log_tail_over_sse_follows_new_lines(make_pool):
     pool = make_pool([synthetic("t")])
-    path = pool.config_path.parent / "state" / "logs" / "t-0.log"
+    path = pool.config_path.parent / "state" / "llm-pool" / "logs" / "t-0.log"
     with pool.http.stream("GET", "/admin/models/t/logs/live", params={"replica": 0, "lines": 5}) as stream:
         lines = stream.iter_lines()
         got = []
@@ -272,3 +272,87 @@ def test_a_client_that_leaves_is_counted_and_logged_as_499(make_pool):
     assert 'llm_pool_requests_total{endpoint="chat_completions",model="late",status="499"} 2.0' in metrics
     wait_for(lambda: pool.model("slow")["runtime_inflight"] == 0 == pool.model("late")["runtime_inflight"], 10,
              what="the slots freed")
+
+
+# -- bounds (issue 22) ----------------------------------------------------------------------------------
+
+def _files_bytes(path) -> int:
+    return sum(p.stat().st_size for p in path.parent.glob(path.name + "*"))
+
+
+def test_the_log_is_bounded_in_bytes_and_gives_space_back(tmp_path):
+    """With max_rows far away, rows of 8 KiB bodies and a 10 MiB message each
+    keep the data near max_bytes (1 MiB); once, 50 rows made 333 MB."""
+    path = tmp_path / "r.sqlite3"
+    store = RequestLog(path, max_rows=100_000, days=1, flush_s=0.01, max_bytes=2**20)
+    store.start()
+    huge = "e" * 10 * 2**20
+    for i in range(400):
+        store.record(ts=time.time(), model="m" * 5000, endpoint="chat_completions", status=400,
+                     error_code="invalid_request", error_message=huge, prompt="p" * 9000, output="o" * 9000)
+        if i % 50 == 0:
+            time.sleep(0.02)
+    store.close()
+    rows = store.query(limit=10_000)
+    assert 0 < len(rows) < 400
+    assert len(rows[0]["error_message"]) <= 1100 and len(rows[0]["model"]) <= 250
+    assert len(rows[0]["prompt"]) < BODY_CHARS + 100 and len(rows[0]["output"]) < BODY_CHARS + 100
+    # generous: 1 MiB of data, a WAL cut back to 4 MiB, and free pages under 1 MiB
+    assert _files_bytes(path) < 8 * 2**20, _files_bytes(path)
+    # a smaller bound later: the file shrinks (the rows go and their pages are given back)
+    before = path.stat().st_size
+    smaller = RequestLog(path, max_rows=100_000, days=1, flush_s=0.01, max_bytes=2**20 // 4 * 3)
+    smaller.start()
+    smaller.record(ts=time.time(), model="m", endpoint="chat_completions", status=200)
+    smaller.close()
+    assert path.stat().st_size < before
+
+
+def test_an_old_file_is_switched_to_incremental_vacuum_once(tmp_path):
+    import sqlite3
+    path = tmp_path / "r.sqlite3"
+    with sqlite3.connect(path) as db:  # as an earlier version made it: auto_vacuum NONE
+        db.execute("CREATE TABLE requests (id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, model TEXT NOT "
+                   "NULL, endpoint TEXT NOT NULL, status INTEGER NOT NULL, error_code TEXT, error_message TEXT, "
+                   "queued_ms REAL, ttft_ms REAL, duration_ms REAL, tokens_in INTEGER, tokens_out INTEGER, "
+                   "prompt TEXT, output TEXT)")
+        db.execute("INSERT INTO requests (ts, model, endpoint, status) VALUES (1, 'old', 'x', 200)")
+    store = RequestLog(path, max_rows=10, days=100_000, flush_s=0.01)
+    store.start()
+    store.record(ts=time.time(), model="new", endpoint="x", status=200)
+    store.close()
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA auto_vacuum").fetchone()[0] == 2  # incremental
+    assert [r["model"] for r in store.query()] == ["new", "old"]
+
+
+def test_a_page_is_bounded_in_bytes_and_pages_on(tmp_path):
+    store = RequestLog(tmp_path / "r.sqlite3", max_rows=1000, days=1, flush_s=0.01)
+    store.start()
+    for i in range(30):
+        store.record(ts=time.time(), model=f"m{i}", endpoint="x", status=500, error_message="x" * 1000)
+    store.close()
+    rows, more = store.page(limit=100, max_bytes=10_000)
+    assert 5 <= len(rows) <= 10 and more
+    seen = [r["id"] for r in rows]
+    while more:
+        rows, more = store.page(limit=100, max_bytes=10_000, before_id=seen[-1])
+        seen += [r["id"] for r in rows]
+    assert seen == list(range(30, 0, -1))
+    rows, more = store.page(after_id=10, limit=5)  # a follower catching up gets the oldest new rows first
+    assert [r["id"] for r in rows] == [15, 14, 13, 12, 11] and more
+
+
+def test_bad_query_values_get_400_not_500(make_pool):
+    pool = make_pool([synthetic("m", tokens=2)])
+    assert chat(pool, "m").status_code == 200
+    for params in ({"after_id": "99999999999999999999999"}, {"before_id": "-1"}, {"status": "²"},
+                   {"status": "٤٠٤"}, {"limit": "-5"}, {"limit": "0"}, {"model": "m" * 5000}):
+        r = pool.http.get("/admin/requests", params=params)
+        assert r.status_code == 400, (params, r.text[:300])
+        assert r.json()["error"]["code"] == "invalid_request"
+    assert chat(pool, "m").status_code == 200
+    page = wait_for(lambda: len((r := pool.http.get("/admin/requests", params={"limit": 1, "model": "m"}).json())
+                                ["requests"]) == 1 and r["more"] and r, 5, what="a page of one, and more")
+    rest = pool.http.get("/admin/requests", params={"model": "m", "before_id": page["requests"][0]["id"]}).json()
+    assert len(rest["requests"]) == 1 and rest["more"] is False

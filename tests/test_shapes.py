@@ -1,6 +1,8 @@
-"""Unit tests of the SSE shapes' fast path for plain text tokens."""
+"""Unit tests of the SSE shapes' fast path for plain text tokens, and of what one job may hold."""
 
 from __future__ import annotations
+
+import json
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -15,3 +17,65 @@ def test_text_sse_is_the_chunk_sse_frame_gives(text):
     what the generic path (a chunk dict through sse_frame) gives, escapes too."""
     for shape in (ChatStream("m", False), CompletionStream("m", True)):
         assert shape.text_sse(text) == sse_frame(shape.chunk({"content": text}))
+
+
+# -- what a job may hold (issue 22): choice indexes below its n, output within its budget ------------
+
+def _job(max_output_bytes: int = 10_000, **request):
+    from supervisor.jobs import Job
+    return Job("m", {"messages": [{"role": "user", "content": "hi"}], **request}, 60,
+               max_output_bytes=max_output_bytes)
+
+
+def _codes(job) -> list:
+    return [getattr(e, "code", None) and e.code.value for e in job.events]
+
+
+def test_a_choice_index_at_or_past_n_ends_the_job_and_keeps_nothing_of_it():
+    from protocol import Delta, Done
+    job = _job(n=2)
+    job.push(Delta(job=job.id, parts=[{"k": "text", "i": 1, "t": "a"}]))
+    job.push(Delta(job=job.id, parts=[{"k": "text", "i": 3_000_000, "t": "b"}]))
+    assert job.state.value == "finished" and _codes(job) == [None, "protocol_error"]
+    job.push(Delta(job=job.id, text="late"))  # after the end: dropped, not held
+    assert len(job.events) == 2
+    done = _job(n=2)
+    done.finish(Done(job=done.id, finish_reason="stop", finish_reasons=["stop"] * 3))
+    assert _codes(done) == ["protocol_error"]
+
+
+def test_output_past_the_budget_ends_the_job_whatever_carries_it():
+    from protocol import Delta
+    from supervisor.jobs import output_size
+    text = _job()
+    for _ in range(9):
+        text.push(Delta(job=text.id, text="x" * 1000))
+    text.push(Delta(job=text.id, text="x" * 1001))
+    assert _codes(text)[-1] == "runtime_error" and len(text.events) == 10
+    lp = [{"token": "w", "logprob": -0.1, "bytes": [119],
+           "top_logprobs": [{"token": f"t{i}", "logprob": -1.0, "bytes": [116]} for i in range(500)]}]
+    delta = Delta(job="j", parts=[{"k": "text", "i": 0, "t": "w", "lp": lp}])
+    assert output_size(delta) >= len(json.dumps(lp)) // 2  # logprobs count about as they weigh
+    logprobs = _job()
+    logprobs.push(delta)
+    assert _codes(logprobs) == ["runtime_error"]
+
+
+def test_loop_lag_is_measured_against_the_asked_wake_time_and_warned_past_a_second(caplog):
+    import asyncio
+
+    from supervisor.loop_lag import LoopLag
+    seen: list[float] = []
+    now = [100.0]
+
+    async def main():
+        lag = LoopLag(seen.append, period_s=0.01, clock=lambda: now[0])
+        lag.start()
+        now[0] += 0.01  # on time
+        await asyncio.sleep(0.05)
+        now[0] += 2.51  # as if the loop had been held 2.5 s past the period
+        await asyncio.sleep(0.05)
+        await lag.close()
+    asyncio.run(main())
+    assert 0 in seen and 2.49 < max(seen) < 2.51 and min(seen) >= 0
+    assert "the event loop was blocked for 2.50s" in caplog.text

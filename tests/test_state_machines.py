@@ -100,6 +100,7 @@ class FakeLauncher:
 class FakeOwner:
     def __init__(self) -> None:
         self.requeued: list[Job] = []
+        self.restarted = 0  # new workers started (each one's cache starts empty)
 
     def replica_changed(self) -> None:
         pass
@@ -109,6 +110,9 @@ class FakeOwner:
 
     def job_finished(self, replica, job: Job) -> None:
         pass
+
+    def replica_restarted(self, replica) -> None:
+        self.restarted += 1
 
 
 class Rig:
@@ -260,6 +264,7 @@ async def test_crash_in_ready_fails_started_jobs_requeues_unstarted_and_restarts
     rig.ready(fresh)
     await settle(lambda: rig.replica.state is ReplicaState.READY, "ready again")
     assert rig.replica.restarts == 1 and rig.replica.last_exit_code == -9
+    assert rig.owner.restarted == 2  # each new worker told its owner (its prompt cache starts empty)
     await rig.replica.stop()
 
 

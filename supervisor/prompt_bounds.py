@@ -1,0 +1,36 @@
+"""What one request's prompt may carry, per model: max_messages and
+max_prompt_chars (checked before a job exists, so a request that cannot
+travel starts no load)."""
+
+from __future__ import annotations
+
+from protocol.errors import ErrorCode, PoolError
+from supervisor.config import ModelConfig
+
+
+def check_prompt_bounds(cfg: ModelConfig, request: dict) -> None:
+    """400 for a prompt over the model's max_messages or max_prompt_chars (chat
+    messages, a legacy completion's prompt, or an embedding's input)."""
+    messages = request.get("messages") or []
+    if len(messages) > cfg.max_messages:
+        raise PoolError(ErrorCode.INVALID_REQUEST, f"{len(messages)} messages, over model {cfg.name!r}'s "
+                        f"max_messages ({cfg.max_messages})", param="messages")
+    chars = _text_chars(request.get("prompt")) + _text_chars(request.get("input"))
+    for m in messages:
+        if isinstance(m, dict):
+            chars += _text_chars(m.get("content"))
+    if chars > cfg.max_prompt_chars:
+        raise PoolError(ErrorCode.INVALID_REQUEST, f"the prompt has {chars} characters, over model "
+                        f"{cfg.name!r}'s max_prompt_chars ({cfg.max_prompt_chars})",
+                        param="messages" if messages else "prompt" if "prompt" in request else "input")
+
+
+def _text_chars(content) -> int:
+    """Size of a message's content or a prompt: a string's characters, a list of
+    strings, content parts (their text), token ids (one each) or token-id lists."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(_text_chars(part) if isinstance(part, (str, list))
+                   else len(part.get("text") or "") if isinstance(part, dict) else 1 for part in content)
+    return 0
