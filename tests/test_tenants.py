@@ -16,7 +16,7 @@ import pytest
 import tomli_w
 
 from protocol.errors import ErrorCode, PoolError
-from supervisor.config import ConfigError, PoolConfig, parse_config
+from supervisor.config import ConfigError, parse_config
 from supervisor.tenants import Tenants, Window, duration
 from tests.conftest import synthetic
 from tests.test_cli import cli, table_rows
