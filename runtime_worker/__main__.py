@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -16,6 +15,7 @@ import time
 import zmq
 
 import protocol as p
+from procutil.groups import signal_group
 from protocol.curve import take_curve_keys
 from protocol.errors import ErrorCode, WorkerExit
 from protocol.loop_socket import LoopSocket
@@ -215,8 +215,7 @@ class Worker:
             if busy is not None:
                 log.error("the runtime is still busy %.0fs after a cancel left it no job (a cancel it "
                           "does not honour): killing it, so that the worker is restarted", busy)
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)  # busy, it would sit out a SIGTERM; it leads its group
+                signal_group(pid, signal.SIGKILL)  # busy, it would sit out a SIGTERM; it leads its group
                 self.cancel_watch.disarm()  # its death ends the worker (load() sees it) with code 1
 
 

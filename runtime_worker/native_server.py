@@ -11,7 +11,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -19,16 +18,12 @@ from collections.abc import AsyncIterator
 import aiohttp
 import httpx
 
+from procutil.groups import signal_group, stop_group
+from procutil.net import free_port
 from protocol.errors import ErrorCode
 from runtime_worker.backends.base import (
     Backend, BackendLoadError, Event, Finished, JobError, PartsDelta, TextDelta)
 from runtime_worker.lifeline import die_with_parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 RELAY_CHUNK_BYTES = 64 * 1024
@@ -258,7 +253,7 @@ class NativeServer:
         if not task.cancelled() and task.exception() is not None:
             self.log.error("relaying %s's output failed: %r; stopping it", self.name, task.exception())
             if self.proc and self.proc.returncode is None:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # the worker sees it die and exits
+                signal_group(self.proc.pid, signal.SIGKILL)  # the worker sees it die and exits
 
     async def _relay_output(self) -> None:
         """Copy the child's output to the worker's log, line by line, whatever
@@ -319,18 +314,8 @@ class NativeServer:
         proc = self.proc
         if proc is None or proc.returncode is not None:
             return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            await asyncio.wait_for(proc.wait(), timeout_s)
-        except TimeoutError:
+        if await stop_group(proc, timeout_s):
             self.log.warning("%s ignored SIGTERM for %.0fs; SIGKILL", self.name, timeout_s)
-        except ProcessLookupError:
-            pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        await proc.wait()
         if self._relay:
             await asyncio.wait([self._relay], timeout=2)
 

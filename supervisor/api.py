@@ -24,7 +24,7 @@ from supervisor.inference import add_inference_routes
 from supervisor.live import Activity
 from supervisor.loop_lag import LoopLag
 from supervisor.metrics import Metrics
-from supervisor.observe import refresh_remote_views, worker_views
+from supervisor.observe import SAMPLE_EVERY_S, worker_views
 from supervisor.request_bounds import clip
 from supervisor.states import ModelState
 from supervisor.tenants import Tenants
@@ -96,6 +96,7 @@ def create_app(config: PoolConfig) -> FastAPI:
     # -- health --------------------------------------------------------------------------------------
     @app.get("/metrics")
     async def prometheus_metrics():
+        await engine.sampler.fresh(SAMPLE_EVERY_S)  # process figures at most one period old
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/health")
@@ -137,8 +138,7 @@ def create_app(config: PoolConfig) -> FastAPI:
     @app.get("/admin/workers")
     async def admin_workers():
         replicas = [r for e in engine.models.values() if e.executor for r in e.executor.replicas]
-        await refresh_remote_views(replicas)
-        return {"workers": worker_views(replicas)}
+        return {"workers": await worker_views(replicas, engine.sampler)}
 
     @app.get("/admin/models/{name}/logs")
     async def admin_logs(name: str, replica: int = 0, lines: int = 200):

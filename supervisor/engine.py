@@ -17,6 +17,7 @@ from supervisor.models.lifecycle import LOAD_BUCKETS, LOAD_REASONS, Lifecycle, L
 from supervisor.models.memory import KV_MB_PER_TOKEN, MEASURE_EVERY_S, Memory, estimate_mb
 from supervisor.models.registry import ModelEntry, Registry
 from supervisor.models.views import Views, model_state
+from supervisor.observe import ProcessSampler
 from supervisor.process import spawn_worker, sweep_stale_workers
 from supervisor.prompt_bounds import check_prompt_bounds
 from supervisor.request_bounds import check_request_bounds
@@ -46,7 +47,8 @@ class ModelRouterEngine:
         self.log_dir = self.state_dir / "logs"
         server = lambda: self.config.server  # noqa: E731  (a reload replaces the config)
         self.registry = Registry(config.models)
-        self.memory = Memory(self.registry, server)
+        self.sampler = ProcessSampler()  # psutil and NVML, off the loop: footprints read its cache
+        self.memory = Memory(self.registry, server, self.sampler)
         self.lifecycle = Lifecycle(self.registry, self.memory, server, self.log_dir, self._spawn,
                                    launcher=launcher, transport=transport, tenants=self.tenants)
         self.reloader = reloading.Reloader(self.registry, self.lifecycle, self._spawn)
@@ -116,6 +118,7 @@ class ModelRouterEngine:
             log.warning("removed %s, the socket directory of a dead supervisor", path)
         self.lifecycle.transport = Transport()
         self.lifecycle.transport.start()
+        self.sampler.start()
         self._spawn(self._heartbeat_loop())
         for entry in self.registry.configured():
             if entry.cfg.load_on_start:
@@ -163,6 +166,7 @@ class ModelRouterEngine:
                 await self.lifecycle.transport.close()
             if self.lifecycle.cluster:
                 await self.lifecycle.cluster.close()
+            self.sampler.stop()
 
     def ready(self) -> bool:
         return not self.shutting_down and all(

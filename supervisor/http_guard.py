@@ -8,10 +8,10 @@
   header or body read timeout and no connection cap; this layer adds them.
   It also tells a request's handler when its client goes away (`Disconnect`),
   without a task per request that waits for http.disconnect.
-- `HttpEdge`: one ASGI layer for every request: API keys, the browser rules
-  for the admin surface (Host, Origin, Sec-Fetch-Site) against cross-site and
-  DNS-rebinding requests, and the request body cap; it hands the inference
-  routes their body directly (see `HttpEdge`).
+- `HttpEdge`: one ASGI middleware for every request: keys (for /v1/*, through
+  `admission`), the browser rules for the admin surface (Host, Origin,
+  Sec-Fetch-Site) against cross-site and DNS-rebinding requests, and the
+  request body bounds, each request's and all together.
 """
 
 from __future__ import annotations
@@ -170,6 +170,7 @@ class BoundedConnection(asyncio.Protocol):
         self._completed = 0  # requests read whole
         self._timer: TimerHandle | None = None
         self.request: Disconnect | None = None  # of the request whose handler runs (HttpEdge sets it)
+        self._held = False  # reading paused here at a pipelined request
 
     # asyncio.Protocol
     def connection_made(self, transport) -> None:
@@ -260,6 +261,11 @@ class BoundedConnection(asyncio.Protocol):
         self._disarm()
         self._phase = _Phase.BODY
         self._header_bytes = 0
+        if self.request is not None and not self._held:
+            # A pipelined request while one is answered: read no further until that one ends
+            # (a handler waiting on its Disconnect resumed reading; more would pile up unbounded).
+            self._held = True
+            self.transport.pause_reading()
 
     def on_message_complete(self) -> None:
         self._disarm()
@@ -274,6 +280,10 @@ class BoundedConnection(asyncio.Protocol):
 
     def end_request(self) -> None:
         self.request = None
+        if self._held:
+            self._held = False
+            if not self.transport.is_closing():
+                self.transport.resume_reading()
 
     # bounds
     def _refuse_headers(self, why: str) -> None:
@@ -292,6 +302,8 @@ class BoundedConnection(asyncio.Protocol):
 
     def _body_timeout(self) -> None:
         self._timer = None
+        if self._held:  # a pipelined request's body is not read while the one before it is answered
+            return self._arm(self.bounds.body_timeout_s, self._body_timeout)
         _warnings.warn("body_timeout", "closed a connection from %s: body not complete within %gs",
                        self._peer(), self.bounds.body_timeout_s)
         self.transport.abort()
@@ -338,11 +350,11 @@ def bounded_protocol(server: ServerConfig, http: str = "httptools") -> type[Boun
 # -- requests -----------------------------------------------------------------------------------------
 class HttpEdge:
     """Every request's first layer: who may call what, checked before anything
-    reads the request, then the body cap. One pure ASGI layer (each layer
+    reads the request, then the body bounds. One pure ASGI layer (each layer
     costs on every request).
 
-    Keys: /v1/* needs the inference key or the admin key when an inference key
-    is set. The admin surface (/admin/*, /docs, /redoc, /openapi.json) needs the
+    Keys: /v1/* goes through `Admission.tenant` (the inference key or the admin
+    key when an inference key is set); the tenant goes in `scope[TENANT_KEY]`. The admin surface (/admin/*, /docs, /redoc, /openapi.json) needs the
     admin key when any key is set; with only an inference key it is refused.
 
     Browser rules for the admin surface, keys or not (a web page must not drive

@@ -195,7 +195,7 @@ def add_inference_routes(app: FastAPI, engine, admission, metrics, config) -> No
         """POST `path` as a plain Starlette route: `handle(body, data, request)` gets the
         body decoded and validated as `model` (request_body) and its JSON object as sent;
         what it raises goes to the app's exception handlers. The OpenAPI document lists
-        the route with `model`'s schema (see `document_inference_routes`)."""
+        the route with `model`'s schema (see `document`)."""
         def register(handle):
             async def endpoint(request: Request):
                 try:
@@ -263,8 +263,9 @@ def document(app: FastAPI, routes: dict[str, tuple[str, type[msgspec.Struct]]]) 
                 {**components, "ErrorEnvelope": _ERROR_ENVELOPE})
             error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorEnvelope"}}}}
             for (path, (name, _)), ref in zip(routes.items(), refs):
+                operation = f"{name}_{path.strip('/').replace('/', '_')}_post"  # as FastAPI names them
                 schema.setdefault("paths", {})[path] = {"post": {
-                    "summary": name.replace("_", " ").capitalize(), "operationId": f"{name}_{path.strip('/').replace('/', '_')}_post",
+                    "summary": name.replace("_", " ").capitalize(), "operationId": operation,
                     "requestBody": {"required": True, "content": {"application/json": {"schema": ref}}},
                     "responses": {
                         "200": {"description": "The answer, or its server-sent events when `stream` is true",

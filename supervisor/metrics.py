@@ -1,12 +1,12 @@
 """Prometheus metrics. Request outcomes, latencies and tokens are recorded as
 they happen; queue, capacity, worker and memory gauges are read from the
-engine at scrape time, so they can never drift from the admin view."""
+engine at scrape time, so they can never drift from the admin view; process
+figures from the engine's ProcessSampler (observe.py), never read on the loop."""
 
 from __future__ import annotations
 
 import time
 
-import psutil
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
@@ -14,6 +14,7 @@ from protocol import Done
 from protocol.errors import PoolError
 from supervisor.engine import LOAD_BUCKETS
 from supervisor.jobs import Job
+from supervisor.observe import replica_view
 from supervisor.states import ReplicaState
 
 LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -141,7 +142,9 @@ class _EngineCollector:
         bad = CounterMetricFamily("llm_pool_protocol_errors", "Malformed frames from the replica", labels=rlabels)
         rss = GaugeMetricFamily("llm_pool_process_rss_bytes", "Resident memory per process",
                                 labels=["model", "replica", "process"])
-        rss.add_metric(["", "", "supervisor"], psutil.Process().memory_info().rss)
+        sampler = self.engine.sampler  # process figures: its last sample (or a Ray actor's last view)
+        if sampler.sample.supervisor_rss is not None:
+            rss.add_metric(["", "", "supervisor"], sampler.sample.supervisor_rss)
         routed = CounterMetricFamily("llm_pool_routing_decisions", "Replica choices by the decision that made "
                                      "them (prefix_hit, session, balance_fallback, least_inflight)",
                                      labels=[*rlabels, "decision"])
@@ -171,20 +174,11 @@ class _EngineCollector:
                 if routing["cache_hit_ratio"] is not None:
                     hit_ratio.add_metric(key, routing["cache_hit_ratio"])
                 by_process: dict[str, int] = {}  # summed per process name: one series each
-                if r.pid and r.cfg.remote:  # on a Ray node: what its actor saw last
-                    view = r.proc.view
-                    if view.get("rss_bytes") is not None:
-                        by_process["worker"] = view["rss_bytes"]
-                        for child in view["children"]:
-                            by_process[child["name"]] = by_process.get(child["name"], 0) + child["rss_bytes"]
-                elif r.pid:
-                    try:
-                        proc = psutil.Process(r.pid)
-                        by_process["worker"] = proc.memory_info().rss
-                        for child in proc.children(recursive=True):
-                            by_process[child.name()] = by_process.get(child.name(), 0) + child.memory_info().rss
-                    except psutil.Error:
-                        pass
+                view = replica_view(sampler, r)
+                if view and view.get("rss_bytes") is not None:
+                    by_process["worker"] = view["rss_bytes"]
+                    for child in view["children"]:
+                        by_process[child["name"]] = by_process.get(child["name"], 0) + child["rss_bytes"]
                 for process, value in by_process.items():
                     rss.add_metric([*key, process], value)
         yield from (queue, inflight, configured, effective, loaded, up, restarts, bad, rss, routed, prompt, cached,

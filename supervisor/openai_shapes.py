@@ -53,7 +53,7 @@ class ChatMessage(msgspec.Struct):
 Temperature = Annotated[float, Meta(ge=0, le=2)]
 TopP = Annotated[float, Meta(ge=0, le=1)]
 Penalty = Annotated[float, Meta(ge=-2, le=2)]
-Choices_n = Annotated[int, Meta(ge=1, le=128)]
+ChoiceCount = Annotated[int, Meta(ge=1, le=128)]
 PositiveInt = Annotated[int, Meta(ge=1)]
 
 
@@ -62,7 +62,7 @@ class _Sampling(_PassThrough, kw_only=True):
     top_p: TopP | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    n: Choices_n | None = None
+    n: ChoiceCount | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
 
@@ -81,7 +81,7 @@ class CompletionRequest(_Sampling, kw_only=True):
 
 
 class EmbeddingRequest(_PassThrough, kw_only=True):
-    input: str | list  # a stream of embeddings is refused by `request_body`
+    input: str | list  # `stream` true is refused by the route: embeddings are never streamed
 
 
 def job_request(data: dict) -> dict:

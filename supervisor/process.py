@@ -1,97 +1,25 @@
-"""Process lifecycle, in one place: spawn a worker, stop or kill its process
-tree, and sweep workers left behind by a supervisor that died."""
+"""Process lifecycle of the supervisor's workers: spawn one, and sweep workers
+left behind by a supervisor that died. Stopping or killing a worker's tree is
+procutil.tree's (the Ray node host stops its worker the same way)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
-import signal
 import sys
-import time
 from pathlib import Path
 
 import psutil
 
+from procutil.tree import ChildTree, kill_tree
+from protocol.owner import OWNER_ENV
+
 log = logging.getLogger("llm_pool.process")
 
-# Set in every worker's environment: which supervisor owns it.
-OWNER_ENV = "LLM_POOL_SUPERVISOR_PID"
 
-
-class WorkerProcess:
-    """A spawned worker and every process seen under it. The tree is remembered
-    (at spawn, at each `snapshot()`, before each kill) because native runtimes
-    run in their own session, out of the worker's process group, and their
-    children (vLLM's engine processes) outlive a worker that died: once it is
-    gone they can no longer be found from it."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self._proc = proc
-        self.pid = proc.pid
-        self._tree: dict[int, psutil.Process] = {}
-        self._snapshot_at = 0.0
-        self.snapshot()
-
-    @property
-    def returncode(self) -> int | None:
-        return self._proc.returncode
-
-    async def wait(self) -> int:
-        return await self._proc.wait()
-
-    def snapshot(self, max_age_s: float = 0.0) -> None:
-        """Remember the worker's current descendants; forget those that ended.
-        With `max_age_s`, skip it when the last one is that recent: a scan reads
-        every process's /proc entry, too dear for every heartbeat on a busy host."""
-        now = time.monotonic()
-        if max_age_s and now - self._snapshot_at < max_age_s:
-            return
-        self._snapshot_at = now
-        alive = {pid: p for pid, p in self._tree.items() if p.is_running()}
-        if self._proc.returncode is None:
-            for p in process_tree(self.pid)[1:]:
-                alive.setdefault(p.pid, p)
-        self._tree = alive
-
-    def descendants(self) -> list[psutil.Process]:
-        self.snapshot()
-        return list(self._tree.values())
-
-    def kill_tree(self) -> None:
-        """SIGKILL the worker, its process group and every descendant seen.
-        psutil checks each process's identity first, so a reused pid is spared."""
-        self.snapshot()
-        if self._proc.returncode is None:  # not reaped: its pid, hence its group id, is still ours
-            try:
-                os.killpg(self.pid, signal.SIGKILL)  # the worker leads its own session
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                self._proc.kill()
-            except ProcessLookupError:
-                pass
-        for p in self._tree.values():
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-
-    async def stop(self, timeout_s: float) -> int:
-        """SIGTERM, wait up to `timeout_s`, then SIGKILL of the whole tree (a
-        native runtime can hang on SIGTERM)."""
-        if self._proc.returncode is None:
-            self.snapshot()
-            try:
-                self._proc.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                await asyncio.wait_for(asyncio.shield(self._proc.wait()), timeout_s)
-            except TimeoutError:
-                log.warning("pid %d ignored SIGTERM for %.1fs; killing its tree", self.pid, timeout_s)
-        self.kill_tree()
-        return await self._proc.wait()
+# A worker's process: the worker and every process seen under it (procutil.tree)
+WorkerProcess = ChildTree
 
 
 # Variables holding the pool's own secrets (its API and admin keys, tenants' key_env): no worker needs
@@ -118,23 +46,6 @@ async def spawn_worker(args: list[str], log_path: Path, extra_env: dict[str, str
             stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file, env=env,
             start_new_session=True,  # a terminal's Ctrl-C reaches the supervisor only
         ))
-
-
-def process_tree(pid: int) -> list[psutil.Process]:
-    """The process and all its descendants (children first found, then deeper)."""
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
-    for proc in reversed(process_tree(pid)):
-        try:
-            proc.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
 
 
 def sweep_stale_workers() -> list[int]:

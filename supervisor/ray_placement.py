@@ -1,10 +1,11 @@
 """Replicas on other hosts, placed by Ray (a model with placement = "ray").
 
-For each such replica a Ray actor (`WorkerHost`) is scheduled on a node that
-has the model's [models.ray] resources. On its node the actor starts `python
--m runtime_worker` (with the CUDA_VISIBLE_DEVICES Ray set from the GPUs it
-assigned), watches it, reports its exit, and answers for its processes (pid,
-RSS, CPU, children, GPU memory) and its output. The worker connects back to
+For each such replica a Ray actor (`WorkerHost`, node_host/host.py: the
+node's side, which imports nothing of the supervisor) is scheduled on a node
+that has the model's [models.ray] resources. On its node the actor starts
+`python -m runtime_worker` (with the CUDA_VISIBLE_DEVICES Ray set from the
+GPUs it assigned), watches it, reports its exit, and answers for its processes
+(pid, RSS, CPU, children, GPU memory) and its output. The worker connects back to
 the supervisor's ROUTER over TCP, encrypted and authenticated with CURVE
 (curve_listener.py): jobs and tokens travel on that link exactly as they do
 over ipc, never through Ray's object store. Ray carries only the actor's few
@@ -30,25 +31,21 @@ import concurrent.futures
 import logging
 import os
 import socket
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import zmq
 
+from node_host.host import WorkerHost
 from protocol.curve import curve_env
 from supervisor.config import ModelConfig, ServerConfig
-from supervisor.process import OWNER_ENV, WorkerProcess
 from supervisor.transport import Transport
 
 log = logging.getLogger("llm_pool.ray")
 
 ACTOR_LOST = -1  # exit code when the actor (or its node) died without telling how the worker ended
 POLL_S = 1.0  # how often the process view and new log output are fetched from the node
-LOG_KEEP_BYTES = 1 << 20  # the actor keeps this much of the worker's output for the supervisor to fetch
-# output per poll: under Ray's inline limit (100 KB), so that none of it goes through the object store
-LOG_CHUNK_BYTES = 64 * 1024
 KILL_GRACE_S = 5.0  # a kill the actor does not carry out in this long: Ray kills the actor itself
 WILDCARD_HOSTS = {"0.0.0.0", "::", "*", "[::]"}
 CONNECT_TIMEOUT_S = 60.0  # ray.init waits long for a cluster that does not answer
@@ -68,67 +65,6 @@ def _in_daemon_thread(fn, *args) -> concurrent.futures.Future:
             future.set_exception(exc)
     threading.Thread(target=run, name="ray-init", daemon=True).start()
     return future
-
-
-# -- on the node ----------------------------------------------------------------------------------
-
-class WorkerHost:
-    """The Ray actor (an asyncio one: `wait` runs while `poll` answers) that owns
-    one worker process on its node. Wrapped by ray.remote() when placed."""
-
-    def __init__(self) -> None:
-        self.worker: WorkerProcess | None = None
-        self.output = bytearray()  # the tail of the worker's stdout+stderr
-        self.output_end = 0  # offset just past self.output in everything the worker wrote
-        self._relay: asyncio.Task | None = None
-
-    async def start(self, args: list[str], env: dict[str, str]) -> dict:
-        """Start the worker; its keys come in `env` (its environment, not argv)."""
-        import ray
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "runtime_worker", *args,
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            env={**os.environ, **env, OWNER_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"},
-            start_new_session=True)
-        self.worker = WorkerProcess(proc)
-        self._relay = asyncio.create_task(self._keep_output(proc.stdout))
-        return {"pid": proc.pid, "node_id": ray.get_runtime_context().get_node_id(),
-                "host": socket.gethostname(), "ip": ray.util.get_node_ip_address()}
-
-    async def _keep_output(self, stream: asyncio.StreamReader) -> None:
-        while chunk := await stream.read(65536):
-            self.output += chunk
-            self.output_end += len(chunk)
-            if len(self.output) > LOG_KEEP_BYTES:
-                del self.output[:len(self.output) - LOG_KEEP_BYTES]
-
-    async def wait(self) -> int:
-        """The worker's exit code, once it exited and whatever it left behind was killed."""
-        code = await self.worker.wait()
-        self.worker.kill_tree()
-        try:
-            await asyncio.wait_for(asyncio.shield(self._relay), 2.0)  # its last lines
-        except Exception:  # TimeoutError: a runtime child still holds the pipe; it is killed
-            pass
-        return code
-
-    async def stop(self, timeout_s: float) -> int:
-        return await self.worker.stop(timeout_s)
-
-    async def kill(self) -> None:
-        self.worker.kill_tree()
-
-    async def poll(self, offset: int) -> dict:
-        """The process view, and up to LOG_CHUNK_BYTES of the output written since
-        `offset` (`more` if there is more; `dropped` what the supervisor fell too far
-        behind to get: over LOG_KEEP_BYTES)."""
-        from supervisor.observe import gpu_memory_by_pid, process_view
-        start = self.output_end - len(self.output)
-        begin = max(offset, start)
-        data = bytes(self.output[begin - start:begin - start + LOG_CHUNK_BYTES])
-        view = process_view(self.worker.pid, gpu_memory_by_pid()) if self.worker.returncode is None else None
-        end = begin + len(data)
-        return {"view": view, "output": data, "end": end, "dropped": begin - offset, "more": end < self.output_end}
 
 
 # -- in the supervisor ----------------------------------------------------------------------------

@@ -50,7 +50,7 @@ def llama_server_bin() -> str:
 
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory) -> str:
-    from tests.tiny_gguf import write_tiny_gguf
+    from testkit.tiny_gguf import write_tiny_gguf
     return str(write_tiny_gguf(tmp_path_factory.mktemp("models") / "tiny.gguf"))
 
 

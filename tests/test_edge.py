@@ -9,6 +9,7 @@ import json
 import math
 import select
 import socket
+import time
 
 import httpx
 import pytest
@@ -99,7 +100,8 @@ def test_responses_bodies_keep_their_runtime_fields_and_drop_bookkeeping():
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
     from tests.pool import Pool
-    pool = Pool(tmp_path_factory.mktemp("edge"), [synthetic("syn", capacity=4, target_inflight=4, tokens=2)],
+    pool = Pool(tmp_path_factory.mktemp("edge"), [synthetic("syn", capacity=4, target_inflight=4, tokens=2),
+                                                  synthetic("slow", ttft_ms=1000, tokens=2)],
                 server={"max_body_bytes": 256 * 1024, "max_buffered_body_bytes": 256 * 1024})
     pool.start()
     yield pool
@@ -134,6 +136,24 @@ def test_a_wrong_field_is_a_400_with_the_envelope(pool):
     r = pool.http.post("/v1/chat/completions", json={**CHAT, "model": "syn", "n": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
     assert r.headers["x-should-retry"] == "false"
+
+
+def test_a_request_pipelined_behind_a_waiting_one_is_answered_after_it(pool):
+    """The first request's handler listens for its client's close (reading resumes); the
+    pipelined one that comes meanwhile waits, read no further, and is answered second."""
+    chat = json.dumps({**CHAT, "model": "slow"}).encode()
+    with socket.create_connection(("127.0.0.1", pool.port), timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(chat), chat))
+        time.sleep(0.3)  # the scenario: the next request comes while the first one waits for its model
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /nope HTTP/1.1\r\nHost: x\r\n"
+                  b"Connection: close\r\n\r\n")
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    statuses = [int(part.split(b" ", 1)[0]) for part in answer.split(b"HTTP/1.1 ")[1:]]
+    assert statuses == [200, 200, 404], answer[:600]
+    assert b'"chat.completion"' in answer.split(b"HTTP/1.1 ")[1]
 
 
 def chunked_post(pool, payload: bytes, keep: int) -> socket.socket:

@@ -54,7 +54,8 @@ class ScriptedRuntime(ScriptedHandler):
             return 400, "application/json", json.dumps(
                 {"error": {"message": "scripted refusal: bad tool schema", "type": "invalid_request_error"}})
         usage = USAGE if (body.get("stream_options") or {}).get("include_usage") else None
-        return 200, "text/event-stream", sse_chunks(SCRIPT, usage)
+        n = body.get("n") or 1  # a runtime answers the choices asked for: an index >= n is a protocol error
+        return 200, "text/event-stream", sse_chunks([c for c in SCRIPT if c["index"] < n], usage)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ def cuda_ready() -> bool:
 
 @pytest.mark.skipif(not cuda_ready(), reason="needs torch with CUDA and exllamav3")
 def test_exllamav3_serves_concurrent_jobs_on_gpu(make_pool, tmp_path):
-    from tests.tiny_hf_llama import write_tiny_hf_llama
+    from testkit.tiny_hf_llama import write_tiny_hf_llama
     model = write_tiny_hf_llama(str(tmp_path / "tiny"))
     pool = make_pool([{"name": "exl", "backend": "exllamav3", "target_inflight": 4, "load_timeout_s": 600,
                        "options": {"model": model, "cache_tokens": 8192}}], server={"liveness_s": 60})

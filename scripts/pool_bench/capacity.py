@@ -16,7 +16,7 @@ from pool_bench.children import CpuMeter, PoolProc, Proc, RssSampler, wait_http
 from pool_bench.interleave import interleaved
 from pool_bench.load import load, pct, plain_call
 from pool_bench.report import errors_note, loadavg, ms, num, per_request_us, ratio, say, table
-from tests.procs import free_port
+from procutil.net import free_port
 
 BARE_APP = '''
 import json, os

@@ -1,6 +1,6 @@
 """The processes the bench starts (a pool, a llama-server, any server under test) and what
 it measures of them: CPU time and peak RSS. Every child runs in its own process group, dies
-with the bench, and is stopped with all it started (tests.procs.stop_tree)."""
+with the bench, and is stopped with all it started (procutil.tree.stop_tree)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,11 @@ import psutil
 import tomli_w
 
 from pool_bench.report import say
+from procutil.net import free_port
+from procutil.tree import process_tree, stop_tree
 from runtime_worker.lifeline import die_with_parent
-from tests.procs import ROOT, free_port, stop_tree, wait_for
+from testkit import ROOT
+from testkit.waits import wait_for
 
 # Die with the bench even if it is SIGKILLed (Linux); SIGTERM so a supervisor still stops
 # its workers gracefully.
@@ -56,11 +59,7 @@ class Proc:
     def tree(self) -> list[psutil.Process]:
         if not self.alive():  # reaped: its pid may be another process's now
             return []
-        try:
-            root = psutil.Process(self.pid)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
+        procs = process_tree(self.pid)
         self.seen.update(p.pid for p in procs[1:])
         return procs
 

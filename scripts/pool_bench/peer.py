@@ -18,7 +18,7 @@ from pool_bench.children import CpuMeter, LlamaProc, PoolProc, Proc, RssSampler,
 from pool_bench.interleave import interleaved
 from pool_bench.load import load, pct, plain_call, streaming_call
 from pool_bench.report import loadavg, mib, ms, num, per_1k_tokens, per_request_us, ratio, say, table
-from tests.procs import free_port
+from procutil.net import free_port
 
 CACHE_ROOT = Path(os.environ.get("LLM_POOL_CACHE")
                   or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llm-pool")

@@ -16,7 +16,7 @@ is one aiohttp process on the same machine. Measured per target:
 Bare and pool runs alternate within one invocation, so both see the same
 machine load; the ratios are what to read on a shared machine.
 
-Self-contained apart from tests/pool.py (free_port, wait_for, Pool) and the
+Self-contained apart from testkit (Pool, wait_for), procutil (free_port) and the
 synthetic backend's token text."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-for _path in (ROOT, ROOT / "scripts"):  # run alone too: the packages, tests/, pool_bench
+for _path in (ROOT, ROOT / "scripts"):  # run alone too: the packages, testkit, pool_bench
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
@@ -41,7 +41,9 @@ import aiohttp  # noqa: E402
 from runtime_worker.backends.synthetic import synthetic_tokens  # noqa: E402
 from pool_bench.children import CpuMeter  # noqa: E402
 from pool_bench.load import pct  # noqa: E402
-from tests.pool import Pool, free_port, wait_for  # noqa: E402
+from procutil.net import free_port  # noqa: E402
+from testkit.pool import Pool  # noqa: E402
+from testkit.waits import wait_for  # noqa: E402
 
 DEFAULT_CASES = [(16, 50.0), (64, 50.0), (256, 50.0), (512, 50.0), (64, 200.0)]
 QUICK_CASES = [(16, 50.0), (64, 200.0)]

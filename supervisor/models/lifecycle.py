@@ -194,7 +194,7 @@ class Lifecycle:
         entry.used()
         self.loads[reason] = self.loads.get(reason, 0) + 1
         self.load_durations.observe(entry.load_seconds)
-        self.memory.measure(entry)
+        self.memory.measure_soon(entry)  # its first footprint
         log.info("model %s loaded in %.2fs (%s)", name, entry.load_seconds, reason)
 
     def _detach(self, entry: ModelEntry) -> None:

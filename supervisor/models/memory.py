@@ -12,12 +12,10 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import psutil
-
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ModelConfig, ServerConfig
 from supervisor.models.registry import ModelEntry, Registry
-from supervisor.observe import gpu_memory_by_pid
+from supervisor.observe import ProcessSampler, replica_view
 from supervisor.states import RUNNING, ModelState
 
 MEASURE_EVERY_S = 5.0  # a footprint walks the process tree (and asks NVML): not on every heartbeat
@@ -40,8 +38,9 @@ def estimate_mb(cfg: ModelConfig) -> float | None:
 
 
 class Memory:
-    def __init__(self, registry: Registry, server: Callable[[], ServerConfig]) -> None:
+    def __init__(self, registry: Registry, server: Callable[[], ServerConfig], sampler: ProcessSampler) -> None:
         self.registry = registry
+        self.sampler = sampler  # process trees sampled off the loop: a footprint reads its last sample
         self._server = server  # the current [server] (a reload may change its budgets)
         self._held: set[ModelEntry] = set()  # the ledger: models counted against the budgets
         self.evictions = 0
@@ -70,40 +69,25 @@ class Memory:
             self.measure(entry)
 
     def measure(self, entry: ModelEntry) -> None:
-        """Process-tree RSS of every replica (the worker and its runtime)."""
-        total, seen = 0, False
-        for r in entry.executor.replicas if entry.executor else []:
-            if r.pid is None:
-                continue
-            if r.cfg.remote:  # on its node, as its actor saw it last
-                view = r.proc.view
-                if view.get("rss_bytes") is not None:
-                    total += view["rss_bytes"] + sum(c["rss_bytes"] for c in view["children"])
-                    seen = True
-                continue
-            try:
-                proc = psutil.Process(r.pid)
-                total += proc.memory_info().rss + sum(c.memory_info().rss for c in proc.children(recursive=True))
-                seen = True
-            except psutil.Error:
-                pass
+        """Process-tree RSS of every replica (the worker and its runtime), and its GPU
+        memory per device, from the last process sample (local) or actor view (Ray)."""
+        views = [(r, replica_view(self.sampler, r)) for r in (entry.executor.replicas if entry.executor else [])]
+        seen = [v for _, v in views if v and v.get("rss_bytes") is not None]
         if seen:
-            entry.measured_mb = total / 2**20
-        if self._server().gpu_memory_budget_mb is not None and entry.cfg.replica_devices and entry.executor:
-            gpu = gpu_memory_by_pid()
-            if gpu is not None:
-                per_device: dict[str, float] = {}
-                for r in entry.executor.replicas:
-                    try:
-                        proc = psutil.Process(r.pid) if r.pid else None
-                        tree = [proc, *proc.children(recursive=True)] if proc else []
-                    except psutil.Error:
-                        tree = []
-                    used = sum(gpu.get(p.pid, 0) for p in tree) / 2**20
-                    devices = entry.cfg.replica_devices[r.index].split(",")
-                    for d in devices:
-                        per_device[d] = per_device.get(d, 0) + used / len(devices)
-                entry.measured_gpu_mb = per_device
+            entry.measured_mb = sum(v["rss_bytes"] + sum(c["rss_bytes"] for c in v["children"]) for v in seen) / 2**20
+        if (self._server().gpu_memory_budget_mb is not None and entry.cfg.replica_devices and entry.executor
+                and self.sampler.sample.gpu_known):
+            per_device: dict[str, float] = {}
+            for r, v in views:
+                used = ((v or {}).get("gpu_memory_bytes") or 0) / 2**20
+                devices = entry.cfg.replica_devices[r.index].split(",")
+                for d in devices:
+                    per_device[d] = per_device.get(d, 0) + used / len(devices)
+            entry.measured_gpu_mb = per_device
+
+    def measure_soon(self, entry: ModelEntry) -> None:
+        """Measure once the next process sample (which starts now) has been taken."""
+        self.sampler.request().add_done_callback(lambda _: self.measure(entry))
 
     def gpu_footprint(self, entry: ModelEntry) -> dict[str, float]:
         """GPU MB per device: declared per replica (split over its devices), else measured."""

@@ -5,7 +5,7 @@ Byte-level BPE without merges (3 specials + 256 byte symbols) so any text
 tokenizes; vocab_size equals the tokenizer length so every sampled id decodes.
 Dimensions are multiples of 128 where ExLlamaV3 wants them. Needs torch,
 tokenizers and transformers: run it with the interpreter of the backend's
-environment.   python tests/tiny_hf_llama.py OUT_DIR"""
+environment.   python -m testkit.tiny_hf_llama OUT_DIR"""
 
 from __future__ import annotations
 
