@@ -32,6 +32,8 @@ class Activity:
                                    server.request_log_days, max_bytes=server.request_log_max_bytes)
         self.samples: deque[dict] = deque(maxlen=SAMPLES_KEPT)
         self._tokens: dict[str, int] = {}  # output tokens of finished requests, per model, since start
+        # prompt + output tokens of finished requests per model and tenant, since start (the page's shares)
+        self._tenant_tokens: dict[str, dict[str, int]] = {}
         self._watchers: set[asyncio.Queue] = set()
         self._task: asyncio.Task | None = None
 
@@ -58,7 +60,7 @@ class Activity:
 
     # -- finished requests (from Metrics, on the event loop) ---------------------------------------
     def finished(self, model: str | None, endpoint: str, status: int, job: Job | None = None,
-                 done: Done | None = None, error: PoolError | None = None) -> None:
+                 done: Done | None = None, error: PoolError | None = None, tenant: str | None = None) -> None:
         """One row for the request log (in COLUMNS order). On every request's path: kept cheap."""
         queued = ttft = duration = tokens_in = tokens_out = prompt = output = None
         if done is not None:
@@ -66,6 +68,9 @@ class Activity:
             tokens_in, tokens_out = int(usage.get("input_tokens", 0)), int(usage.get("output_tokens", 0))
             if tokens_out:
                 self._tokens[model] = self._tokens.get(model, 0) + tokens_out
+            if job is not None and model in self.engine.models:
+                by_tenant = self._tenant_tokens.setdefault(model, {})
+                by_tenant[job.tenant] = by_tenant.get(job.tenant, 0) + tokens_in + tokens_out
         if job is not None:
             now = time.monotonic()
             start = job.created_at
@@ -81,7 +86,8 @@ class Activity:
                 prompt = truncate(json.dumps(asked, ensure_ascii=False))
                 output = truncate("".join(job.transcript))
         self.requests.append((time.time(), (model or "")[:200], endpoint, status, error and error.code.value,
-                              error and error.message, queued, ttft, duration, tokens_in, tokens_out, prompt, output))
+                              error and error.message, queued, ttft, duration, tokens_in, tokens_out, prompt, output,
+                              job.tenant if job is not None else tenant))
 
     # -- live samples ----------------------------------------------------------------------------
     def sample(self) -> dict:
@@ -89,7 +95,8 @@ class Activity:
         for name, entry in self.engine.models.items():
             ex = entry.executor
             models[name] = {"state": self.engine.model_state(entry).value, "queue": ex.queue_depth if ex else 0,
-                            "inflight": ex.runtime_inflight if ex else 0, "tokens": self._tokens.get(name, 0)}
+                            "inflight": ex.runtime_inflight if ex else 0, "tokens": self._tokens.get(name, 0),
+                            "tenants": dict(self._tenant_tokens.get(name, {}))}
         return {"t": round(time.time(), 3), "models": models}
 
     async def _sample_loop(self) -> None:

@@ -62,13 +62,14 @@ class LoadDurations:
 class Lifecycle:
     def __init__(self, registry: Registry, memory: Memory, server: Callable[[], ServerConfig], log_dir: Path,
                  spawn: Callable[[Coroutine], None], launcher: Launcher = spawn_worker,
-                 transport: Transport | None = None) -> None:
+                 transport: Transport | None = None, tenants=None) -> None:
         self.registry = registry
         self.memory = memory
         self._server = server
         self.log_dir = log_dir
         self._spawn = spawn  # a tracked background task (its failure is logged)
         self.launcher = launcher
+        self.tenants = tenants  # supervisor/tenants.py: their shares order each executor's queue
         self.transport = transport  # set when the engine starts (or injected by a test)
         self.cluster: RayCluster | None = None  # replicas on Ray nodes (placement = "ray"), once one loads
         self.shutting_down = False
@@ -106,7 +107,7 @@ class Lifecycle:
         (no await: a request that sees `loading` always finds a queue)."""
         entry.error = None
         entry.load_started = time.monotonic()
-        executor = Executor(entry.cfg, on_replicas_changed=entry.replicas_changed)
+        executor = Executor(entry.cfg, on_replicas_changed=entry.replicas_changed, tenants=self.tenants)
         if entry.cfg.remote and self.cluster is None:
             self.cluster = RayCluster(self._server(), self.transport)
         launcher = self.cluster.launcher(entry.cfg) if entry.cfg.remote else self.launcher
