@@ -17,6 +17,7 @@ import sys
 from procutil.sample import TreeSampler, gpu_memory_by_pid
 from procutil.tree import ChildTree
 from protocol.owner import OWNER_ENV
+from protocol.redact import worker_env
 
 LOG_KEEP_BYTES = 1 << 20  # the actor keeps this much of the worker's output for the supervisor to fetch
 # output per poll: under Ray's inline limit (100 KB), so that none of it goes through the object store
@@ -40,7 +41,8 @@ class WorkerHost:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "runtime_worker", *args,
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            env={**os.environ, **env, OWNER_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"},
+            # None in `env`: a name the worker must not see (the pool's keys, other models')
+            env=worker_env(dict(os.environ), {**env, OWNER_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"}),
             start_new_session=True)
         self.worker = ChildTree(proc)
         self._relay = asyncio.create_task(self._keep_output(proc.stdout))

@@ -12,7 +12,8 @@ array of them; see below):
 
     worker -> supervisor                    supervisor -> worker
     ------------------------------------    -----------------------------------
-    hello   pid, backend                    submit    job, request{...}, endpoint
+    hello                                   setup     options{}   (the answer to hello)
+                                            submit    job, request{...}, endpoint
     ready   capacity, info{}                cancel    job
     delta   job, text, parts[]              heartbeat
     done    job, finish_reason, usage{},    shutdown
@@ -20,8 +21,9 @@ array of them; see below):
     error   job|None, code, message
     heartbeat inflight, jobs[], submits_seen
 
-  hello is sent on connect (before the runtime loads); ready follows once the
-  runtime can take jobs, carrying its honest capacity; a load failure is an
+  hello is sent on connect; the supervisor answers with setup, the model's
+  options (secrets among them: never in the worker's argv), and the worker
+  loads its runtime; ready follows once the runtime can take jobs, carrying its honest capacity; a load failure is an
   `error` with job None. Every submitted job ends with exactly one `done` or
   `error`, also when it was cancelled (finish_reason "cancelled").
   An optional field at its default is left off the wire (a plain text delta
@@ -47,6 +49,7 @@ from protocol.messages import (
     Hello,
     Message,
     Ready,
+    Setup,
     Shutdown,
     Submit,
     delta_parts,
@@ -57,6 +60,6 @@ from protocol.messages import (
 __all__ = [
     "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "ProtocolError", "decode", "decode_many", "encode", "encode_batch",
     "find_unencodable",
-    "Cancel", "Delta", "Done", "Error", "Heartbeat", "Hello", "Message", "Ready",
+    "Cancel", "Delta", "Done", "Error", "Heartbeat", "Hello", "Message", "Ready", "Setup",
     "Shutdown", "Submit", "ENDPOINTS", "delta_parts", "delta_size", "merge_deltas",
 ]

@@ -17,6 +17,7 @@ class ErrorCode(StrEnum):
     UNSUPPORTED_ENDPOINT = "unsupported_endpoint"  # an endpoint this model cannot serve
     REQUEST_TOO_LARGE = "request_too_large"
     UNAUTHORIZED = "unauthorized"
+    INVALID_API_KEY = "invalid_api_key"  # a key no tenant holds
     FORBIDDEN = "forbidden"  # a browser or Host the admin surface refuses
     HEADERS_TOO_LARGE = "headers_too_large"
     MODEL_NOT_FOUND = "model_not_found"
@@ -31,6 +32,7 @@ class ErrorCode(StrEnum):
     RUNTIME_TIMEOUT = "runtime_timeout"
     RUNTIME_ERROR = "runtime_error"  # the runtime answered with an error of its own
     UPSTREAM_RATE_LIMITED = "upstream_rate_limited"
+    RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"  # a tenant over its rpm, tpm or max_inflight
     LOAD_FAILED = "load_failed"
     INSUFFICIENT_MEMORY = "insufficient_memory"  # the model does not fit the memory budget now
     PROTOCOL_ERROR = "protocol_error"
@@ -42,6 +44,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.UNSUPPORTED_ENDPOINT: 400,
     ErrorCode.REQUEST_TOO_LARGE: 413,
     ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.INVALID_API_KEY: 401,
     ErrorCode.FORBIDDEN: 403,
     ErrorCode.HEADERS_TOO_LARGE: 431,
     ErrorCode.MODEL_NOT_FOUND: 404,
@@ -49,6 +52,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.MODEL_BUSY: 409,
     ErrorCode.QUEUE_FULL: 429,
     ErrorCode.UPSTREAM_RATE_LIMITED: 429,
+    ErrorCode.RATE_LIMIT_EXCEEDED: 429,
     ErrorCode.MODEL_UNLOADING: 503,
     ErrorCode.QUEUE_TIMEOUT: 503,
     ErrorCode.NO_HEALTHY_REPLICA: 503,

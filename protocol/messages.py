@@ -14,6 +14,15 @@ class Hello:
 
 
 @dataclass(frozen=True, slots=True)
+class Setup:
+    """The supervisor's answer to Hello: the model's backend options (secrets
+    among them: vLLM's env, URLs with credentials, extra_body tokens), which
+    never travel in the worker's argv. The worker loads its runtime once it has them."""
+    TYPE: ClassVar[str] = "setup"
+    options: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
 class Ready:
     TYPE: ClassVar[str] = "ready"
     capacity: int  # honest number of jobs the runtime can run at once
@@ -27,7 +36,8 @@ ENDPOINTS = ("chat", "completions", "embeddings")  # /v1/chat/completions, /v1/c
 class Submit:
     TYPE: ClassVar[str] = "submit"
     job: str
-    # the client's OpenAI body for `endpoint`, less what the pool owns (model, stream, stream_options)
+    # the client's OpenAI body for `endpoint`, less what the pool owns (model, stream, stream_options);
+    # "stream": false when the client wants the answer whole (a runtime that can answer whole does)
     request: dict
     endpoint: str = "chat"  # one of ENDPOINTS
 
@@ -89,15 +99,16 @@ class Shutdown:
     TYPE: ClassVar[str] = "shutdown"
 
 
-Message = Hello | Ready | Submit | Cancel | Delta | Done | Error | Heartbeat | Shutdown
+Message = Hello | Setup | Ready | Submit | Cancel | Delta | Done | Error | Heartbeat | Shutdown
 
 MESSAGE_TYPES: dict[str, type] = {
-    cls.TYPE: cls for cls in (Hello, Ready, Submit, Cancel, Delta, Done, Error, Heartbeat, Shutdown)
+    cls.TYPE: cls for cls in (Hello, Setup, Ready, Submit, Cancel, Delta, Done, Error, Heartbeat, Shutdown)
 }
 
 # Expected Python types per field, checked on decode (msgpack gives plain types).
 FIELD_TYPES: dict[type, dict[str, Any]] = {
     Hello: {},
+    Setup: {"options": dict},
     Ready: {"capacity": int, "info": dict},
     Submit: {"job": str, "request": dict, "endpoint": str},
     Cancel: {"job": str},

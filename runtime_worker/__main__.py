@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ from protocol.errors import ErrorCode, WorkerExit
 from protocol.loop_socket import LoopSocket
 from runtime_worker.backends import backend_class
 from runtime_worker.backends.base import (
-    Backend, BackendLoadError, Finished, JobError, PartsDelta, RawFrame, TextDelta)
+    Backend, BackendLoadError, Finished, JobError, OutputLimits, PartsDelta, RawFrame, TextDelta)
 from runtime_worker.cancel_watch import CancelWatch
 from runtime_worker.lifeline import die_with_parent
 from runtime_worker.outbox import Outbox
@@ -43,13 +44,14 @@ class Worker:
         sock.connect(args.endpoint)
         self.sock = LoopSocket(sock, self.on_frames)
         self.outbox = Outbox(self.sock, on_job_failed=self.cancel_job)
-        self.backend: Backend = backend_class(args.backend)(
-            json.loads(args.options), args.target_inflight, log, stop_timeout_s=args.stop_timeout_s)
+        self.backend: Backend | None = None  # made once Setup brings the options
+        self.setup: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
         self.capacity = 0
         self.jobs: dict[str, asyncio.Task] = {}
         self.cancel_watch = CancelWatch(args.cancel_grace_s)
         self.submits_seen = 0  # told in heartbeats: the supervisor knows which jobs a beat covers
         self.last_heard = time.monotonic()
+        self._silence_told = False  # a warning about a silent supervisor was logged
         self.stopping = asyncio.Event()
         self.exit_code = WorkerExit.OK
 
@@ -85,7 +87,8 @@ class Worker:
         try:
             # a native runtime gets stop_timeout_s from SIGTERM to SIGKILL inside backend.stop();
             # this bound only guards a stop that hangs, so it must not cut that grace short
-            await asyncio.wait_for(self.backend.stop(), timeout=self.args.stop_timeout_s + 5)
+            if self.backend is not None:
+                await asyncio.wait_for(self.backend.stop(), timeout=self.args.stop_timeout_s + 5)
         except Exception:
             log.exception("backend stop failed")
         self.sock.close()
@@ -98,6 +101,10 @@ class Worker:
             self.stopping.set()
 
     async def load(self) -> None:
+        options = await self.setup  # the supervisor's answer to Hello: secrets never ride in argv
+        self.backend = backend_class(self.args.backend)(
+            options, self.args.target_inflight, log, stop_timeout_s=self.args.stop_timeout_s,
+            limits=OutputLimits(self.args.max_job_output_bytes, self.args.max_upstream_line_bytes))
         started = time.monotonic()
         try:
             capacity, info = await self.backend.start()
@@ -139,6 +146,9 @@ class Worker:
                     task.add_done_callback(lambda t, job=job: self._job_ended(job))
             case p.Cancel(job=job):
                 self.cancel_job(job)
+            case p.Setup(options=options):
+                if not self.setup.done():
+                    self.setup.set_result(options)
             case p.Shutdown():
                 self.stop(WorkerExit.OK)
             case p.Heartbeat():
@@ -153,13 +163,19 @@ class Worker:
             self.backend.check(endpoint, request)
             run = {"chat": self.backend.run, "completions": self.backend.complete,
                    "embeddings": self.backend.embed}.get(endpoint, self.backend.run)
+            budget = self.args.max_job_output_bytes  # what this job may still send (characters, about bytes)
             async for event in run(job, request):
                 if isinstance(event, TextDelta):
                     if event.text:
+                        budget -= len(event.text)
+                        self._over_budget(budget)
                         self.send(p.Delta(job=job, text=event.text))
                 elif isinstance(event, PartsDelta):
                     if event.parts:
-                        self.send(p.Delta(job=job, parts=event.parts))
+                        delta = p.Delta(job=job, parts=event.parts)
+                        budget -= p.delta_size(delta)
+                        self._over_budget(budget)
+                        self.send(delta)
                 elif isinstance(event, RawFrame):
                     self.outbox.put(event.data)
                 elif isinstance(event, Finished):
@@ -183,6 +199,11 @@ class Worker:
         finally:
             self.jobs.pop(job, None)
 
+    def _over_budget(self, budget: int) -> None:
+        if budget < 0:
+            raise JobError(ErrorCode.RUNTIME_ERROR, f"the job's output exceeds the pool's {self.args.max_job_output_bytes}"
+                           " byte bound on one job (server.max_job_output_bytes)")
+
     def cancel_job(self, job: str) -> None:
         if task := self.jobs.get(job):
             log.info("cancelling job %s", job)
@@ -205,12 +226,26 @@ class Worker:
                 log.error("supervisor (pid %d) is gone; exiting", parent)
                 self.stop(WorkerExit.SUPERVISOR_GONE)
                 return
-            if time.monotonic() - self.last_heard > self.args.liveness_s:
-                log.error("no word from the supervisor for %.1fs; exiting", self.args.liveness_s)
+            # Its parent alive, a silent supervisor is slow (a stalled loop, a SIGSTOP), not dead:
+            # the jobs go on for supervisor_patience_s. A dead local one ends this worker at once
+            # (PR_SET_PDEATHSIG, or the parent check above); a remote worker cannot tell, and
+            # its Ray actor dies with the supervisor's driver. A worker never set up (never let
+            # in: a wrong key, a stale endpoint) has nothing to keep: it goes after liveness_s.
+            silent_s = time.monotonic() - self.last_heard
+            patience_s = self.args.supervisor_patience_s if self.setup.done() else self.args.liveness_s
+            if silent_s > patience_s:
+                log.error("no word from the supervisor for %.1fs; exiting", silent_s)
                 self.stop(WorkerExit.SUPERVISOR_GONE)
                 return
+            if silent_s > self.args.liveness_s and not self._silence_told:
+                self._silence_told = True
+                log.warning("no word from the supervisor for %.1fs (stalled?); its %d jobs go on for up to %.0fs",
+                            silent_s, len(self.jobs), self.args.supervisor_patience_s)
+            elif silent_s <= self.args.liveness_s and self._silence_told:
+                self._silence_told = False
+                log.info("the supervisor answers again")
             self.send(p.Heartbeat(inflight=len(self.jobs), jobs=list(self.jobs), submits_seen=self.submits_seen))
-            pid = self.backend.runtime_pid()
+            pid = self.backend.runtime_pid() if self.backend is not None else None
             busy = self.cancel_watch.busy_for(pid, not self.jobs, time.monotonic())
             if busy is not None:
                 log.error("the runtime is still busy %.0fs after a cancel left it no job (a cancel it "
@@ -225,12 +260,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="supervisor ROUTER endpoint (ipc://..., or tcp://... with CURVE keys in the environment)")
     ap.add_argument("--replica", required=True, help="routing identity, e.g. model/0")
     ap.add_argument("--backend", required=True)
-    ap.add_argument("--options", default="{}", help="backend options as JSON")
     ap.add_argument("--target-inflight", type=int, default=1)
     ap.add_argument("--parent-pid", type=int, default=os.getppid())
     ap.add_argument("--heartbeat-s", type=float, default=1.0)
     ap.add_argument("--liveness-s", type=float, default=10.0)
     ap.add_argument("--stop-timeout-s", type=float, default=10.0)
+    ap.add_argument("--max-job-output-bytes", type=int, default=OutputLimits().max_job_output_bytes,
+                    help="one job's output past this many bytes fails it (runtime_error)")
+    ap.add_argument("--max-upstream-line-bytes", type=int, default=OutputLimits().max_upstream_line_bytes,
+                    help="a line of a runtime's streamed answer past this many bytes fails its job")
+    ap.add_argument("--supervisor-patience-s", type=float, default=120.0,
+                    help="no word from a supervisor that still lives, this long: exit")
     ap.add_argument("--cancel-grace-s", type=float, default=30.0,
                     help="a runtime still busy this long after a cancel left it no job is restarted")
     return ap.parse_args(argv)

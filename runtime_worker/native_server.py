@@ -10,10 +10,12 @@ import collections
 import json
 import logging
 import os
+import re
 import secrets
 import signal
 import sys
 import time
+import zlib
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -22,14 +24,21 @@ import httpx
 from procutil.groups import signal_group, stop_group
 from procutil.net import free_port
 from protocol.errors import ErrorCode, exit_text
+from protocol.redact import mask_url_credentials
 from runtime_worker.backends.base import (
-    Backend, BackendLoadError, Event, Finished, JobError, PartsDelta, TextDelta)
-from runtime_worker.lifeline import die_with_parent
+    Backend, BackendLoadError, Event, Finished, JobError, OutputLimits, PartsDelta, TextDelta)
+from runtime_worker.lifeline import lifeline_argv
 
 
 RELAY_CHUNK_BYTES = 64 * 1024
 RELAY_LINE_BYTES = 16 * 1024  # a longer line of the child's output is split in the log
 STALE_RETRIES = 3  # keep-alive clients: resends after a connection error before any answer
+N_MAX = 128  # OpenAI's bound on `n`
+MAX_CHOICES = 2048  # n times the prompts of a legacy completions batch: a choice index is below both
+MAX_TOOL_CALLS = 1024  # a tool call index in one choice is below this
+INFLATE_PIECE_BYTES = 256 * 1024  # a compressed answer is inflated this much at a time
+ERROR_BODY_BYTES = 64 * 1024  # an error answer is read this far for its message
+ERROR_TEXT_CHARS = 4096  # a runtime's error message is passed on this long at most
 
 
 class OpenAIClient:
@@ -45,14 +54,24 @@ class OpenAIClient:
     `keep_alive`: reuse connections (a remote endpoint, where a new TLS
     connection per job is dear). llama-server announces keep-alive but closes
     a connection after a stream, racing the next request, so local runtimes
-    get a fresh connection per job."""
+    get a fresh connection per job.
+
+    The server's answer is not trusted (UpstreamBody, sse_data): its body is
+    read within `limits` (decompressed by the pool, in bounded pieces), a
+    redirect is not followed, and a stream must be an event stream that ends
+    with a finish_reason and [DONE]; anything else fails that job alone."""
 
     def __init__(self, base_url: str, api_key: str | None, keep_alive: bool = False, *,
-                 model: str | None = None, extra: dict | None = None) -> None:
+                 model: str | None = None, extra: dict | None = None,
+                 limits: OutputLimits = OutputLimits()) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.extra = extra or {}
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.limits = limits
+        # identity asked for; gzip or deflate sent anyway is inflated by UpstreamBody, within the budget
+        self.headers = {"Accept-Encoding": "identity"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
         if not keep_alive:
             self.headers["Connection"] = "close"
         self.keep_alive = keep_alive
@@ -62,25 +81,34 @@ class OpenAIClient:
         if self._session is None:  # made on first use, inside the running loop
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, force_close=not self.keep_alive),
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10), headers=self.headers)
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10), headers=self.headers,
+                auto_decompress=False)  # aiohttp would inflate a whole chunk at once, unbounded
         return self._session
 
-    def body(self, request: dict, stream: bool) -> dict:
+    def body(self, request: dict, stream: bool, generate: bool = True) -> dict:
         # extra_body holds generation settings (ignore_eos, top_k, ...): not for embeddings
-        body = {**self.extra, **request} if stream else dict(request)
+        body = {**self.extra, **request} if generate else dict(request)
         if self.model:
             body["model"] = self.model
         if stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
+        else:
+            body.pop("stream", None)
         return body
 
     async def stream(self, request: dict, path: str = "/chat/completions") -> AsyncIterator[Event]:
-        """Stream one chat (or, with path /completions, legacy) completion.
+        """One chat (or, with path /completions, legacy) completion: streamed,
+        unless the client wants it whole (`"stream": false` in the request);
+        then the server's own whole answer is relayed, as it made it (a text
+        cut inside a character keeps the server's U+FFFD, which a stream drops).
         Cancelling the consumer closes the HTTP stream, which makes the server
         drop the request and free its slot."""
+        chat = path == "/chat/completions"
+        choices = requested_choices(request, completions=not chat)
         try:
-            async for event in self._stream(path, self.body(request, stream=True), chat=path == "/chat/completions"):
+            async for event in self._complete(path, self.body(request, stream=request.get("stream") is not False),
+                                              chat, choices):
                 yield event
         except (aiohttp.ClientError, ConnectionError) as exc:  # refused, or cut mid-stream
             raise connection_lost(exc) from None
@@ -88,11 +116,11 @@ class OpenAIClient:
     async def fetch(self, request: dict, path: str = "/embeddings") -> AsyncIterator[Event]:
         """One request answered whole (embeddings): a single Finished with the result."""
         try:
-            r = await self._post(path, self.body(request, stream=False))
+            r = await self._post(path, self.body(request, stream=False, generate=False))
             try:
                 if r.status != 200:
-                    raise upstream_error(r.status, await r.text(errors="replace"))
-                result = await r.json(content_type=None)
+                    raise upstream_error(r.status, await UpstreamBody(r, self.limits).error_text())
+                result = json.loads(await UpstreamBody(r, self.limits).read())
             finally:
                 r.close()
         except (aiohttp.ClientError, ConnectionError) as exc:
@@ -110,7 +138,8 @@ class OpenAIClient:
         failures = 0
         while True:
             try:
-                return await session.post(self.base_url + path, json=body)
+                # a redirect is the runtime's answer (an error), not a place to send the key and the prompt
+                return await session.post(self.base_url + path, json=body, allow_redirects=False)
             except aiohttp.ClientConnectionError:
                 # A pooled connection the server had closed just before (llama-server
                 # announces keep-alive, then closes after a stream): no answer came back,
@@ -119,54 +148,154 @@ class OpenAIClient:
                 if not self.keep_alive or failures > STALE_RETRIES:
                     raise
 
-    async def _stream(self, path: str, body: dict, chat: bool) -> AsyncIterator[Event]:
-        finishes: dict[int, str] = {}
-        usage, produced = None, 0
+    async def _complete(self, path: str, body: dict, chat: bool, choices: int) -> AsyncIterator[Event]:
+        """Send a completion request and relay the answer: an event stream (what
+        the pool asks for unless the client wants the answer whole), or, for a
+        request sent with stream off, the JSON answer. Anything else is an error."""
+        whole = not body.get("stream")
         r = await self._post(path, body)
         try:
+            upstream = UpstreamBody(r, self.limits)
             if r.status != 200:
-                raise upstream_error(r.status, await r.text(errors="replace"))
-            async for data in _sse_data(r):
-                if data == b"[DONE]":
-                    if self.keep_alive:  # the connection goes back to the pool only once drained
-                        await _read_to_end(r)
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    err = chunk["error"]
-                    raise JobError(ErrorCode.RUNTIME_ERROR, str(err.get("message", err) if isinstance(err, dict)
-                                                                else err))
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                for choice in chunk.get("choices") or ():
-                    event = choice_event(choice, chat)
-                    if event is not None:
-                        produced += 1
-                        yield event
-                    if choice.get("finish_reason"):
-                        finishes[int(choice.get("index") or 0)] = choice["finish_reason"]
+                raise upstream_error(r.status, await upstream.error_text())
+            if r.content_type == "text/event-stream":
+                async for event in self._read_stream(upstream, chat, choices):
+                    yield event
+            elif whole and r.content_type == "application/json":
+                raw = await upstream.read()
+                r.close()
+                for event in answer_events(raw, chat, choices):
+                    yield event
+            else:  # an HTML page, a JSON answer to a stream: no answer at all
+                wanted = "application/json or text/event-stream" if whole else "text/event-stream"
+                raise JobError(ErrorCode.RUNTIME_ERROR, f"the runtime answered with "
+                               f"{r.content_type or 'no content type'}, not {wanted}")
         finally:
             # mid-stream (a cancel, an error) this drops the connection, so the server drops the
             # request and frees its slot; after a body read to its end it is a no-op
             r.close()
-        usage = usage or {}
-        reasons = tuple(finishes.get(i, "stop") for i in range(max(finishes, default=0) + 1))
-        yield Finished(reasons[0], int(usage.get("prompt_tokens", 0)),
-                       int(usage.get("completion_tokens", produced)), reasons if len(reasons) > 1 else (),
-                       cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
-                       reasoning_tokens=int((usage.get("completion_tokens_details") or {}).get("reasoning_tokens")
-                                            or 0))
+
+    async def _read_stream(self, upstream: UpstreamBody, chat: bool, choices: int) -> AsyncIterator[Event]:
+        finishes: dict[int, str] = {}
+        seen = {0}  # choice indexes that produced output (choice 0 always owes a finish_reason)
+        usage, produced, done = None, 0, False
+        async for data in sse_data(upstream, self.limits.max_upstream_line_bytes):
+            if data == b"[DONE]":
+                done = True
+                if self.keep_alive:  # the connection goes back to the pool only once drained
+                    await upstream.drain()
+                break
+            chunk = json_object(data, "an event")
+            if "error" in chunk:
+                raise runtime_reported(chunk["error"])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices") or ():
+                index = choice_index(choice, choices)
+                event = choice_event(choice, chat, index=index)
+                if event is not None:
+                    seen.add(index)
+                    produced += 1
+                    yield event
+                if choice.get("finish_reason"):
+                    finishes[index] = str(choice["finish_reason"])
+        # a stream cut short is no success, whatever it held: never a made-up "stop"
+        if not done:
+            raise JobError(ErrorCode.RUNTIME_ERROR, "the runtime's stream ended before [DONE] (cut short)")
+        if unfinished := sorted(seen - finishes.keys()):
+            raise JobError(ErrorCode.RUNTIME_ERROR,
+                           f"the runtime's stream ended with no finish_reason for choice {unfinished[0]}")
+        yield finished(finishes, usage, produced)
 
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
 
 
-def choice_event(choice: dict, chat: bool) -> TextDelta | PartsDelta | None:
+def json_object(data: bytes, what: str) -> dict:
+    try:
+        value = json.loads(data)
+    except ValueError as exc:
+        raise JobError(ErrorCode.RUNTIME_ERROR, f"the runtime sent {what} that is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise JobError(ErrorCode.RUNTIME_ERROR, f"the runtime sent {what} that is not a JSON object")
+    return value
+
+
+def runtime_reported(err) -> JobError:
+    """An error the runtime put in its answer (in a stream's event, or in place of a whole one)."""
+    return JobError(ErrorCode.RUNTIME_ERROR,
+                    str(err.get("message", err) if isinstance(err, dict) else err)[:ERROR_TEXT_CHARS])
+
+
+def answer_events(raw: bytes, chat: bool, choices: int) -> list[Event]:
+    """A whole completion as the events its stream would have given."""
+    answer = json_object(raw, "an answer")
+    if "error" in answer:
+        raise runtime_reported(answer["error"])
+    events: list[Event] = []
+    finishes: dict[int, str] = {}
+    for choice in answer.get("choices") or ():
+        index = choice_index(choice, choices)
+        if chat:  # a message is one delta holding everything; its tool calls are numbered by place
+            message = choice.get("message") or {}
+            calls = [{**call, "index": n} for n, call in enumerate(message.get("tool_calls") or ())]
+            choice = {"delta": {**message, "tool_calls": calls}, "logprobs": choice.get("logprobs"),
+                      "finish_reason": choice.get("finish_reason")}
+        if (event := choice_event(choice, chat, index=index)) is not None:
+            events.append(event)
+        if not choice.get("finish_reason"):
+            raise JobError(ErrorCode.RUNTIME_ERROR, f"the runtime's answer has no finish_reason for choice {index}")
+        finishes[index] = str(choice["finish_reason"])
+    if 0 not in finishes:
+        raise JobError(ErrorCode.RUNTIME_ERROR, "the runtime's answer has no choice 0")
+    return [*events, finished(finishes, answer.get("usage"), len(events))]
+
+
+def finished(finishes: dict[int, str], usage, produced: int) -> Finished:
+    """The end of a completion: per choice finish reasons (below the request's
+    `n`, so at most MAX_CHOICES; a choice that said nothing at all stopped) and usage."""
+    usage = usage if isinstance(usage, dict) else {}
+    reasons = tuple(finishes.get(i, "stop") for i in range(max(finishes) + 1))
+    return Finished(reasons[0], int(usage.get("prompt_tokens", 0)),
+                    int(usage.get("completion_tokens", produced)), reasons if len(reasons) > 1 else (),
+                    cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
+                    reasoning_tokens=int((usage.get("completion_tokens_details") or {}).get("reasoning_tokens")
+                                         or 0))
+
+
+def requested_choices(request: dict, completions: bool = False) -> int:
+    """How many choices a request asked for: its `n` (1 to N_MAX), for legacy
+    completions times the prompts of a batch; at most MAX_CHOICES. (The
+    supervisor holds a runtime to the same rule: supervisor/request_bounds.py.)"""
+    n = request.get("n")
+    n = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= N_MAX else 1
+    prompt = request.get("prompt")
+    if completions and isinstance(prompt, list) and prompt and all(isinstance(x, (str, list)) for x in prompt):
+        n *= len(prompt)
+    return min(n, MAX_CHOICES)
+
+
+def choice_index(choice, choices: int) -> int:
+    """A streamed choice's index, checked against the request's `n`: a runtime
+    that names another choice broke the protocol (and must never make the pool
+    hold a list that long)."""
+    if not isinstance(choice, dict):
+        raise JobError(ErrorCode.PROTOCOL_ERROR, "the runtime sent a choice that is not a JSON object")
+    index = choice.get("index") or 0
+    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < choices:
+        raise JobError(ErrorCode.PROTOCOL_ERROR, f"the runtime sent choice index {str(index)[:40]}, but the "
+                       f"request asked for {choices} choice{'s' if choices > 1 else ''}")
+    return index
+
+
+def choice_event(choice: dict, chat: bool, index: int | None = None) -> TextDelta | PartsDelta | None:
     """One streamed choice as a worker event: plain content of choice 0 as a
     TextDelta (the common, cheap case), anything else as typed parts in the
-    order of an OpenAI delta (reasoning, content with its logprobs, refusal, tool calls)."""
-    index = int(choice.get("index") or 0)
+    order of an OpenAI delta (reasoning, content with its logprobs, refusal,
+    tool calls). `index`: the choice's, checked (choice_index) by the caller."""
+    if index is None:
+        index = choice_index(choice, MAX_CHOICES)
     if chat:
         delta = choice.get("delta") or {}
         text = delta.get("content")
@@ -192,7 +321,10 @@ def choice_event(choice: dict, chat: bool) -> TextDelta | PartsDelta | None:
         parts.append({"k": "refusal", "i": index, "t": delta["refusal"]})
     for call in delta.get("tool_calls") or ():
         function = call.get("function") or {}
-        part = {"k": "tool", "i": index, "n": int(call.get("index") or 0), "args": function.get("arguments") or ""}
+        n = call.get("index") or 0
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < MAX_TOOL_CALLS:
+            raise JobError(ErrorCode.PROTOCOL_ERROR, f"the runtime sent tool call index {str(n)[:40]}")
+        part = {"k": "tool", "i": index, "n": n, "args": function.get("arguments") or ""}
         if call.get("id"):
             part["id"] = call["id"]
         if function.get("name"):
@@ -219,7 +351,8 @@ class OpenAIServerBackend(Backend):
 
 
 class NativeServer:
-    def __init__(self, name: str, log, model: str | None = None, extra: dict | None = None) -> None:
+    def __init__(self, name: str, log, model: str | None = None, extra: dict | None = None,
+                 limits: OutputLimits = OutputLimits()) -> None:
         self.name = name
         self.log = log
         self.port = free_port()
@@ -228,7 +361,7 @@ class NativeServer:
         self.proc: asyncio.subprocess.Process | None = None
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
         self._relay: asyncio.Task | None = None
-        self.client = OpenAIClient(self.base_url + "/v1", self.api_key, model=model, extra=extra)
+        self.client = OpenAIClient(self.base_url + "/v1", self.api_key, model=model, extra=extra, limits=limits)
         self.control = httpx.AsyncClient(headers={"Authorization": f"Bearer {self.api_key}"})
 
     async def get(self, path: str, timeout: float = 5) -> httpx.Response:
@@ -239,12 +372,12 @@ class NativeServer:
         """Start the server. Its API key goes in the environment variable
         `key_env` (private to this user), never in argv, which any user can
         read through ps."""
-        self.log.info("starting %s: %s", self.name, " ".join(argv))
+        self.log.info("starting %s: %s", self.name, mask_url_credentials(" ".join(argv)))
         self.proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            *lifeline_argv(argv),  # gone with the worker, even on SIGKILL (no preexec_fn: see lifeline.py)
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT, env={**os.environ, **(env or {}), key_env: self.api_key},
             start_new_session=True,  # its own group, killed as one
-            preexec_fn=die_with_parent,  # gone with the worker, even on SIGKILL
         )
         self._relay = asyncio.create_task(self._relay_output(), name=f"relay-{self.name}")
         self._relay.add_done_callback(self._relay_ended)
@@ -322,36 +455,122 @@ class NativeServer:
             await asyncio.wait([self._relay], timeout=2)
 
 
-async def _sse_data(r: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """The `data:` payloads of an SSE body, whatever the size of a line."""
-    pending = b""
-    async for chunk in r.content.iter_any():
-        pending += chunk
-        if b"\n" not in chunk:
-            continue
-        *lines, pending = pending.split(b"\n")
+class UpstreamBody:
+    """A runtime's answer body, read within bounds: at most
+    `limits.max_job_output_bytes` in all (decompressed), gzip or deflate
+    inflated here in pieces of INFLATE_PIECE_BYTES (a 1 MB bomb never becomes
+    1 GB at once, and the event loop gets a turn between pieces), any other
+    encoding refused. Past a bound the job fails with runtime_error."""
+
+    def __init__(self, r: aiohttp.ClientResponse, limits: OutputLimits) -> None:
+        self.r = r
+        self.limit = limits.max_job_output_bytes
+        self.read_bytes = 0
+        encoding = r.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding in ("gzip", "x-gzip", "deflate"):
+            self._inflate = zlib.decompressobj(wbits=47)  # 32 + 15: a gzip or zlib header, found by zlib
+        elif encoding in ("identity", ""):
+            self._inflate = None
+        else:
+            raise JobError(ErrorCode.RUNTIME_ERROR, f"the runtime answered with content encoding "
+                           f"{encoding[:40]!r}; the pool reads identity, gzip or deflate")
+
+    def _count(self, data: bytes) -> bytes:
+        self.read_bytes += len(data)
+        if self.read_bytes > self.limit:
+            raise JobError(ErrorCode.RUNTIME_ERROR, f"the runtime's answer exceeds the pool's {self.limit} byte "
+                           "bound on one job's output (server.max_job_output_bytes)")
+        return data
+
+    async def chunks(self, limit: int | None = None) -> AsyncIterator[bytes]:
+        """The decoded body, piece by piece; `limit` (bytes) lowers the bound."""
+        if limit is not None:
+            self.limit = min(self.limit, self.read_bytes + limit)
+        async for raw in self.r.content.iter_any():
+            if self._inflate is None:
+                yield self._count(raw)
+                continue
+            try:
+                data = self._inflate.decompress(raw, INFLATE_PIECE_BYTES)
+                yield self._count(data)
+                while self._inflate.unconsumed_tail:
+                    await asyncio.sleep(0)
+                    data = self._inflate.decompress(self._inflate.unconsumed_tail, INFLATE_PIECE_BYTES)
+                    yield self._count(data)
+            except zlib.error as exc:
+                raise JobError(ErrorCode.RUNTIME_ERROR, f"the runtime's compressed answer is corrupt: {exc}") \
+                    from None
+
+    async def read(self) -> bytes:
+        out = bytearray()
+        async for data in self.chunks():
+            out += data
+        return bytes(out)
+
+    async def error_text(self) -> str:
+        """The start of an error answer: enough for its message, never all of a huge one."""
+        out = bytearray()
+        try:
+            async for data in self.chunks(ERROR_BODY_BYTES):
+                out += data
+        except JobError:  # longer than that: its start is the message
+            pass
+        return out[:ERROR_BODY_BYTES].decode(errors="replace")
+
+    async def drain(self, timeout_s: float = 2.0) -> None:
+        """Read what follows [DONE] to the end of the body, so that a keep-alive
+        connection can carry the next job; a server that does not end the body in
+        time (or sends more than a little) only costs that connection."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                async for _ in self.chunks(ERROR_BODY_BYTES):
+                    pass
+        except (TimeoutError, JobError):
+            pass
+
+
+DATA_LINE = re.compile(rb"^data:(.*)$", re.MULTILINE)  # an SSE data line; `.` stops at the newline
+
+
+def line_too_long(max_line_bytes: int) -> JobError:
+    return JobError(ErrorCode.RUNTIME_ERROR, f"the runtime sent a line longer than the pool's {max_line_bytes} "
+                    "byte bound (server.max_upstream_line_bytes)")
+
+
+async def sse_data(body: UpstreamBody, max_line_bytes: int) -> AsyncIterator[bytes]:
+    """The `data:` payloads of an SSE body. Linear in the body's size, and cheap
+    per line: each byte is searched once for the last newline (from where the
+    last search stopped), the data lines of what is complete are found by the
+    regex engine (a flood of blank or comment lines costs no Python step per
+    line), and only the unfinished line is kept (a chunk of whole lines, the
+    usual token, is never copied). A data line, or an unfinished
+    one, longer than `max_line_bytes` fails the job before more of it is held."""
+    buf = bytearray()
+    for_newline = 0  # buf[:for_newline] holds no newline
+    async for chunk in body.chunks():
+        if not buf and chunk.endswith(b"\n"):  # the common case, whole lines: no copy
+            lines = DATA_LINE.findall(chunk)
+        else:
+            buf += chunk
+            end = buf.rfind(b"\n", for_newline) + 1  # just past the last complete line; 0: none
+            lines = DATA_LINE.findall(buf, 0, end) if end else ()
+            del buf[:end]
         for line in lines:
-            if line.startswith(b"data:"):
-                yield line[5:].strip()
-    if pending.startswith(b"data:"):
-        yield pending[5:].strip()
-
-
-async def _read_to_end(r: aiohttp.ClientResponse, timeout_s: float = 2.0) -> None:
-    """Read what follows [DONE] to the end of the body, so that a keep-alive
-    connection can carry the next job; a server that does not end the body in
-    time only costs that connection."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            await r.read()
-    except TimeoutError:
-        pass
+            if len(line) > max_line_bytes:
+                raise line_too_long(max_line_bytes)
+            yield line.strip()
+        for_newline = len(buf)
+        if for_newline > max_line_bytes:
+            raise line_too_long(max_line_bytes)
+    if buf.startswith(b"data:"):
+        yield bytes(buf[5:]).strip()
 
 
 def connection_lost(exc: Exception) -> JobError:
     """A broken connection to the runtime, in plain words for the client; the library's
     own text (which names its internals) goes to the worker's log only."""
-    logging.getLogger("runtime_worker").warning("connection to the runtime lost: %r", exc)
+    logging.getLogger("runtime_worker").warning("connection to the runtime lost: %s",
+                                                mask_url_credentials(repr(exc)))
     if isinstance(exc, aiohttp.ClientConnectorError):
         return JobError(ErrorCode.RUNTIME_CRASHED, "the runtime did not accept the connection (it is down)")
     return JobError(ErrorCode.RUNTIME_CRASHED, "the runtime's answer broke off before it was complete "
@@ -367,12 +586,15 @@ def upstream_error(status: int, text: str) -> JobError:
         message = detail.get("message", str(detail)) if isinstance(detail, dict) else str(detail)
     except (ValueError, AttributeError):
         message = text[:500]
+    message = str(message)[:ERROR_TEXT_CHARS]
     if status in (400, 422):  # 422: a server's schema validation (FastAPI's, in vLLM)
         return JobError(ErrorCode.INVALID_REQUEST, message)
     if status == 413:
         return JobError(ErrorCode.REQUEST_TOO_LARGE, message)
     if status == 501:  # llama-server: an endpoint it was not started for (embeddings)
         return JobError(ErrorCode.UNSUPPORTED_ENDPOINT, message)
+    if 300 <= status < 400:  # never followed (it would carry the key and the prompt elsewhere)
+        return JobError(ErrorCode.RUNTIME_ERROR, f"upstream {status}: a redirect, not followed")
     if status == 429:
         code = ErrorCode.UPSTREAM_RATE_LIMITED
     elif status in (408, 504):

@@ -65,10 +65,15 @@ def coalesce(batch: list[p.Message | bytes]) -> list[p.Message | bytes]:
 
 def encode_or_fail(msg: p.Message, on_job_failed=None) -> bytes:
     """Encode a message; one that cannot be encoded (a runtime's JSON with a
-    lone surrogate, say) becomes its job's Error, so that job fails with 502
-    (and `on_job_failed(job)` stops it) while the worker and its other jobs go on."""
+    lone surrogate, say) or that is over the frame cap (a huge Done) becomes
+    its job's Error, so that job fails with 502 (and `on_job_failed(job)` stops
+    it) while the worker and its other jobs go on."""
     try:
-        return p.encode(msg)
+        frame = p.encode(msg)
+        if len(frame) <= p.MAX_FRAME_BYTES:
+            return frame
+        # the supervisor refuses a frame over the cap without knowing its job: fail the job here
+        raise ValueError(f"a {len(frame)} byte message, over the {p.MAX_FRAME_BYTES} byte frame cap")
     except (OverflowError, UnicodeEncodeError, TypeError, ValueError) as exc:
         job = getattr(msg, "job", None)
         log.error("cannot encode a %s message for job %s: %r", msg.TYPE, job, exc)

@@ -66,7 +66,8 @@ async def admin_requests(request: Request, model: str | None = Query(None, max_l
                          status: str | None = None, since: str | None = None,
                          after_id: int | None = Query(None, ge=0, le=ROW_ID_MAX),
                          before_id: int | None = Query(None, ge=0, le=ROW_ID_MAX),
-                         limit: int = Query(100, ge=1, le=10_000)):
+                         limit: int = Query(100, ge=1, le=10_000),
+                         tenant: str | None = Query(None, max_length=64)):
     """The newest finished requests first, from the request log: one page of at most
     `limit` rows and about request_log.QUERY_MAX_BYTES. `more` says whether older
     rows match (ask again with before_id = the last row's id); with after_id, the
@@ -78,7 +79,8 @@ async def admin_requests(request: Request, model: str | None = Query(None, max_l
                         param="status")
     log = request.app.state.activity.requests
     rows, more = await asyncio.to_thread(log.page, model=model, status=status or None, since=_since(since),
-                                         after_id=after_id, before_id=before_id, limit=limit)
+                                         after_id=after_id, before_id=before_id, limit=limit,
+                                         tenant=tenant)
     return {"requests": rows, "more": more, "dropped": log.dropped}
 
 

@@ -4,30 +4,24 @@
 
 `tenant()` runs first, at the HTTP edge, on the headers alone (a wrong key
 is refused before anything reads the body); `submit()` runs once the body
-names the model: scope, then limits, then the engine's queue.
+names the model: scope, then limits, then the engine's queue, where the job
+waits in its tenant's lane of the model's fair queue (supervisor/fair_queue.py).
 
-Today there is one tenant, "default": any inference key (or none when no
-key is set) maps to it, its scope is every model and it has no limits. A
-tenants table fills in `_tenant_for`, `_in_scope` and `_check_limits`
-without touching the edge or the routes.
+The tenants, their keys, scopes and limits are supervisor/tenants.py's table,
+which a reload replaces; with no [[tenants]] there is one tenant, "default".
 """
 
 from __future__ import annotations
 
 import hmac
-from dataclasses import dataclass
 
+from protocol import Done
 from protocol.errors import ErrorCode, PoolError
 from supervisor.jobs import Job
+from supervisor.tenants import DEFAULT, Tenant, Tenants, TenantSpec
 
-
-@dataclass(frozen=True, slots=True)
-class Tenant:
-    """Who a request is for: what it may use and how much of it."""
-    name: str
-
-
-DEFAULT_TENANT = Tenant("default")
+DEFAULT_TENANT = Tenant(TenantSpec(DEFAULT))  # who a request is when the edge did not say (no edge in front)
+PROMPT_BYTES_PER_TOKEN = 4  # a prompt's tokens counted against tpm at admission, set right at its end
 
 
 def presented_key(headers) -> bytes:
@@ -50,40 +44,72 @@ def key_matches(given: bytes, wanted: list[bytes]) -> bool:
 
 
 class Admission:
-    """Key, tenant, scope and limits of inference requests, then the engine's queue.
+    """Key, tenant, scope and limits of inference requests, then the engine's queue."""
 
-    Keys: with an inference key set, a request needs it (or the admin key);
-    with none, every request is the default tenant's."""
-
-    def __init__(self, engine, api_key: str | None, admin_key: str | None) -> None:
+    def __init__(self, engine, tenants: Tenants) -> None:
         self.engine = engine
-        self.keys = [k.encode() for k in (api_key, admin_key) if k] if api_key else []
+        self.tenants = tenants
 
     # -- key -> tenant: at the edge, before the body is read -----------------------------------------------
     def tenant(self, headers) -> Tenant:
-        """The tenant of a request with these ASGI headers; 401 for a missing or wrong key."""
-        if not self.keys:
-            return DEFAULT_TENANT
+        """The tenant of a request with these ASGI headers: 401 `unauthorized` with no key
+        (or a wrong one when there are no [[tenants]]), 401 `invalid_api_key` for a key no
+        tenant holds."""
+        tenants = self.tenants
+        if tenants.open:
+            return tenants.default()
         given = presented_key(headers)
-        tenant = self._tenant_for(given) if key_matches(given, self.keys) else None
+        tenant = tenants.for_key(given)
         if tenant is None:
+            if given and tenants.configured:
+                raise PoolError(ErrorCode.INVALID_API_KEY, "incorrect API key provided")
             raise PoolError(ErrorCode.UNAUTHORIZED, "missing or wrong API key")
         return tenant
-
-    def _tenant_for(self, key: bytes) -> Tenant | None:  # noqa: ARG002 -- one tenant holds every key today
-        return DEFAULT_TENANT
 
     # -- scope -> limits -> queue: once the body names the model -------------------------------------------
     def submit(self, tenant: Tenant, model: str, request: dict, endpoint: str) -> Job:
         """The job for this request, queued on its model; PoolError when it is refused."""
-        if not self._in_scope(tenant, model):
-            # the same answer as a model that does not exist: a tenant does not learn other tenants' models
+        entry = self.engine.entry(model)  # 404 for a model that does not exist...
+        if not tenant.spec.may_use((entry.cfg.name, *entry.cfg.aliases)):
+            # ...and the same answer for one out of scope: a tenant does not learn other tenants' models
             raise PoolError(ErrorCode.MODEL_NOT_FOUND, f"model {model!r} does not exist", param="model")
-        self._check_limits(tenant, model, request)
-        return self.engine.submit(model, request, endpoint)
+        tenant.admit()  # 429 over rpm, tpm or max_inflight
+        try:
+            job = self.engine.submit(model, request, endpoint, tenant.name)
+        except BaseException:
+            tenant.refused()
+            raise
+        estimate = len(job.frame) // PROMPT_BYTES_PER_TOKEN
+        tenant.charge_tokens(estimate)
 
-    def _in_scope(self, tenant: Tenant, model: str) -> bool:  # noqa: ARG002 -- every model, today
-        return True
+        def ended(job: Job, outcome) -> None:
+            tenant.release()
+            usage = outcome.usage if isinstance(outcome, Done) else {}
+            meter = job.meter
+            used = (int(usage.get("input_tokens") or (meter.prompt if meter else estimate))
+                    + int(usage.get("output_tokens") or (meter.output if meter else 0)))
+            tenant.charge_tokens(used - estimate)
 
-    def _check_limits(self, tenant: Tenant, model: str, request: dict) -> None:  # noqa: ARG002 -- none today
-        return None
+        job.on_end = ended
+        return job
+
+    # -- what a tenant sees ------------------------------------------------------------------------------------
+    def model_list(self, tenant: Tenant) -> list[dict]:
+        """/v1/models for this tenant: only what it may use."""
+        listed = self.engine.model_list()
+        if tenant.spec.models == ("*",):
+            return listed
+        allowed = {name for name, e in self.engine.models.items() if tenant.spec.may_use((name, *e.cfg.aliases))}
+        return [m for m in listed if m.get("alias_of", m["id"]) in allowed]
+
+    def with_limit_headers(self, tenant: Tenant, send):
+        """`send` that adds the tenant's x-ratelimit-* headers to the response's start (every
+        answer: a success, a 429, any error); `send` itself for a tenant without limits."""
+        if not tenant.limited:
+            return send
+
+        async def send_with_limits(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), *tenant.limit_headers()]}
+            await send(message)
+        return send_with_limits

@@ -16,10 +16,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from protocol.errors import ERROR_TYPE, ErrorCode, PoolError
 from supervisor import admin_feeds, ui
-from supervisor.admission import Admission
+from supervisor.admission import DEFAULT_TENANT, Admission
 from supervisor.config import PoolConfig
 from supervisor.engine import ModelRouterEngine
-from supervisor.http_guard import HttpEdge, error_response
+from supervisor.http_guard import TENANT_KEY, HttpEdge, error_response
 from supervisor.inference import add_inference_routes
 from supervisor.live import Activity
 from supervisor.loop_lag import LoopLag
@@ -28,14 +28,15 @@ from supervisor.model_health import pool_health, shown_replicas
 from supervisor.observe import SAMPLE_EVERY_S, worker_views
 from supervisor.request_bounds import clip
 from supervisor.states import ModelState
+from supervisor.tenants import Tenants
 
 log = logging.getLogger("llm_pool.api")
 
 
 def create_app(config: PoolConfig) -> FastAPI:
-    engine = ModelRouterEngine(config)
     api_key = config.server.api_key or os.environ.get("LLM_POOL_API_KEY")
     admin_key = config.server.admin_key or os.environ.get("LLM_POOL_ADMIN_KEY")
+    engine = ModelRouterEngine(config, tenants=Tenants(config, api_key, admin_key))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -55,7 +56,7 @@ def create_app(config: PoolConfig) -> FastAPI:
     app.state.activity = activity = Activity(engine)  # the request log and the live samples
     metrics = Metrics(engine, on_finished=activity.finished)
     lag = LoopLag(metrics.lag)
-    admission = Admission(engine, api_key, admin_key)
+    admission = Admission(engine, engine.tenants)
     add_inference_routes(app, engine, admission, metrics, config)
     app.include_router(admin_feeds.router)
     app.include_router(ui.router)
@@ -94,8 +95,8 @@ def create_app(config: PoolConfig) -> FastAPI:
                             status_code=exc.status_code, headers=exc.headers)
 
     @app.get("/v1/models")
-    async def list_models():
-        return {"object": "list", "data": engine.model_list()}
+    async def list_models(request: Request):
+        return {"object": "list", "data": admission.model_list(request.scope.get(TENANT_KEY, DEFAULT_TENANT))}
 
     # -- health --------------------------------------------------------------------------------------
     @app.get("/metrics")

@@ -455,19 +455,21 @@ def _ms(value: float | None) -> str:
 
 
 def _request_rows(rows: list[dict]) -> list[tuple[str, ...]]:
-    return [(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["ts"])), _clip(r["model"], 40), r["endpoint"],
+    return [(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["ts"])), _clip(r["model"], 40),
+             _clip(r.get("tenant"), 40), r["endpoint"],
              str(r["status"]), r["error_code"] or "-", _ms(r["queued_ms"]), _ms(r["ttft_ms"]),
              _ms(r["duration_ms"]), _dash(r["tokens_in"]), _dash(r["tokens_out"]), _dash(r["tokens_per_s"]))
             for r in rows]
 
 
-REQUEST_HEADERS = ["TIME", "MODEL", "ENDPOINT", "STATUS", "ERROR", "QUEUED", "TTFT", "DURATION", "IN", "OUT",
+REQUEST_HEADERS = ["TIME", "MODEL", "TENANT", "ENDPOINT", "STATUS", "ERROR", "QUEUED", "TTFT", "DURATION", "IN", "OUT",
                    "TOK/S"]
 
 
 @_client
 def requests(url: Url = DEFAULT_URL, as_json: AsJson = False,
              model: Annotated[str | None, typer.Option("--model", "-m", help="only this model")] = None,
+             tenant: Annotated[str | None, typer.Option("--tenant", "-t", help="only this tenant's")] = None,
              status: Annotated[str | None, typer.Option(help="an HTTP status, a class (4xx, 5xx), 'ok' or "
                                                          "'error'")] = None,
              since: Annotated[str | None, typer.Option(help="e.g. 10m, 2h, 1d, or an ISO 8601 time")] = None,
@@ -477,7 +479,7 @@ def requests(url: Url = DEFAULT_URL, as_json: AsJson = False,
              = False) -> None:
     """Recent requests from the request log, oldest first: status, error, queue wait, TTFT,
     duration, tokens. --follow keeps printing until Ctrl-C (one JSON object a line with --json)."""
-    params = {k: v for k, v in {"model": model, "status": status, "since": _since_param(since),
+    params = {k: v for k, v in {"model": model, "tenant": tenant, "status": status, "since": _since_param(since),
                                 "limit": limit}.items() if v is not None}
     rows = _call(url, "GET", "/admin/requests", params=params)["requests"][::-1]
     if as_json and not follow:

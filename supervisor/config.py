@@ -4,6 +4,7 @@ the model and the key."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -33,6 +34,11 @@ class ServerConfig(_Strict):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, le=MAX_FRAME_BYTES // 2)
     heartbeat_s: float = Field(1.0, gt=0)  # both directions
     liveness_s: float = Field(10.0, gt=0)  # no heartbeat this long: the peer is gone
+    # a worker whose supervisor still lives but is silent (stalled, stopped) serves its jobs this long
+    supervisor_patience_s: float = Field(120.0, gt=0)
+    # one line of a runtime's stream, as its worker reads it (max_job_output_bytes bounds the whole
+    # answer there too); past either, only that job fails (502)
+    max_upstream_line_bytes: int = Field(8 * 1024 * 1024, ge=4096, le=MAX_FRAME_BYTES // 2)
     shutdown_grace_s: float = Field(30.0, ge=0)
     sse_ping_s: float = Field(15.0, gt=0)  # a stream quiet this long gets a ": ping" comment line
     state_dir: str | None = None  # replica logs and the request log; default: the user's state dir
@@ -64,6 +70,8 @@ class ServerConfig(_Strict):
     # host (0.0.0.0, ::) binds every interface and workers dial this host's address in the cluster.
     ray_bind_host: str | None = Field(None, min_length=1)  # default: this host's address in the cluster
     ray_bind_port: int = Field(0, ge=0, le=65535)  # 0: any free port
+    # Tenants' fair shares (supervisor/fair_queue.py): an output token costs this many prompt tokens
+    output_token_weight: float = Field(2.0, gt=0, le=1000)
 
     @field_validator("allowed_hosts")
     @classmethod
@@ -95,6 +103,14 @@ class ServerConfig(_Strict):
         heartbeat = info.data.get("heartbeat_s")
         if heartbeat is not None and value <= heartbeat:
             raise ValueError(f"must be greater than heartbeat_s ({heartbeat})")
+        return value
+
+    @field_validator("supervisor_patience_s")
+    @classmethod
+    def _patience_at_least_liveness(cls, value: float, info: ValidationInfo) -> float:
+        liveness = info.data.get("liveness_s")
+        if liveness is not None and value < liveness:
+            raise ValueError(f"must be at least liveness_s ({liveness})")
         return value
 
 
@@ -242,8 +258,50 @@ class ModelConfig(_Strict):
         return "prefix" if self.replicas > 1 and self.backend in PREFIX_CACHING_BACKENDS else "least_inflight"
 
 
+TENANT_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class TenantConfig(_Strict):
+    """[[tenants]]: who is asking (supervisor/tenants.py). Keys are secrets: kept out of repr."""
+    name: str = Field(min_length=1, max_length=64, pattern=TENANT_NAME.pattern)
+    keys: list[str] = Field(default_factory=list, repr=False)  # literal keys
+    key_env: list[str] = Field(default_factory=list)  # names of environment variables holding keys
+    weight: float = Field(1.0, gt=0, le=1e6)  # share of a contended model
+    priority: int = Field(0, ge=-1000, le=1000)  # a higher band is served first when both wait
+    models: list[str] = Field(default_factory=lambda: ["*"])  # names, aliases or globs it may use
+    rpm: int = Field(0, ge=0)  # requests per minute; 0: unlimited
+    tpm: int = Field(0, ge=0)  # tokens per minute (prompt + output); 0: unlimited
+    max_inflight: int = Field(0, ge=0)  # running or queued at once, pool-wide; 0: unlimited
+
+    @field_validator("keys")
+    @classmethod
+    def _key_text(cls, keys: list[str]) -> list[str]:
+        for i, key in enumerate(keys):
+            if not key or any(c.isspace() or not c.isprintable() for c in key):
+                raise ValueError(f"key #{i} is empty or holds whitespace or control characters")
+        return keys
+
+    @field_validator("key_env")
+    @classmethod
+    def _env_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if not ENV_NAME.match(name):
+                raise ValueError(f"{name!r} is not an environment variable name")
+        return names
+
+    @field_validator("models")
+    @classmethod
+    def _patterns(cls, patterns: list[str]) -> list[str]:
+        for pattern in patterns:
+            if not pattern or any(c.isspace() for c in pattern):
+                raise ValueError(f"{pattern!r} is not a model name, alias or glob")
+        return patterns
+
+
 class PoolConfig(_Strict):
     server: ServerConfig = Field(default_factory=ServerConfig)
+    tenants: list[TenantConfig] = Field(default_factory=list)
     models: list[ModelConfig] = Field(default_factory=list)
     _source: str | None = PrivateAttr(None)  # the file it was read from: a reload reads it again
 
@@ -310,12 +368,41 @@ def parse_config(raw: dict, source: str = "<config>") -> PoolConfig:
     if budget is not None and at_start > budget:
         raise ConfigError(f"{source}: key 'server.memory_budget_mb': the models with load_on_start declare "
                           f"{at_start:g} MB together, more than the budget ({budget:g} MB)")
+    _check_tenants(source, cfg)
     for i, m in enumerate(cfg.models):
         try:
             BACKEND_OPTIONS[m.backend].model_validate(m.options)
         except ValidationError as exc:
             raise _config_error(source, raw, exc, ("models", i, "options")) from None
     return cfg
+
+
+def _check_tenants(source: str, cfg: PoolConfig) -> None:
+    """Names are unique; every tenant has a key; every key names one tenant and is
+    not the admin key; every key_env variable is set. Messages never show a key."""
+    names: set[str] = set()
+    owner: dict[str, str] = {}  # key -> tenant
+    admin = cfg.server.admin_key
+    for t in cfg.tenants:
+        where = f"{source}: tenant {t.name!r}"
+        if t.name in names:
+            raise ConfigError(f"{where}: key 'name': duplicate tenant name")
+        names.add(t.name)
+        keys = list(t.keys)
+        for var in t.key_env:
+            value = os.environ.get(var)
+            if not value:
+                raise ConfigError(f"{where}: key 'key_env': the environment variable {var} is not set or empty")
+            keys.append(value)
+        if not keys and not (t.name == "default" and cfg.server.api_key):
+            raise ConfigError(f"{where}: key 'keys': a tenant needs at least one key (keys or key_env)")
+        for key in keys:
+            if admin and key == admin:
+                raise ConfigError(f"{where}: key 'keys': the admin key is not a tenant key")
+            if key == cfg.server.api_key and t.name != "default":
+                raise ConfigError(f"{where}: key 'keys': server.api_key is the key of tenant 'default'")
+            if owner.setdefault(key, t.name) != t.name:
+                raise ConfigError(f"{where}: key 'keys': a key of tenant {owner[key]!r} too (a key names one tenant)")
 
 
 def _check_placement(source: str, server: ServerConfig, m: ModelConfig) -> None:
@@ -349,6 +436,11 @@ def _config_error(source: str, raw: dict, exc: ValidationError, prefix: tuple = 
 
 def _where(raw: dict, loc: tuple) -> str:
     """Turn a pydantic error location into 'model "x": key "y"'."""
+    if len(loc) >= 2 and loc[0] == "tenants" and isinstance(loc[1], int):
+        tenants = raw.get("tenants") or []
+        entry = tenants[loc[1]] if loc[1] < len(tenants) and isinstance(tenants[loc[1]], dict) else {}
+        name = entry.get("name", f"#{loc[1]}")
+        return f"tenant {name!r}: key {'.'.join(str(x) for x in loc[2:]) or '(tenant)'!r}"
     if len(loc) >= 2 and loc[0] == "models" and isinstance(loc[1], int):
         models = raw.get("models") or []
         name = models[loc[1]].get("name", f"#{loc[1]}") if loc[1] < len(models) and isinstance(

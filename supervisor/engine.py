@@ -25,6 +25,8 @@ from supervisor.request_bounds import check_request_bounds
 from supervisor.replica import Launcher
 from supervisor.state_dir import default_state_dir, make_private_dir, pool_state_dir
 from supervisor.states import ModelState
+from supervisor.tenants import DEFAULT as DEFAULT_TENANT
+from supervisor.tenants import Tenants
 from supervisor.transport import Transport, sweep_stale_socket_dirs
 
 log = logging.getLogger("llm_pool.engine")
@@ -38,9 +40,10 @@ IN_PLACE_KEYS = reloading.IN_PLACE_KEYS
 
 class ModelRouterEngine:
     def __init__(self, config: PoolConfig, launcher: Launcher = spawn_worker,
-                 transport: Transport | None = None) -> None:
+                 transport: Transport | None = None, tenants: Tenants | None = None) -> None:
         """`launcher` and `transport` are injected by the model-machine tests (fakes)."""
         self.config = config
+        self.tenants = tenants or Tenants(config)  # their shares order each model's queue; a reload updates them
         self.state_dir = pool_state_dir(config.server.state_dir)  # see supervisor/state_dir.py
         self.log_dir = self.state_dir / "logs"
         server = lambda: self.config.server  # noqa: E731  (a reload replaces the config)
@@ -48,7 +51,7 @@ class ModelRouterEngine:
         self.sampler = ProcessSampler()  # psutil and NVML, off the loop: footprints read its cache
         self.memory = Memory(self.registry, server, self.sampler)
         self.lifecycle = Lifecycle(self.registry, self.memory, server, self.log_dir, self._spawn,
-                                   launcher=launcher, transport=transport)
+                                   launcher=launcher, transport=transport, tenants=self.tenants)
         self.reloader = reloading.Reloader(self.registry, self.lifecycle, self._spawn)
         self.views = Views(self.registry, self.memory, self.lifecycle)
         self._drain: asyncio.Future | None = None  # the one drain of a graceful stop
@@ -186,10 +189,18 @@ class ModelRouterEngine:
             log.error("engine task %s failed", task.get_name(), exc_info=task.exception())
 
     async def _heartbeat_loop(self) -> None:
+        period = self.config.server.heartbeat_s
+        last = time.monotonic()
         while True:
-            await asyncio.sleep(self.config.server.heartbeat_s)
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            stalled_s, last = now - last - period, now
             try:
-                self.tick(time.monotonic())
+                if stalled_s > period:  # this process was stalled (or stopped): the silence was its own
+                    for entry in self.models.values():
+                        for r in entry.executor.replicas if entry.executor else ():
+                            r.excuse_silence(stalled_s)
+                self.tick(now)
             except Exception:  # one bad tick must not end the heartbeats
                 log.exception("heartbeat tick failed")
 
@@ -210,7 +221,7 @@ class ModelRouterEngine:
                 self.lifecycle.idle_unload(entry, f"idle for {self.lifecycle.idle_unload_s(entry):g}s")
 
     # -- jobs -------------------------------------------------------------------------------------
-    def submit(self, model: str, request: dict, endpoint: str = "chat") -> Job:
+    def submit(self, model: str, request: dict, endpoint: str = "chat", tenant: str = DEFAULT_TENANT) -> Job:
         entry = self.registry.lookup(model)
         check_request_bounds(request, endpoint)
         if self.shutting_down:
@@ -220,7 +231,7 @@ class ModelRouterEngine:
             raise refused
         check_prompt_bounds(entry.cfg, request)
         job = Job(entry.cfg.name, request, entry.cfg.request_timeout_s, entry.cfg.queue_timeout_s, endpoint,
-                  self.config.server.max_job_output_bytes)
+                  self.config.server.max_job_output_bytes, tenant=tenant)
         if entry.cfg.log_bodies:
             job.transcript = []
         entry.used()
@@ -247,6 +258,10 @@ class ModelRouterEngine:
         if self.shutting_down:
             raise PoolError(ErrorCode.MODEL_UNLOADING, "the pool is shutting down")
         change = reloading.diff(self.config, new)
+        try:
+            self.tenants.apply(new)  # weights, scopes, limits and keys; no worker is touched
+        except ConfigError as exc:
+            raise PoolError(ErrorCode.INVALID_REQUEST, f"config error: {exc}") from None
         self.config = new
         self.reloader.apply(change, new)
         return change.summary()

@@ -392,6 +392,9 @@ class HttpEdge:
         refusal = self._refusal(scope)
         if refusal is not None:
             return await error_response(refusal)(scope, receive, send)
+        tenant = scope.get(TENANT_KEY)
+        if tenant is not None:  # every answer to a tenant says where it stands with its limits
+            send = self.admission.with_limit_headers(tenant, send)
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > self.limit:
                 return await self._too_large()(scope, receive, send)

@@ -115,10 +115,13 @@ def add_inference_routes(app: FastAPI, engine, admission, metrics, config) -> No
         the JSON that `to_json(choices, done)` builds. However the handler ends
         (a client gone at any moment, an error, a cancelled task), the job is
         cancelled unless finished: no slot outlives its request."""
+        if sse_shape is None and job_endpoint != "embeddings":
+            job_request["stream"] = False  # wanted whole: a runtime that can answer whole does (its own bytes)
+        tenant = request.scope.get(TENANT_KEY, DEFAULT_TENANT)
         try:
-            job = admission.submit(request.scope.get(TENANT_KEY, DEFAULT_TENANT), model, job_request, job_endpoint)
+            job = admission.submit(tenant, model, job_request, job_endpoint)
         except PoolError as err:
-            metrics.request(model, endpoint, err.status, error=err)
+            metrics.request(model, endpoint, err.status, error=err, tenant=tenant.name)
             raise
         streaming = None
         try:

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 
 class JobState(StrEnum):
-    QUEUED = "queued"  # in the executor's FIFO; the scheduler may still drop it
+    QUEUED = "queued"  # in the executor's queue; the scheduler may still drop it
     SUBMITTED = "submitted"  # handed to a worker: past the cancel boundary, counts as inflight
     FINISHED = "finished"
 
@@ -77,10 +77,11 @@ class Job:
     __slots__ = ("id", "model", "request", "endpoint", "frame", "state", "replica", "events", "created_at",
                  "deadline", "queue_deadline", "cancel_requested", "first_token_at", "attempts", "submit_seq",
                  "_waiter", "submitted_at", "transcript", "queue_reason", "_timer", "_timer_at", "counted",
-                 "max_choices", "max_output_bytes", "output_bytes")
+                 "max_choices", "max_output_bytes", "output_bytes", "tenant", "meter", "on_end")
 
     def __init__(self, model: str, request: dict, timeout_s: float, queue_timeout_s: float | None = None,
-                 endpoint: str = "chat", max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES) -> None:
+                 endpoint: str = "chat", max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+                 tenant: str = "default") -> None:
         self.id = os.urandom(16).hex()  # as unique as uuid4, and cheaper
         self.model = model
         self.request = request
@@ -110,6 +111,9 @@ class Job:
         self.max_choices = choice_limit(request, endpoint)
         self.max_output_bytes = max_output_bytes
         self.output_bytes = 0
+        self.tenant = tenant  # who asked (admission); its queue lane and share
+        self.meter = None  # charges its tokens to its tenant as they come (fair_queue.TokenMeter), once handed out
+        self.on_end = None  # on_end(job, outcome) once it ends, however (admission: the tenant's limits)
 
     def push(self, event: Delta) -> None:
         if self.state is JobState.FINISHED:  # e.g. ended over its bounds, its Cancel on the way: nobody reads it
@@ -127,6 +131,8 @@ class Job:
                                           f"(max_job_output_bytes)"), protocol=False)
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
+        if self.meter is not None:
+            self.meter.delta()
         if self.transcript is not None:  # text of every kind and choice, tool-call names and arguments
             self.transcript.extend(part.get("t") or (part.get("name") or "") + (part.get("args") or "")
                                    for part in p.delta_parts(event))
@@ -152,6 +158,10 @@ class Job:
             outcome = self._bad_index(len(outcome.finish_reasons) - 1)
         if self.state is not JobState.FINISHED:
             self.state = JobState.FINISHED
+            if self.meter is not None and isinstance(outcome, Done):
+                self.meter.done(outcome.usage)
+            if self.on_end is not None:
+                self.on_end(self, outcome)
             self._put(outcome)
             if self._timer is not None:  # nothing more to wait for: the loop lets go of the job now
                 self._timer.cancel()

@@ -64,6 +64,8 @@ class Activity:
         self._tokens: dict[str, int] = {}  # output tokens streamed, per model, since start
         self._streamed: dict[str, int] = {}  # per model: the replicas' streamed_tokens at the last sample
         self._shown: dict[str, str] = {}  # per model: the state shown at the last sample (state events)
+        # prompt + output tokens of finished requests per model and tenant, since start (the page's shares)
+        self._tenant_tokens: dict[str, dict[str, int]] = {}
         self._watchers: set[asyncio.Queue] = set()
         self._task: asyncio.Task | None = None
 
@@ -94,12 +96,15 @@ class Activity:
 
     # -- finished requests (from Metrics, on the event loop) ---------------------------------------
     def finished(self, model: str | None, endpoint: str, status: int, job: Job | None = None,
-                 done: Done | None = None, error: PoolError | None = None) -> None:
+                 done: Done | None = None, error: PoolError | None = None, tenant: str | None = None) -> None:
         """One row for the request log (in COLUMNS order). On every request's path: kept cheap."""
         queued = ttft = duration = tokens_in = tokens_out = prompt = output = None
         if done is not None:
             usage = done.usage
             tokens_in, tokens_out = int(usage.get("input_tokens", 0)), int(usage.get("output_tokens", 0))
+            if job is not None and model in self.engine.models:
+                by_tenant = self._tenant_tokens.setdefault(model, {})
+                by_tenant[job.tenant] = by_tenant.get(job.tenant, 0) + tokens_in + tokens_out
         if job is not None:
             now = time.monotonic()
             start = job.created_at
@@ -115,7 +120,8 @@ class Activity:
                 prompt = truncate(json.dumps(asked, ensure_ascii=False))
                 output = truncate("".join(job.transcript))
         self.requests.append((time.time(), (model or "")[:200], endpoint, status, error and error.code.value,
-                              error and error.message, queued, ttft, duration, tokens_in, tokens_out, prompt, output))
+                              error and error.message, queued, ttft, duration, tokens_in, tokens_out, prompt, output,
+                              job.tenant if job is not None else tenant))
 
     # -- live samples ----------------------------------------------------------------------------
     def sample(self) -> dict:
@@ -130,7 +136,8 @@ class Activity:
             health = model_health(entry)
             self._state_event(name, entry, health)
             models[name] = {"state": health["state"], "queue": ex.queue_depth if ex else 0,
-                            "inflight": ex.runtime_inflight if ex else 0, "tokens": self._tokens[name]}
+                            "inflight": ex.runtime_inflight if ex else 0, "tokens": self._tokens[name],
+                            "tenants": dict(self._tenant_tokens.get(name, {}))}
         return {"t": round(time.time(), 3), "models": models}
 
     def _state_event(self, name: str, entry, health: dict) -> None:

@@ -26,6 +26,7 @@ ENDPOINTS = {"/v1/responses": "responses", "/v1/chat/completions": "chat_complet
 OTHER_ENDPOINT = "other"  # a request refused before it reached an inference route
 CLIENT_CLOSED = 499  # status counted for a request whose client left before its answer was complete
 UNKNOWN_MODEL = "unknown"  # a model name that is not configured
+OTHER_TENANT = "other"  # a tenant removed from the config by a reload while its request ran
 _ENDPOINT_LABELS = frozenset(ENDPOINTS.values())
 SHOWN_STATES = tuple(dict.fromkeys(s.public.value for s in ModelState))  # the names ops see
 
@@ -43,6 +44,14 @@ class Metrics:
         self.latency = Histogram("llm_pool_request_duration_seconds", "Admission to last token",
                                  ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.tokens = Counter("llm_pool_generated_tokens", "Tokens generated", ["model"], registry=self.registry)
+        # by tenant (label values: configured tenant names only)
+        self.tenant_requests = Counter("llm_pool_tenant_requests", "Inference requests by tenant, model and "
+                                       "HTTP status", ["tenant", "model", "status"], registry=self.registry)
+        self.tenant_tokens = Counter("llm_pool_tenant_tokens", "Tokens served by tenant, model and kind "
+                                     "(prompt, output)", ["tenant", "model", "kind"], registry=self.registry)
+        self.tenant_queue_wait = Histogram("llm_pool_tenant_queue_wait_seconds", "Admission to hand-over to "
+                                           "a worker, by tenant", ["tenant", "model"], buckets=LATENCY_BUCKETS,
+                                           registry=self.registry)
         self.loop_lag = Gauge("llm_pool_event_loop_lag_seconds", "How late the supervisor's event loop woke, "
                               "last measure (supervisor/loop_lag.py)", registry=self.registry)
         self.loop_lags = Histogram("llm_pool_event_loop_lag_distribution_seconds", "How late the supervisor's "
@@ -55,16 +64,24 @@ class Metrics:
         self.loop_lags.observe(seconds)
 
     def request(self, model: str | None, endpoint: str, status: int, job: Job | None = None,
-                done: Done | None = None, error: PoolError | None = None) -> None:
-        """Count one request; `endpoint` is a label from ENDPOINTS or an inference path."""
+                done: Done | None = None, error: PoolError | None = None, tenant: str | None = None) -> None:
+        """Count one request; `endpoint` is a label from ENDPOINTS or an inference path.
+        `tenant`: who asked, when the request was refused before it had a job."""
         if endpoint not in _ENDPOINT_LABELS:
             endpoint = ENDPOINTS.get(endpoint, OTHER_ENDPOINT)
         model = self.engine.aliases.get(model, model)  # an alias counts, and is logged, as its model
-        self._child(self.requests, self._model(model), endpoint, str(status)).inc()
+        label = self._model(model)
+        self._child(self.requests, label, endpoint, str(status)).inc()
         if job is not None:
             job.counted = True
+            tenant = job.tenant
+            if job.submitted_at is not None:
+                self._child(self.tenant_queue_wait, self._tenant(tenant), label).observe(
+                    job.submitted_at - job.created_at)
+        if tenant is not None:
+            self._child(self.tenant_requests, self._tenant(tenant), label, str(status)).inc()
         if self.on_finished is not None:
-            self.on_finished(model, endpoint, status, job, done, error)
+            self.on_finished(model, endpoint, status, job, done, error, tenant)
 
     def client_gone(self, job: Job, endpoint: str) -> None:
         """The client left before its answer was complete: counted, and logged, as
@@ -79,7 +96,11 @@ class Metrics:
         if job.first_token_at is not None:
             self._child(self.ttft, model).observe(job.first_token_at - job.created_at)
         self._child(self.latency, model).observe(now - job.created_at)
-        self._child(self.tokens, model).inc(int(done.usage.get("output_tokens", 0)))
+        output = int(done.usage.get("output_tokens", 0))
+        self._child(self.tokens, model).inc(output)
+        tenant = self._tenant(job.tenant)
+        self._child(self.tenant_tokens, tenant, model, "prompt").inc(int(done.usage.get("input_tokens", 0)))
+        self._child(self.tenant_tokens, tenant, model, "output").inc(output)
 
     def _child(self, metric, *labels: str):
         """metric.labels(*labels), remembered: the label values are bounded (see above), and
@@ -89,6 +110,9 @@ class Metrics:
         if child is None:
             child = self._children[key] = metric.labels(*labels)
         return child
+
+    def _tenant(self, name: str) -> str:
+        return name if name in self.engine.tenants.by_name else OTHER_TENANT
 
     def _model(self, name: str | None) -> str:
         return name if name in self.engine.models else UNKNOWN_MODEL

@@ -14,6 +14,7 @@ import psutil
 
 from procutil.tree import ChildTree, kill_tree
 from protocol.owner import OWNER_ENV
+from protocol.redact import POOL_SECRET_ENV, worker_env
 
 log = logging.getLogger("llm_pool.process")
 
@@ -22,11 +23,21 @@ log = logging.getLogger("llm_pool.process")
 WorkerProcess = ChildTree
 
 
-async def spawn_worker(args: list[str], log_path: Path, extra_env: dict[str, str]) -> WorkerProcess:
+# Variables holding the pool's own secrets (its API and admin keys, tenants' key_env): no worker needs
+# them, so none gets them (a model's own api_key_env reaches that model's worker alone: see secret_env).
+WITHHELD_ENV: set[str] = set(POOL_SECRET_ENV)
+
+
+def withhold_env(names) -> None:
+    """Keep these environment variables out of every worker started from now on."""
+    WITHHELD_ENV.update(names)
+
+
+async def spawn_worker(args: list[str], log_path: Path, extra_env: dict[str, str | None]) -> WorkerProcess:
     """Start `python -m runtime_worker ARGS`. Raises OSError when it cannot
-    (log directory not creatable, no such interpreter, out of pids)."""
-    env = dict(os.environ)
-    env.update(extra_env)
+    (log directory not creatable, no such interpreter, out of pids).
+    `extra_env` over this process's environment; None values remove a name."""
+    env = worker_env({k: v for k, v in os.environ.items() if k not in WITHHELD_ENV}, extra_env)
     env[OWNER_ENV] = str(os.getpid())
     env.setdefault("PYTHONUNBUFFERED", "1")
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from typing import Protocol
 
 import protocol as p
 from protocol.errors import ErrorCode, PoolError, exit_text
+from protocol.redact import POOL_SECRET_ENV, mask_values
 from supervisor.config import ModelConfig, ServerConfig
 from supervisor.events import EventKind, emit
 from supervisor.jobs import Job, JobState
@@ -73,7 +73,8 @@ def _log_failure(task: asyncio.Task) -> None:
 class Replica:
     def __init__(self, cfg: ModelConfig, server: ServerConfig, index: int, transport: Transport,
                  log_dir: Path, owner: ReplicaOwner, policy: RestartPolicy | None = None,
-                 launcher: Launcher = spawn_worker, clock: Callable[[], float] = time.monotonic) -> None:
+                 launcher: Launcher = spawn_worker, clock: Callable[[], float] = time.monotonic,
+                 secret_env: frozenset[str] = frozenset()) -> None:
         self.cfg = cfg
         self.server = server
         self.index = index
@@ -83,6 +84,9 @@ class Replica:
         self.owner = owner
         self.policy = policy or RestartPolicy()
         self.launcher = launcher
+        # environment variables its worker must not see: the pool's keys, other models' keys
+        own_key = cfg.options.get("api_key_env")
+        self.hidden_env = (secret_env | POOL_SECRET_ENV) - {own_key}
         self.clock = clock  # monotonic seconds
         self.state = ReplicaState.STOPPED
         self.identity = ""
@@ -218,7 +222,7 @@ class Replica:
         self.connected = False
         self._ready = ready = asyncio.get_running_loop().create_future()
         self.transport.register(self.identity, self._on_message)
-        env = {}
+        env: dict[str, str | None] = dict.fromkeys(self.hidden_env)  # None: left out (process.worker_env)
         if self.cfg.replica_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.cfg.replica_devices[self.index]
         try:
@@ -226,10 +230,13 @@ class Replica:
             endpoint = self.launcher.endpoint if self.cfg.remote else self.transport.endpoint
             self.proc = await self.launcher([
                 "--endpoint", endpoint, "--replica", self.identity,
-                "--backend", self.cfg.backend, "--options", json.dumps(self.cfg.options),
+                "--backend", self.cfg.backend,  # its options (secrets among them) follow Hello, in Setup
                 "--target-inflight", str(self.cfg.target_inflight),
                 "--heartbeat-s", str(self.server.heartbeat_s), "--liveness-s", str(self.server.liveness_s),
                 "--stop-timeout-s", str(self.cfg.stop_timeout_s), "--cancel-grace-s", str(self.cfg.cancel_grace_s),
+                "--supervisor-patience-s", str(self.server.supervisor_patience_s),
+                "--max-job-output-bytes", str(self.server.max_job_output_bytes),
+                "--max-upstream-line-bytes", str(self.server.max_upstream_line_bytes),
             ], self.log_path, env)
         except OSError as exc:  # nothing to wait for or restart: fatal until an operator acts
             self.transport.unregister(self.identity)
@@ -422,6 +429,11 @@ class Replica:
             job.cancel_requested = True
             self.transport.send(self.identity, p.Cancel(job=job.id))
 
+    def excuse_silence(self, stalled_s: float) -> None:
+        """The supervisor itself was stalled `stalled_s`: that much of the worker's
+        silence is not the worker's (its words wait, unread, in the socket)."""
+        self.last_heard += stalled_s
+
     def heartbeat(self, now: float) -> None:
         """Called every heartbeat period by the engine: ping the worker, and kill
         it if it has been silent past the liveness window (hung or stopped)."""
@@ -504,7 +516,7 @@ class Replica:
             case p.Ready(capacity=capacity, info=info):
                 self.runtime_capacity = capacity
                 self.capacity = max(0, min(self.cfg.target_inflight, capacity))
-                self.info = info
+                self.info = mask_values(info)  # shown in /admin/workers: no credentials in a URL
                 self.ready_at = self.clock()
                 if self.proc:
                     self.proc.snapshot()  # the runtime's processes exist by now
@@ -526,4 +538,4 @@ class Replica:
             case p.Heartbeat():
                 self._reconcile_jobs(msg)
             case p.Hello():
-                pass
+                self.transport.send(self.identity, p.Setup(options=self.cfg.options))

@@ -30,7 +30,7 @@ QUERY_MAX_BYTES = 4 * 2**20  # the rows of one /admin/requests answer, about (th
 WAL_MAX_BYTES = 4 * 2**20  # the write-ahead log is cut back to this after a checkpoint
 
 COLUMNS = ("ts", "model", "endpoint", "status", "error_code", "error_message", "queued_ms", "ttft_ms",
-           "duration_ms", "tokens_in", "tokens_out", "prompt", "output")
+           "duration_ms", "tokens_in", "tokens_out", "prompt", "output", "tenant")
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -46,7 +46,8 @@ CREATE TABLE IF NOT EXISTS requests (
     tokens_in INTEGER,
     tokens_out INTEGER,
     prompt TEXT,                 -- only with the model's log_bodies, truncated
-    output TEXT
+    output TEXT,
+    tenant TEXT                  -- who asked (a configured tenant name); NULL: refused before a tenant was known
 );
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 """
@@ -54,6 +55,8 @@ CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 TEXT_LIMITS = {"model": 200, "endpoint": 64, "error_code": 64, "error_message": 1024,
                "prompt": BODY_CHARS + 64, "output": BODY_CHARS + 64}  # room for truncate()'s note
 _TEXT_COLUMNS = tuple((COLUMNS.index(name), limit) for name, limit in TEXT_LIMITS.items())
+# columns added since the first schema: a log written by an older version gets them on open
+ADDED_COLUMNS = {"tenant": "TEXT"}
 
 
 def truncate(text: str | None, limit: int = BODY_CHARS) -> str | None:
@@ -107,6 +110,10 @@ class RequestLog:
         with closing(self._connect()) as db, db:
             db.execute("PRAGMA auto_vacuum=INCREMENTAL")  # before the first table: a new file has it
             db.executescript(SCHEMA)
+            have = {row[1] for row in db.execute("PRAGMA table_info(requests)")}
+            for column, kind in ADDED_COLUMNS.items():
+                if column not in have:
+                    db.execute(f"ALTER TABLE requests ADD COLUMN {column} {kind}")
             db.execute("PRAGMA journal_mode=WAL")  # readers do not wait for the writer
 
     def _connect(self) -> sqlite3.Connection:
@@ -211,6 +218,7 @@ class RequestLog:
 
     def page(self, *, model: str | None = None, status: str | None = None, since: float | None = None,
              after_id: int | None = None, before_id: int | None = None, limit: int = 100,
+             tenant: str | None = None,
              max_bytes: int = QUERY_MAX_BYTES) -> tuple[list[dict], bool]:
         """(rows, whether more rows match), newest first. `status`: an HTTP status, a class
         ("4xx"), or "ok" (below 400) or "error".
@@ -221,6 +229,9 @@ class RequestLog:
         if model:
             where.append("model = ?")
             args.append(model)
+        if tenant:
+            where.append("tenant = ?")
+            args.append(tenant)
         if status == "ok":
             where.append("status < 400")
         elif status == "error":

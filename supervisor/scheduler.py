@@ -1,7 +1,8 @@
 """Scheduling policy, in one place: the per-model executor.
 
-An executor owns one public model's FIFO of queued jobs, its replicas, and one
-driver loop that hands the head of the queue to the replica with the lowest
+An executor owns one public model's queue of jobs (supervisor/fair_queue.py: FIFO
+within a tenant, token-fair across tenants), its replicas, and one driver loop
+that hands the next job of the queue to the replica with the lowest
 occupancy (inflight / effective capacity), round-robin among equals, while any
 replica has a free slot. Queued jobs are the scheduler's and can be dropped;
 submitted jobs belong to a worker until it reports them finished.
@@ -18,7 +19,8 @@ from collections.abc import Callable
 
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ModelConfig
-from supervisor.job_queue import FifoQueue, JobQueue
+from supervisor.fair_queue import FairQueue
+from supervisor.job_queue import JobQueue
 from supervisor.jobs import Job, JobState
 from supervisor.replica import Replica
 from supervisor.replica_choice import ReplicaChoice, make_replica_choice
@@ -28,10 +30,14 @@ log = logging.getLogger("llm_pool.scheduler")
 
 
 class Executor:
-    def __init__(self, cfg: ModelConfig, on_replicas_changed: Callable[[], None] | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, on_replicas_changed: Callable[[], None] | None = None,
+                 tenants=None) -> None:
         self.cfg = cfg
         self.replicas: list[Replica] = []
-        self.queue: JobQueue = FifoQueue()  # read-only outside: changed only through the methods below
+        # token-fair across tenants, FIFO within one (and so plain FIFO with one tenant); read-only
+        # outside: changed only through the methods below
+        self.queue: JobQueue = (FairQueue(tenants.share, tenants.output_weight) if tenants is not None
+                                else FairQueue())
         self.choice: ReplicaChoice = make_replica_choice(cfg.replica_routing, cfg.prefix_cache_tokens)
         self.accepting_new_requests = False
         self.loading = False  # its replicas are being started: jobs wait, and a failure is the load's to report

@@ -21,13 +21,14 @@ __all__ = ["ROOT", "Pool", "free_port", "wait_for"]
 
 class Pool:
     def __init__(self, tmp: Path, models: list[dict], server: dict | None = None,
-                 env: dict | None = None) -> None:
+                 env: dict | None = None, tenants: list[dict] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config_path = tmp / "pool.toml"
         server = {"host": "127.0.0.1", "port": self.port, "state_dir": str(tmp / "state"),
                   "heartbeat_s": 0.5, "liveness_s": 5.0, **(server or {})}
-        self.config_path.write_text(tomli_w.dumps({"server": server, "models": models}))
+        self.config_path.write_text(tomli_w.dumps({"server": server, **({"tenants": tenants} if tenants else {}),
+                                                   "models": models}))
         self.log_path = tmp / "supervisor.log"
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None

@@ -11,8 +11,8 @@ def make_pool(tmp_path_factory):
     pools: list[Pool] = []
 
     def make(models: list[dict], server: dict | None = None, wait_ready: bool = True,
-             env: dict | None = None) -> Pool:
-        pool = Pool(tmp_path_factory.mktemp("pool"), models, server, env)
+             env: dict | None = None, tenants: list[dict] | None = None) -> Pool:
+        pool = Pool(tmp_path_factory.mktemp("pool"), models, server, env, tenants)
         pools.append(pool)
         return pool.start(wait_ready=wait_ready)
 

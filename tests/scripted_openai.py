@@ -1,7 +1,8 @@
 """A scripted OpenAI-compatible server for tests: it stands in for a runtime
 that does what the tiny real ones cannot (tool calls, reasoning, several
-choices). A subclass answers each POST with `answer(body)`; every body it got
-is kept in `bodies`."""
+choices). A subclass answers each POST with `answer(body)` (a stream, which
+a request with stream off gets whole: `whole_answer`); every body it got is
+kept in `bodies`."""
 
 from __future__ import annotations
 
@@ -23,6 +24,41 @@ def sse_chunks(choices: list[dict], usage: dict | None = None) -> str:
     return "".join(f"data: {json.dumps(f)}\n\n" for f in frames) + "data: [DONE]\n\n"
 
 
+def whole_answer(sse: str) -> str:
+    """A streamed chat completion (sse_chunks) folded into the whole answer a
+    server gives a request with stream off: per choice, its texts joined, its
+    tool calls assembled, its logprobs in one list; the usage, if any."""
+    choices: dict[int, dict] = {}
+    usage = None
+    for line in sse.splitlines():
+        if not line.startswith("data: {"):
+            continue
+        chunk = json.loads(line[6:])
+        usage = chunk.get("usage") or usage
+        for c in chunk["choices"]:
+            out = choices.setdefault(c["index"], {"index": c["index"], "message": {"role": "assistant",
+                                                                                  "content": None}})
+            message, delta = out["message"], c.get("delta") or {}
+            for key in ("content", "reasoning_content"):
+                if delta.get(key):
+                    message[key] = (message.get(key) or "") + delta[key]
+            for call in delta.get("tool_calls") or ():
+                calls = message.setdefault("tool_calls", [])
+                if call["index"] == len(calls):
+                    calls.append({"id": call.get("id"), "type": "function",
+                                  "function": {"name": call["function"].get("name"), "arguments": ""}})
+                calls[call["index"]]["function"]["arguments"] += call["function"].get("arguments") or ""
+            if (c.get("logprobs") or {}).get("content"):
+                out.setdefault("logprobs", {"content": []})["content"] += c["logprobs"]["content"]
+            if c.get("finish_reason"):
+                out["finish_reason"] = c["finish_reason"]
+    answer = {"id": "c", "object": "chat.completion", "created": 0, "model": "m",
+              "choices": [choices[i] for i in sorted(choices)]}
+    if usage:
+        answer["usage"] = usage
+    return json.dumps(answer)
+
+
 class ScriptedHandler(BaseHTTPRequestHandler):
     bodies: list[dict] = []
 
@@ -37,6 +73,8 @@ class ScriptedHandler(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).bodies.append(body)
         status, kind, text = self.answer(body)
+        if kind == "text/event-stream" and not body.get("stream"):  # asked with stream off: answered whole
+            kind, text = "application/json", whole_answer(text)
         data = text.encode()
         self.send_response(status)
         self.send_header("Content-Type", kind)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 
 from protocol.errors import ErrorCode, PoolError
-from supervisor.admission import DEFAULT_TENANT, Admission, key_matches, presented_key
+from supervisor.admission import Admission, key_matches, presented_key
+from supervisor.config import PoolConfig
+from supervisor.tenants import Tenants
 from tests.conftest import synthetic
 
 
@@ -41,12 +43,20 @@ class NoEngine:
         raise AssertionError(f"submit reached the engine: {args}")
 
 
+def admission(api_key: str | None, admin_key: str | None) -> Admission:
+    tenants = Tenants(PoolConfig(), api_key, admin_key)
+    return Admission(NoEngine(), tenants)
+
+
 def test_without_keys_every_request_is_the_default_tenant():
-    admission = Admission(NoEngine(), None, None)
-    assert admission.tenant([]) is DEFAULT_TENANT
-    assert admission.tenant(headers(authorization="Bearer anything")) is DEFAULT_TENANT
+    open_pool = admission(None, None)
+    default = open_pool.tenants.default()
+    assert default.name == "default"
+    assert open_pool.tenant([]) is default
+    assert open_pool.tenant(headers(authorization="Bearer anything")) is default
     # an admin key alone guards the admin surface only
-    assert Admission(NoEngine(), None, "admin").tenant([]) is DEFAULT_TENANT
+    admin_only = admission(None, "admin")
+    assert admin_only.tenant([]) is admin_only.tenants.default()
 
 
 @pytest.mark.parametrize("given, admitted", [
@@ -55,12 +65,12 @@ def test_without_keys_every_request_is_the_default_tenant():
     ({"authorization": "Bearer admin"}, True),  # the admin key may call the inference routes too
 ])
 def test_with_an_inference_key_it_or_the_admin_key_is_needed(given, admitted):
-    admission = Admission(NoEngine(), "infer", "admin")
+    keyed = admission("infer", "admin")
     if admitted:
-        assert admission.tenant(headers(**given)) is DEFAULT_TENANT
+        assert keyed.tenant(headers(**given)) is keyed.tenants.default()
     else:
         with pytest.raises(PoolError) as refused:
-            admission.tenant(headers(**given))
+            keyed.tenant(headers(**given))
         assert refused.value.code is ErrorCode.UNAUTHORIZED and refused.value.status == 401
 
 

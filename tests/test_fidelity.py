@@ -53,8 +53,9 @@ class ScriptedRuntime(ScriptedHandler):
         if body.get("messages", [{}])[-1].get("content") == "refuse":
             return 400, "application/json", json.dumps(
                 {"error": {"message": "scripted refusal: bad tool schema", "type": "invalid_request_error"}})
-        usage = USAGE if (body.get("stream_options") or {}).get("include_usage") else None
-        n = body.get("n") or 1  # a runtime answers the choices asked for: an index >= n is a protocol error
+        # usage: always in a whole answer, in a stream only when asked for
+        usage = USAGE if (body.get("stream_options") or {}).get("include_usage") or not body.get("stream") else None
+        n = body.get("n") or 1  # a runtime answers the choices asked for (the pool refuses others)
         return 200, "text/event-stream", sse_chunks([c for c in SCRIPT if c["index"] < n], usage)
 
 
@@ -188,6 +189,22 @@ def test_json_schema_output_matches_direct_and_parses(direct, client):
     assert isinstance(got.choices[0].message.parsed, Person)
 
 
+def test_a_text_cut_inside_a_character_is_what_the_runtime_returns(direct, client):
+    """max_tokens ends the answer after a lone lead byte of a 3-byte character
+    (the tiny model's byte token 0xE2, id 3 + 0xE2, forced by logit_bias).
+    llama-server answers whole with U+FFFD for it; its stream drops it. A
+    client that wants the answer whole gets the runtime's whole answer."""
+    ask = dict(messages=HI, max_tokens=2, temperature=0, logit_bias={"229": 100})
+    want = direct.chat.completions.create(model="m", **ask).choices[0]
+    assert "\ufffd" in want.message.content  # the case under test: the runtime's replacement character
+    got = client.chat.completions.create(model="tiny", **ask).choices[0]
+    assert (got.message.content, got.finish_reason) == (want.message.content, want.finish_reason) == \
+        (want.message.content, "length")
+    ask = dict(prompt="hi", max_tokens=2, temperature=0, logit_bias={"229": 100})
+    want = direct.completions.create(model="m", **ask).choices[0].text
+    assert "\ufffd" in want and client.completions.create(model="tiny", **ask).choices[0].text == want
+
+
 def test_legacy_completion_matches_direct(direct, client):
     ask = dict(prompt="the pool", max_tokens=5, temperature=0)
     want, got = direct.completions.create(model="x", **ask), client.completions.create(model="tiny", **ask)
@@ -245,11 +262,11 @@ def test_tool_calls_reasoning_logprobs_and_choices_pass_through(client, scripted
     assert got.usage.prompt_tokens_details.cached_tokens == 3
     assert got.usage.completion_tokens_details.reasoning_tokens == 2
 
-    # the client's body reached the runtime whole: the pool set only the model, the streaming,
+    # the client's body reached the runtime whole: the pool set only the model, the streaming
+    # (off: this client wants the answer whole, so the runtime makes it whole),
     # and the model's extra_body under the client's fields
     sent = scripted.bodies[-1]
-    assert sent["model"] == "upstream-name" and sent["stream"] is True
-    assert sent["stream_options"] == {"include_usage": True}
+    assert sent["model"] == "upstream-name" and "stream" not in sent and "stream_options" not in sent
     assert sent["tools"] == TOOLS and sent["tool_choice"] == "required" and sent["parallel_tool_calls"] is True
     assert sent["n"] == 2 and sent["chat_template_kwargs"] == {"enable_thinking": True}
     assert sent["seed"] == 42 and sent["top_k"] == 9  # the client's win over extra_body's
@@ -261,7 +278,7 @@ def test_tool_calls_reasoning_logprobs_and_choices_pass_through(client, scripted
         model="scripted", stream_options={"include_usage": True}, **ask))
     assert got_s == want_s == EXPECTED
     assert usage.completion_tokens == 11
-    assert scripted.bodies[-1]["stream_options"] == {"include_usage": True}
+    assert scripted.bodies[-1]["stream"] is True and scripted.bodies[-1]["stream_options"] == {"include_usage": True}
 
     with pytest.raises(openai.BadRequestError) as err:  # the runtime's 400 through a remote too
         client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "refuse"}])

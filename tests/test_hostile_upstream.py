@@ -1,3 +1,306 @@
+"""A hostile (or broken) runtime behind a real pool: an openai_remote model
+pointed at a small HTTP server in this test that answers each request by its
+prompt: a line with no end, a gzip bomb, a choice index of twenty million, an
+answer too big for one frame, an HTML page, a redirect, a stream cut short.
+Each fails its own job with a 502 (an error event when streamed); the worker,
+its other jobs and a bystander model go on, and the worker's memory peak stays
+bounded."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import psutil
+import pytest
+
+from tests.conftest import synthetic
+from tests.pool import Pool
+
+CHAT = "/v1/chat/completions"
+MiB = 2**20
+BUDGET = 16 * MiB  # the pool's max_job_output_bytes in this test; the line cap stays at its default (8 MiB)
+
+
+def chunk(choice: dict) -> bytes:
+    return b"data: " + json.dumps({"id": "c", "object": "chat.completion.chunk", "choices": [choice]}).encode() + b"\n\n"
+
+
+def finish(reason: str = "stop", index: int = 0) -> bytes:
+    return chunk({"index": index, "delta": {}, "finish_reason": reason})
+
+
+def bomb() -> bytes:
+    """256 MiB of blank SSE lines, gzip-compressed to a few hundred KB."""
+    z = zlib.compressobj(1, wbits=31)
+    block = b"\n" * MiB
+    return b"".join(z.compress(block) for _ in range(256)) + z.flush()
+
+
+class Hostile(BaseHTTPRequestHandler):
+    """Answers by the request's last message. HTTP/1.0: a body without a length ends when the connection does."""
+    bomb = b""
+
+    def log_message(self, *args):
+        pass
+
+    def head(self, status: int = 200, kind: str = "text/event-stream", **headers) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        for name, value in headers.items():
+            self.send_header(name.replace("_", "-"), value)
+        self.end_headers()
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path.endswith("/embeddings"):  # about 10 MiB of JSON; more than the 16 MiB frame cap as msgpack
+            data = json.dumps({"object": "list", "data": [{"object": "embedding", "index": 0,
+                                                           "embedding": [0.5] * 2_000_000}],
+                               "usage": {"prompt_tokens": 1, "total_tokens": 1}}).encode()
+            self.head(kind="application/json", Content_Length=str(len(data)))
+            self.wfile.write(data)
+            return
+        if self.path.endswith("/done"):  # where the redirect points: an empty success
+            self.head()
+            self.wfile.write(b"data: [DONE]\n\n")
+            return
+        prompt = body["messages"][-1]["content"]
+        try:
+            self.answer(prompt) if body.get("stream") else self.answer_whole(prompt)
+        except (BrokenPipeError, ConnectionResetError):  # the pool hung up on it: that is the point
+            pass
+
+    def answer_whole(self, prompt: str) -> None:
+        """The same faults, for a request that wants its answer whole (JSON)."""
+        w = self.wfile
+
+        def whole(choices: list[dict], kind: str = "application/json") -> None:
+            self.head(kind=kind)
+            w.write(json.dumps({"id": "c", "object": "chat.completion", "choices": choices}).encode())
+
+        def message(text: str, index: int = 0, reason: str | None = "stop") -> dict:
+            return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+
+        if prompt == "slow":
+            time.sleep(1)
+            whole([message("".join(f"t{i} " for i in range(30)))])
+        elif prompt in ("endless-line", "flood"):  # 40 MiB of answer: past the job's budget
+            whole([message("y" * 40 * MiB)])
+        elif prompt == "bomb":
+            self.head(kind="application/json", Content_Encoding="gzip", Content_Length=str(len(self.bomb)))
+            w.write(self.bomb)
+        elif prompt in ("huge-index", "far-choice"):
+            whole([message("a"), message("x", 20_000_000)])
+        elif prompt == "html":
+            whole([message("hi")], kind="text/html")
+        elif prompt == "json":  # a good whole answer: for this request, not a fault
+            whole([message("hi")])
+        elif prompt == "redirect":
+            self.head(302, Location="/v1/done")
+        elif prompt == "cut":  # half of an answer, then the connection ends
+            self.head(kind="application/json")
+            w.write(b'{"id": "c", "choices": [{"index": 0, "message": {"content": "The answer is')
+        elif prompt == "no-finish":
+            whole([message("half", reason=None)])
+
+    def answer(self, prompt: str) -> None:
+        w = self.wfile
+        if prompt == "slow":  # the honest job sharing the worker with the hostile ones
+            self.head()
+            for i in range(30):
+                w.write(chunk({"index": 0, "delta": {"content": f"t{i} "}}))
+                w.flush()
+                time.sleep(0.1)
+            w.write(finish() + b"data: [DONE]\n\n")
+        elif prompt == "endless-line":  # 40 MiB with no newline
+            self.head()
+            w.write(b"data: {\"choices\": [{\"index\": 0, \"delta\": {\"content\": \"")
+            for _ in range(40):
+                w.write(b"x" * MiB)
+        elif prompt == "bomb":
+            self.head(Content_Encoding="gzip", Content_Length=str(len(self.bomb)))
+            w.write(self.bomb)
+        elif prompt == "flood":  # 1 MiB lines, well under the line cap, past the job's budget
+            self.head()
+            for _ in range(40):
+                w.write(chunk({"index": 0, "delta": {"content": "y" * MiB}}))
+            w.write(finish() + b"data: [DONE]\n\n")
+        elif prompt == "huge-index":
+            self.head()
+            w.write(chunk({"index": 0, "delta": {"content": "a"}}) + finish("stop", 20_000_000)
+                    + b"data: [DONE]\n\n")
+        elif prompt == "far-choice":
+            self.head()
+            w.write(chunk({"index": 3_000_000, "delta": {"content": "x"}}) + finish() + b"data: [DONE]\n\n")
+        elif prompt == "html":
+            self.head(kind="text/html")
+            w.write(b"<html><body>Welcome to nginx</body></html>")
+        elif prompt == "json":  # a whole answer to a streamed request
+            self.head(kind="application/json")
+            w.write(json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
+                                             "finish_reason": "stop"}]}).encode())
+        elif prompt == "redirect":
+            self.head(302, Location="/v1/done")
+        elif prompt == "cut":  # one delta, then the connection ends: no finish_reason, no [DONE]
+            self.head()
+            w.write(chunk({"index": 0, "delta": {"content": "The answer is"}}))
+        elif prompt == "no-finish":  # [DONE], but choice 0 never finished
+            self.head()
+            w.write(chunk({"index": 0, "delta": {"content": "half"}}) + b"data: [DONE]\n\n")
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    Hostile.bomb = bomb()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def pool(upstream, tmp_path_factory):
+    p = Pool(tmp_path_factory.mktemp("hostile-upstream"), [
+        {"name": "hostile", "backend": "openai_remote", "target_inflight": 8,
+         "options": {"base_url": upstream + "/v1", "model": "m"}},
+        synthetic("bystander", tps=20, tokens=60)], server={"max_job_output_bytes": BUDGET})
+    p.start()
+    yield p
+    p.stop()
+
+
+def ask(pool: Pool, prompt: str, stream: bool = False) -> httpx.Response:
+    return pool.http.post(CHAT, json={"model": "hostile", "stream": stream,
+                                      "messages": [{"role": "user", "content": prompt}]})
+
+
+def failure(r: httpx.Response) -> dict:
+    """The error a client saw: a 502's body, or a stream's error event (a stream never ends "stop" then)."""
+    if r.status_code != 200:
+        assert r.status_code == 502, r.text
+        return r.json()["error"]
+    events = stream_events(r)
+    assert not any(c.get("finish_reason") == "stop" for e in events for c in e.get("choices") or ()), r.text
+    errors = [e["error"] for e in events if "error" in e]
+    assert errors, r.text
+    return errors[0]
+
+
+def peak_rss(pid: int) -> int:
+    """The process's resident-set high-water mark (VmHWM), in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def stream_events(r: httpx.Response) -> list[dict]:
+    return [json.loads(line[6:]) for line in r.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def bystanders(pool: Pool):
+    """An honest stream on the hostile model's worker and one on another model, both running meanwhile."""
+    ex = ThreadPoolExecutor(2)
+    honest = ex.submit(ask, pool, "slow")
+    other = ex.submit(pool.http.post, CHAT, json={"model": "bystander", "messages": [{"role": "user",
+                                                                                       "content": "x"}]})
+    return ex, honest, other
+
+
+def assert_bystanders_served(ex, honest, other, pool: Pool, pids: dict) -> None:
+    r = honest.result()
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "".join(
+        f"t{i} " for i in range(30)), r.text
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    r = other.result()
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 60
+    ex.shutdown()
+    assert {w["model"]: w["pid"] for w in pool.workers()} == pids  # no worker died or was restarted
+    assert all(w["restarts"] == 0 for w in pool.workers())
+
+
+def test_oversized_answers_fail_their_job_within_bounded_memory(pool):
+    pids = {w["model"]: w["pid"] for w in pool.workers()}
+    worker = pids["hostile"]
+    ex, honest, other = bystanders(pool)
+    before = psutil.Process(worker).memory_info().rss
+    for prompt, words in [("endless-line", "line longer than"), ("bomb", "max_job_output_bytes"),
+                          ("flood", "max_job_output_bytes")]:
+        for stream in (True, False):
+            error = failure(ask(pool, prompt, stream))
+            assert error["code"] == "runtime_error", (prompt, stream, error)
+            assert (words if stream else "max_job_output_bytes") in error["message"], (prompt, stream, error)
+    # Bound: the worker's peak (VmHWM) grows less than 4 x the 16 MiB budget over its resting size; a
+    # 40 MiB line read whole (twice over, as it grows), or a 256 MiB inflated bomb, would pass it.
+    grown = peak_rss(worker) - before
+    assert grown < 4 * BUDGET, f"worker peak grew {grown / MiB:.0f} MiB"
+    # an embeddings answer within the budget but over the frame cap: its job fails, named, not "lost track"
+    r = pool.http.post("/v1/embeddings", json={"model": "hostile", "input": "x"})
+    assert r.status_code == 502 and "frame cap" in r.json()["error"]["message"], r.text
+    assert_bystanders_served(ex, honest, other, pool, pids)
+    print(f"worker peak RSS growth: {grown / MiB:.0f} MiB")
+
+
+def test_a_choice_index_past_n_is_a_protocol_error_not_an_allocation(pool):
+    pids = {w["model"]: w["pid"] for w in pool.workers()}
+    before = peak_rss(pids["hostile"])
+    supervisor_before = psutil.Process(pool.proc.pid).memory_info().rss
+    ex, honest, other = bystanders(pool)
+    for prompt in ("huge-index", "far-choice"):
+        for stream in (True, False):
+            error = failure(ask(pool, prompt, stream))
+            assert error["code"] == "protocol_error" and "choice index" in error["message"], (prompt, stream, error)
+    # Bound: 32 MiB, for peaks of the worker and (resident) of the supervisor; a list of
+    # 2x10^7 finish reasons, or 3x10^6 choices, takes hundreds of MiB.
+    assert peak_rss(pids["hostile"]) - before < 32 * MiB
+    assert psutil.Process(pool.proc.pid).memory_info().rss - supervisor_before < 32 * MiB
+    assert_bystanders_served(ex, honest, other, pool, pids)
+
+
+@pytest.mark.parametrize("prompt", ["html", "json", "redirect", "cut", "no-finish"])
+def test_a_broken_answer_is_never_a_success(pool, prompt):
+    if prompt != "json":  # a JSON answer is right for a request that wants it whole
+        assert failure(ask(pool, prompt))["code"] == "runtime_error"
+    assert failure(ask(pool, prompt, stream=True))["code"] == "runtime_error"
+
+
+def test_sse_lines_are_found_across_any_chunking():
+    """Pure: the reader's lines, whatever the chunk boundaries, line endings or comment lines."""
+    import asyncio
+
+    from runtime_worker.backends.base import JobError
+    from runtime_worker.native_server import sse_data
+
+    class Body:  # what sse_data reads: UpstreamBody.chunks()
+        def __init__(self, pieces):
+            self.pieces = pieces
+
+        async def chunks(self):
+            for piece in self.pieces:
+                yield piece
+
+    def lines(pieces, cap=64):
+        async def run():
+            return [d async for d in sse_data(Body(pieces), cap)]
+        return asyncio.run(run())
+
+    text = b": ping\n\ndata: {\"a\": 1}\r\n\nevent: x\ndata:{\"b\":2}\n\ndata: [DONE]\n\n"
+    want = [b'{"a": 1}', b'{"b":2}', b"[DONE]"]
+    for size in (1, 2, 3, 7, len(text)):
+        assert lines([text[i:i + size] for i in range(0, len(text), size)]) == want, size
+    assert lines([b"data: x\n", b"data: y"]) == [b"x", b"y"]  # an unfinished last line still counts
+    for pieces in ([b"data: " + b"z" * 100 + b"\n"], [b"data: "] + [b"z"] * 100):  # over the 64 byte cap
+        with pytest.raises(JobError, match="longer than"):
+            lines(pieces)
+    assert lines([b"\n" * 10_000, b": c\n" * 1000, b"data: ok\n"]) == [b"ok"]  # long lines of nothing: fine
 
 
 def test_the_choices_a_runtime_may_send_are_those_asked_for():

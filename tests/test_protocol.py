@@ -22,7 +22,7 @@ MESSAGES = [
     p.Error(job="j", code="unsupported_parameter", message="no", param="tools"),
     p.Done(job="j", finish_reason="stop", usage={"input_tokens": 1, "output_tokens": 2}),
     p.Error(job=None, code="load_failed", message="no file"), p.Error(job="j", code="runtime_error", message="x"),
-    p.Heartbeat(inflight=2), p.Shutdown(),
+    p.Heartbeat(inflight=2), p.Shutdown(), p.Setup(options={"base_url": "https://u:p@h/v1", "env": {"T": "x"}}),
 ]
 
 
@@ -204,7 +204,7 @@ def test_merging_keeps_each_parts_order_and_never_joins_across_choices_or_kinds(
     # the supervisor's merge of what piled up for a slow client is the same
     import asyncio
     from supervisor.jobs import Job
-    job = Job("m", {"messages": [{"role": "user", "content": "x"}]}, 10)
+    job = Job("m", {"messages": [{"role": "user", "content": "x"}], "n": 2}, 10)  # the batch holds choice 1
     for d in batch:
         job.push(d)
     assert asyncio.run(job.next_event(lambda j: None)) == merged

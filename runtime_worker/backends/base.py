@@ -64,6 +64,16 @@ class RawFrame:
 Event = TextDelta | PartsDelta | Finished | RawFrame
 
 
+@dataclass(frozen=True, slots=True)
+class OutputLimits:
+    """Bounds on what one job may bring into the worker ([server] keys of the
+    same names): `max_job_output_bytes`, all of a job's output (for an OpenAI
+    server: its answer's body, decompressed); `max_upstream_line_bytes`, one
+    line of a streamed answer. Past either, that job fails with runtime_error."""
+    max_job_output_bytes: int = 64 * 1024 * 1024
+    max_upstream_line_bytes: int = 8 * 1024 * 1024
+
+
 class BackendLoadError(Exception):
     """The runtime could not start; the message is shown to the operator as is."""
 
@@ -90,8 +100,9 @@ class Backend(abc.ABC):
     honours: frozenset[str] | None = None  # request fields it acts on; None: all (an OpenAI server judges)
 
     def __init__(self, options: dict, target_inflight: int, log: logging.Logger,
-                 stop_timeout_s: float = 10.0) -> None:
+                 stop_timeout_s: float = 10.0, limits: OutputLimits = OutputLimits()) -> None:
         self.options = options
+        self.limits = limits
         self.target_inflight = target_inflight
         self.log = log
         self.stop_timeout_s = stop_timeout_s  # the model's stop_timeout_s: SIGTERM .. SIGKILL of a child

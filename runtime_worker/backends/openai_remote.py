@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+from protocol.redact import mask_url_credentials
 from runtime_worker.backends.base import BackendLoadError
 from runtime_worker.native_server import OpenAIClient, OpenAIServerBackend, extra_body
 
@@ -23,8 +24,8 @@ class OpenAIRemoteBackend(OpenAIServerBackend):
         if key_env and not key:
             raise BackendLoadError(f"environment variable {key_env} (options.api_key_env) is not set")
         self.client = OpenAIClient(base_url, key, keep_alive=True, model=self.options["model"],
-                                   extra=extra_body(self.options))
-        return self.target_inflight, {"base_url": base_url}
+                                   extra=extra_body(self.options), limits=self.limits)
+        return self.target_inflight, {"base_url": mask_url_credentials(base_url)}
 
     async def stop(self) -> None:
         if getattr(self, "client", None):

@@ -40,7 +40,8 @@ class VllmServeBackend(OpenAIServerBackend):
         model = self.options.get("model")
         if not model:
             raise BackendLoadError("options.model (a Hugging Face model directory or id) is required")
-        self.server = NativeServer("vllm", self.log, model=SERVED_NAME, extra=extra_body(self.options))
+        self.server = NativeServer("vllm", self.log, model=SERVED_NAME, extra=extra_body(self.options),
+                                   limits=self.limits)
         self.client = self.server.client
         max_num_seqs = self.target_inflight
         argv = [*vllm_command(self.options), os.path.expanduser(str(model)),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from pool_bench import capacity, memory, peer, prefix, relay, streaming, ttft
+from pool_bench import capacity, fairness, memory, peer, prefix, relay, streaming, ttft
 from pool_bench.bench import Bench
 
 SECTIONS: dict[str, Callable[[Bench], None]] = {
@@ -17,5 +17,6 @@ SECTIONS: dict[str, Callable[[Bench], None]] = {
     "5": relay.section,  # relay of N streams x rate: a bare SSE server vs the pool
     "6": ttft.run,  # added time to first token: tiny GGUF on llama-server -t 1, concurrency 1
     "7": prefix.run,  # cache-aware replica choice: prefix vs least_inflight on llama-server replicas
+    "8": fairness.run,  # tenants: VTC service difference fair vs FIFO, light p99 under a flood, 3:1, admission µs
 }
 ON_REQUEST = frozenset({"7"})  # run only when --sections names them

@@ -63,13 +63,14 @@ class LoadDurations:
 class Lifecycle:
     def __init__(self, registry: Registry, memory: Memory, server: Callable[[], ServerConfig], log_dir: Path,
                  spawn: Callable[[Coroutine], None], launcher: Launcher = spawn_worker,
-                 transport: Transport | None = None) -> None:
+                 transport: Transport | None = None, tenants=None) -> None:
         self.registry = registry
         self.memory = memory
         self._server = server
         self.log_dir = log_dir
         self._spawn = spawn  # a tracked background task (its failure is logged)
         self.launcher = launcher
+        self.tenants = tenants  # supervisor/tenants.py: their shares order each executor's queue
         self.transport = transport  # set when the engine starts (or injected by a test)
         self.cluster: RayCluster | None = None  # replicas on Ray nodes (placement = "ray"), once one loads
         self.shutting_down = False
@@ -108,12 +109,15 @@ class Lifecycle:
         entry.error = None
         entry.failed_replicas = []
         entry.load_started = time.monotonic()
-        executor = Executor(entry.cfg, on_replicas_changed=entry.replicas_changed)
+        executor = Executor(entry.cfg, on_replicas_changed=entry.replicas_changed, tenants=self.tenants)
         if entry.cfg.remote and self.cluster is None:
             self.cluster = RayCluster(self._server(), self.transport)
         launcher = self.cluster.launcher(entry.cfg) if entry.cfg.remote else self.launcher
+        # every model's key variable: each worker sees its own model's alone
+        key_env = frozenset(e.cfg.options["api_key_env"] for e in self.registry.configured()
+                            if e.cfg.options.get("api_key_env"))
         executor.replicas = [Replica(entry.cfg, self._server(), i, self.transport, self.log_dir, executor,
-                                     launcher=launcher) for i in range(entry.cfg.replicas)]
+                                     launcher=launcher, secret_env=key_env) for i in range(entry.cfg.replicas)]
         executor.start()
         entry.executor = executor
         entry.set_state(ModelState.LOADING)

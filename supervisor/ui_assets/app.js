@@ -446,6 +446,7 @@ function draw() {
     const now = last ? names.filter((n) => last.models[n]).map((n) => `${n} ${value(last.models[n])}`) : [];
     $(`#now-${id}`).textContent = now.length ? "now: " + now.join(", ") : "";
   }
+  shares(names);
   $("#legend").replaceChildren(...names.map((n) => {
     const swatch = el("i");
     swatch.style.background = color(n); // CSSOM, not a style attribute: the page's CSP allows no inline style
@@ -471,6 +472,22 @@ for (const [id, value] of CHARTS) {
     tip.hidden = false;
   });
   canvas.addEventListener("mouseleave", () => { $("#chart-tip").hidden = true; });
+}
+
+// each tenant's share of each model's tokens over the window: the newest sample's totals less the oldest's
+function shares(names) {
+  const first = state.samples[0], last = state.samples[state.samples.length - 1];
+  const rows = [];
+  for (const n of names) {
+    const now = (last && last.models[n] && last.models[n].tenants) || {};
+    const then = (first && first.models[n] && first.models[n].tenants) || {};
+    const used = Object.keys(now).map((t) => [t, now[t] - (then[t] || 0)]).filter(([, v]) => v > 0);
+    const total = used.reduce((sum, [, v]) => sum + v, 0);
+    for (const [t, v] of used.sort((a, b) => b[1] - a[1])) {
+      rows.push(el("tr", {}, el("td", {}, n), el("td", {}, t), num(v), num(`${Math.round(100 * v / total)}%`)));
+    }
+  }
+  $("#shares tbody").replaceChildren(...rows);
 }
 
 function chart(sel, names, color, value) {

@@ -1,0 +1,309 @@
+"""Tenants: keys, scopes, limits and fair shares. The table and its windows
+as pure unit tests; then real pools (synthetic workers): identity and scope,
+rpm with the openai SDK's own retry, tpm, max_inflight, a flood by one key
+while another key is served at the next free slot, and a reload that changes
+a weight without touching a worker."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+import tomli_w
+
+from protocol.errors import ErrorCode, PoolError
+from supervisor.config import ConfigError, parse_config
+from supervisor.tenants import Tenants, Window, duration
+from tests.conftest import synthetic
+from tests.test_cli import cli, table_rows
+from tests.procs import wait_for
+
+ADMIN = "admin-secret"
+ADMIN_H = {"Authorization": f"Bearer {ADMIN}"}
+
+
+def key(k: str) -> dict:
+    return {"Authorization": f"Bearer {k}"}
+
+
+def chat(model: str, **extra) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+# -- the table, pure ---------------------------------------------------------------------------------------
+def test_config_refuses_what_it_cannot_honour(monkeypatch):
+    monkeypatch.delenv("TEAM_X_KEY", raising=False)
+    cases = [
+        ({"tenants": [{"name": "a b", "keys": ["k"]}]}, "tenant 'a b': key 'name'"),
+        ({"tenants": [{"name": "a", "keys": ["k"], "colour": 1}]}, "tenant 'a': key 'colour'"),
+        ({"tenants": [{"name": "a"}]}, "tenant 'a': key 'keys': a tenant needs at least one key"),
+        ({"tenants": [{"name": "a", "keys": ["k"]}, {"name": "a", "keys": ["j"]}]}, "duplicate tenant name"),
+        ({"tenants": [{"name": "a", "keys": ["k"]}, {"name": "b", "keys": ["k"]}]}, "a key names one tenant"),
+        ({"server": {"admin_key": "k"}, "tenants": [{"name": "a", "keys": ["k"]}]}, "the admin key is not"),
+        ({"tenants": [{"name": "a", "key_env": ["TEAM_X_KEY"]}]}, "TEAM_X_KEY is not set"),
+        ({"tenants": [{"name": "a", "keys": ["k"], "weight": 0}]}, "tenant 'a': key 'weight'"),
+        ({"tenants": [{"name": "a", "keys": ["k"], "rpm": -1}]}, "tenant 'a': key 'rpm'"),
+    ]
+    for raw, message in cases:
+        with pytest.raises(ConfigError) as refused:
+            parse_config(raw, source="pool.toml")
+        assert str(refused.value).startswith("pool.toml: ") and message in str(refused.value), str(refused.value)
+        assert "'k'" not in str(refused.value)  # a key is never shown
+
+
+def test_keys_name_their_tenant_and_the_admin_key_is_not_one(monkeypatch):
+    monkeypatch.setenv("TEAM_B_KEY", "sk-b")
+    cfg = parse_config({"server": {"api_key": "sk-d", "admin_key": ADMIN},
+                        "tenants": [{"name": "a", "keys": ["sk-a"]}, {"name": "b", "key_env": ["TEAM_B_KEY"]}]})
+    tenants = Tenants(cfg)
+    assert tenants.for_key(b"sk-a").name == "a"
+    assert tenants.for_key(b"sk-b").name == "b"
+    assert tenants.for_key(b"sk-d").name == "default"
+    assert tenants.for_key(ADMIN.encode()) is None
+    assert tenants.for_key(b"sk-") is None and tenants.for_key(b"") is None
+    assert "sk-a" not in repr(cfg.tenants[0])
+    # without [[tenants]], the admin key may still call /v1/ as the default tenant (as before)
+    legacy = Tenants(parse_config({"server": {"api_key": "sk-d", "admin_key": ADMIN}}))
+    assert legacy.for_key(ADMIN.encode()).name == "default" and not legacy.configured
+
+
+def test_scope_globs_names_and_aliases():
+    tenants = Tenants(parse_config({"tenants": [{"name": "a", "keys": ["k"], "models": ["small-*", "gpt-4o"]}]}))
+    spec = tenants.by_name["a"].spec
+    assert spec.may_use(("small-1",))
+    assert spec.may_use(("llama", "gpt-4o"))  # allowed by an alias
+    assert not spec.may_use(("big",))
+    assert tenants.by_name["default"].spec.may_use(("anything",))
+
+
+def test_window_refills_over_a_minute_and_may_go_into_debt():
+    w = Window(60, now=0.0)
+    for _ in range(60):
+        assert w.wait_s(1, now=0.0) == 0
+        w.level -= 1
+    assert w.wait_s(1, now=0.0) == pytest.approx(1.0)
+    assert w.wait_s(1, now=0.5) == pytest.approx(0.5)
+    assert w.wait_s(1, now=1.0) == 0
+    w.level -= 100  # tokens counted after the fact
+    assert w.wait_s(1, now=1.0) == pytest.approx(100.0)
+    assert w.reset_s(now=1.0) == pytest.approx(159.0)  # full again: 60 - (-99)
+    assert [duration(s) for s in (0.12, 1.5, 360)] == ["120ms", "1.5s", "6m0s"]
+
+
+def test_limits_refuse_with_retry_after_and_a_reload_keeps_what_was_used():
+    cfg = parse_config({"tenants": [{"name": "a", "keys": ["k"], "rpm": 2, "max_inflight": 5}]})
+    tenants = Tenants(cfg)
+    a = tenants.by_name["a"]
+    a.admit()
+    a.admit()
+    with pytest.raises(PoolError) as refused:
+        a.admit()
+    assert refused.value.code is ErrorCode.RATE_LIMIT_EXCEEDED and refused.value.status == 429
+    assert 1 <= refused.value.retry_after_s <= 30
+    tenants.apply(parse_config({"tenants": [{"name": "a", "keys": ["k"], "rpm": 3, "max_inflight": 2}]}))
+    assert tenants.by_name["a"] is a and a.inflight == 2  # same state: the requests in flight still count
+    with pytest.raises(PoolError, match="max_inflight"):
+        a.admit()
+    a.release()
+    a.admit()  # rpm 3 with 2 used: one more
+    headers = dict(a.limit_headers())
+    assert headers[b"x-ratelimit-limit-requests"] == b"3" and headers[b"x-ratelimit-remaining-requests"] == b"0"
+
+
+# -- real pools ---------------------------------------------------------------------------------------------
+def tenants_pool(make_pool, models, tenants, env=None, **server):
+    return make_pool(models, server={"api_key": "sk-default", "admin_key": ADMIN, **server}, tenants=tenants,
+                     env=env)
+
+
+def test_identity_scope_and_model_list(make_pool):
+    pool = tenants_pool(make_pool, [synthetic("syn-a", tokens=2, aliases=["gpt-a"]), synthetic("syn-b", tokens=2)],
+                        [{"name": "team-a", "keys": ["sk-a"], "models": ["syn-a*"]},
+                         {"name": "team-b", "key_env": ["TEAM_B_KEY"]}],
+                        env={"TEAM_B_KEY": "sk-b-from-env"})
+    http = pool.http
+    for k, model in (("sk-a", "syn-a"), ("sk-a", "gpt-a"), ("sk-b-from-env", "syn-b"), ("sk-default", "syn-b")):
+        r = http.post("/v1/chat/completions", json=chat(model), headers=key(k))
+        assert r.status_code == 200, (k, model, r.text)
+    # out of scope: exactly the answer for a model that does not exist
+    hidden = http.post("/v1/chat/completions", json=chat("syn-b"), headers=key("sk-a"))
+    absent = http.post("/v1/chat/completions", json=chat("syn-c"), headers=key("sk-a"))
+    assert hidden.status_code == absent.status_code == 404
+    assert hidden.json()["error"] == {**absent.json()["error"], "message": absent.json()["error"]["message"]
+                                      .replace("syn-c", "syn-b")}
+    assert hidden.json()["error"]["code"] == "model_not_found"
+    listed = {m["id"] for m in http.get("/v1/models", headers=key("sk-a")).json()["data"]}
+    assert listed == {"syn-a", "gpt-a"}
+    listed = {m["id"] for m in http.get("/v1/models", headers=key("sk-b-from-env")).json()["data"]}
+    assert listed == {"syn-a", "gpt-a", "syn-b"}
+    # keys: unknown -> invalid_api_key; none -> unauthorized; the admin key is not a tenant key
+    for given, code in ((key("sk-nope"), "invalid_api_key"), ({}, "unauthorized"), (ADMIN_H, "invalid_api_key")):
+        r = http.post("/v1/chat/completions", json=chat("syn-a"), headers=given)
+        assert r.status_code == 401 and r.json()["error"]["code"] == code, r.text
+    # the key_env value is in no argv and no worker's environment
+    procs = [psutil.Process(pool.proc.pid), *pool.descendants()]
+    assert procs[1:], "the workers should be running"
+    for proc in procs:
+        assert not any("sk-b-from-env" in arg for arg in proc.cmdline())
+    for proc in procs[1:]:
+        assert "TEAM_B_KEY" not in proc.environ() and "sk-b-from-env" not in proc.environ().values()
+    assert "sk-b-from-env" not in pool.log()
+    # attribution: the request log and the metrics name the tenant
+    def team_a_rows():
+        return http.get("/admin/requests", params={"tenant": "team-a"}, headers=ADMIN_H).json()["requests"]
+    wait_for(lambda: len(team_a_rows()) == 4, 5, what="team-a's rows (2 served, 2 not found)")
+    assert {r["tenant"] for r in team_a_rows()} == {"team-a"}
+    done = cli("requests", "--tenant", "team-b", url=pool.url, env={"LLM_POOL_ADMIN_KEY": ADMIN})
+    assert done.returncode == 0, done.stderr
+    assert [(r["TENANT"], r["MODEL"]) for r in table_rows(done.stdout)] == [("team-b", "syn-b")]
+    metrics = http.get("/metrics").text
+    assert 'llm_pool_tenant_requests_total{model="syn-a",status="200",tenant="team-a"} 2.0' in metrics
+    assert 'llm_pool_tenant_requests_total{model="syn-b",status="404",tenant="team-a"} 1.0' in metrics
+    assert 'llm_pool_tenant_tokens_total{kind="output",model="syn-b",tenant="team-b"}' in metrics
+    assert 'llm_pool_tenant_queue_wait_seconds_count{model="syn-a",tenant="team-a"} 2.0' in metrics
+
+
+def test_rpm_429_with_headers_and_the_openai_sdks_retry_succeeds(make_pool):
+    pool = tenants_pool(make_pool, [synthetic("syn", tokens=1)],
+                        [{"name": "metered", "keys": ["sk-m"], "rpm": 60}])
+    first = pool.http.post("/v1/chat/completions", json=chat("syn"), headers=key("sk-m"))
+    assert first.status_code == 200
+    assert first.headers["x-ratelimit-limit-requests"] == "60"
+    assert first.headers["x-ratelimit-remaining-requests"] == "59"
+    assert first.headers["x-ratelimit-reset-requests"].endswith(("ms", "s"))
+    refused = None
+    for _ in range(70):
+        r = pool.http.post("/v1/chat/completions", json=chat("syn"), headers=key("sk-m"))
+        if r.status_code == 429:
+            refused = r
+            break
+        assert r.status_code == 200, r.text
+    assert refused is not None, "60 requests per minute should run out within 70 requests"
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert int(refused.headers["retry-after"]) >= 1
+    assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+    # the real SDK: its own retry waits Retry-After and then gets through
+    # (the window refills a request a second: calls go on until one of them meets the limit)
+    client = openai.OpenAI(base_url=pool.url + "/v1", api_key="sk-m", max_retries=3)
+    for _ in range(10):
+        answer = client.chat.completions.with_raw_response.create(model="syn",
+                                                                  messages=[{"role": "user", "content": "x"}])
+        assert answer.parse().choices[0].message.content  # every call succeeds...
+        if answer.retries_taken:
+            break
+    assert answer.retries_taken >= 1  # ...one of them after a 429 and the SDK's own retry
+
+
+def test_tpm_and_max_inflight(make_pool):
+    pool = tenants_pool(make_pool, [synthetic("syn", tokens=200, target_inflight=4, capacity=4, tps=100)],
+                        [{"name": "tokens", "keys": ["sk-t"], "tpm": 120},
+                         {"name": "narrow", "keys": ["sk-n"], "max_inflight": 1}])
+    # tpm: each answer is 50 tokens; the window runs dry within a few requests
+    statuses = []
+    for _ in range(6):
+        r = pool.http.post("/v1/chat/completions", json=chat("syn", max_tokens=50), headers=key("sk-t"))
+        statuses.append(r.status_code)
+        assert r.headers["x-ratelimit-limit-tokens"] == "120"
+        if r.status_code == 429:
+            assert r.json()["error"]["code"] == "rate_limit_exceeded" and "tpm" in r.json()["error"]["message"]
+            assert int(r.headers["retry-after"]) >= 1
+            break
+    assert statuses[0] == 200 and statuses[-1] == 429, statuses
+    # max_inflight: one streaming request holds the tenant's only place; the next is refused
+    with httpx.stream("POST", pool.url + "/v1/chat/completions", json=chat("syn", stream=True),
+                      headers=key("sk-n"), timeout=30) as running:
+        assert running.status_code == 200
+        r = pool.http.post("/v1/chat/completions", json=chat("syn", max_tokens=1), headers=key("sk-n"))
+        assert r.status_code == 429 and "max_inflight" in r.json()["error"]["message"], r.text
+        for _ in running.iter_bytes():
+            pass
+    wait_for(lambda: pool.http.post("/v1/chat/completions", json=chat("syn", max_tokens=1),
+                                    headers=key("sk-n")).status_code == 200, 10, what="the place freed")
+
+
+def flood(pool, k: str, count: int, max_tokens: int) -> list[threading.Thread]:
+    def one():
+        with httpx.Client(base_url=pool.url, timeout=60) as c:
+            c.post("/v1/chat/completions", json=chat("syn", max_tokens=max_tokens), headers=key(k))
+    threads = [threading.Thread(target=one) for _ in range(count)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def queue_depth(pool) -> int:
+    return next(m for m in pool.http.get("/admin/models", headers=ADMIN_H).json()["models"]
+                if m["name"] == "syn")["queue_depth"]
+
+
+def served_order(pool, count: int) -> list[str]:
+    """The tenants of the last `count` finished requests, in the order they finished."""
+    rows = pool.http.get("/admin/requests", params={"limit": count}, headers=ADMIN_H).json()["requests"]
+    return [r["tenant"] for r in reversed(rows)]
+
+
+def test_a_flood_by_one_key_and_another_keys_request_is_served_at_the_next_free_slot(make_pool):
+    pool = tenants_pool(make_pool, [synthetic("syn", tokens=400, tps=200)],
+                        [{"name": "heavy", "keys": ["sk-h"]}, {"name": "light", "keys": ["sk-l"]}])
+    threads = flood(pool, "sk-h", 10, max_tokens=40)  # 0.2 s each on the one slot
+    wait_for(lambda: queue_depth(pool) >= 8, 20, what="heavy's backlog")
+    waiting = queue_depth(pool)
+    r = pool.http.post("/v1/chat/completions", json=chat("syn", max_tokens=4), headers=key("sk-l"))
+    assert r.status_code == 200
+    # light ran at the next free slot: at most the heavy request that was running when it came,
+    # and one handed out between the look at the queue and light's arrival, went first (FIFO: all)
+    assert queue_depth(pool) >= waiting - 2, (waiting, queue_depth(pool))
+    for t in threads:
+        t.join(60)
+    wait_for(lambda: served_order(pool, 11).count("heavy") == 10, 5, what="every request in the log")
+
+
+def test_reload_changes_a_weight_without_touching_a_worker(make_pool):
+    tenants = [{"name": "a", "keys": ["sk-a"]}, {"name": "b", "keys": ["sk-b"]}, {"name": "c", "keys": ["sk-c"]}]
+    pool = tenants_pool(make_pool, [synthetic("syn", tokens=2000, tps=200)], tenants)
+    pids = {w["pid"] for w in pool.http.get("/admin/workers", headers=ADMIN_H).json()["workers"]}
+    raw = __import__("tomllib").loads(pool.config_path.read_text())
+    raw["tenants"][0]["weight"] = 3.0
+    pool.config_path.write_text(tomli_w.dumps(raw))
+    r = pool.http.post("/admin/reload", headers=ADMIN_H)
+    assert r.status_code == 200 and r.json()["kept"] == ["syn"], r.text
+    assert {w["pid"] for w in pool.http.get("/admin/workers", headers=ADMIN_H).json()["workers"]} == pids
+    # c holds the one slot while a and b queue 8 each; then the slot goes round by weight
+    with httpx.stream("POST", pool.url + "/v1/chat/completions", json=chat("syn", stream=True),
+                      headers=key("sk-c"), timeout=60) as blocker:
+        assert blocker.status_code == 200
+        threads = flood(pool, "sk-b", 8, max_tokens=4)  # b first: FIFO would serve b's eight first
+        wait_for(lambda: queue_depth(pool) == 8, 20, what="b's backlog")
+        threads += flood(pool, "sk-a", 8, max_tokens=4)
+        wait_for(lambda: queue_depth(pool) == 16, 20, what="both backlogs")
+    for t in threads:  # the blocker's client left: its slot freed
+        t.join(60)
+    wait_for(lambda: served_order(pool, 16).count("b") == 8, 10, what="every request in the log")
+    first_half = served_order(pool, 16)[:8]
+    assert first_half.count("a") >= 5, first_half  # 3:1 gives six of the first eight; 1:1 four; FIFO none
+
+
+def test_request_log_gains_the_tenant_column_and_filters_by_it(tmp_path):
+    """A log written before tenants existed gets the column on open; rows filter by tenant."""
+    import sqlite3
+
+    from supervisor.request_log import RequestLog
+    path = tmp_path / "r.sqlite3"
+    with sqlite3.connect(path) as db:  # the schema before tenants
+        db.execute("CREATE TABLE requests (id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, model TEXT "
+                   "NOT NULL, endpoint TEXT NOT NULL, status INTEGER NOT NULL, error_code TEXT, error_message "
+                   "TEXT, queued_ms REAL, ttft_ms REAL, duration_ms REAL, tokens_in INTEGER, tokens_out INTEGER, "
+                   "prompt TEXT, output TEXT)")
+        db.execute("INSERT INTO requests (ts, model, endpoint, status) VALUES (?, 'old', 'chat_completions', 200)",
+                   (time.time() - 60,))
+    store = RequestLog(path, max_rows=100, days=1, flush_s=0.01)
+    store.start()
+    store.record(ts=time.time(), model="m", endpoint="chat_completions", status=200, tenant="team-a")
+    store.record(ts=time.time(), model="m", endpoint="chat_completions", status=429, tenant="team-b")
+    store.close()
+    assert [r["tenant"] for r in store.query()] == ["team-b", "team-a", None]
+    assert [r["status"] for r in store.query(tenant="team-a")] == [200]
