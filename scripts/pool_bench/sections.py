@@ -19,4 +19,4 @@ SECTIONS: dict[str, Callable[[Bench], None]] = {
     "7": prefix.run,  # cache-aware replica choice: prefix vs least_inflight on llama-server replicas
     "8": fairness.run,  # tenants: VTC service difference fair vs FIFO, light p99 under a flood, 3:1, admission µs
 }
-ON_REQUEST = frozenset({"7"})  # run only when --sections names them
+ON_REQUEST = frozenset({"7", "8"})  # run only when --sections names them (minutes each; the quick test skips them)
