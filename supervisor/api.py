@@ -33,7 +33,9 @@ from supervisor.tenants import Tenants
 log = logging.getLogger("llm_pool.api")
 
 
-def create_app(config: PoolConfig) -> FastAPI:
+def create_app(config: PoolConfig) -> HttpEdge:
+    """The ASGI app to serve: the edge (HttpEdge) in front of the FastAPI app (`.app`), so
+    that an inference POST passes no layer but the edge's and its own surface's."""
     api_key = config.server.api_key or os.environ.get("LLM_POOL_API_KEY")
     admin_key = config.server.admin_key or os.environ.get("LLM_POOL_ADMIN_KEY")
     engine = ModelRouterEngine(config, tenants=Tenants(config, api_key, admin_key))
@@ -57,10 +59,11 @@ def create_app(config: PoolConfig) -> FastAPI:
     metrics = Metrics(engine, on_finished=activity.finished)
     lag = LoopLag(metrics.lag)
     admission = Admission(engine, engine.tenants)
-    add_inference_routes(app, engine, admission, metrics, config)
+    inference = add_inference_routes(app, engine, admission, metrics, config)
     app.include_router(admin_feeds.router)
     app.include_router(ui.router)
-    app.add_middleware(HttpEdge, server=config.server, admission=admission, api_key=api_key, admin_key=admin_key)
+    edge = HttpEdge(app, server=config.server, admission=admission, api_key=api_key, admin_key=admin_key,
+                    inference=inference)
 
     # -- errors -------------------------------------------------------------------------------
     @app.exception_handler(PoolError)
@@ -165,7 +168,7 @@ def create_app(config: PoolConfig) -> FastAPI:
             raise PoolError(ErrorCode.INVALID_REQUEST, f"model {name!r} has no replica {shown} "
                             f"(it has 0 to {count - 1})", param="replica")
 
-    return app
+    return edge
 
 
 def tail_lines(path, count: int) -> list[str]:

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 
 import httptools
 from fastapi.responses import JSONResponse
+from starlette.routing import Router
 from uvicorn.config import HTTP_PROTOCOLS
 from uvicorn.importer import import_from_string
 
@@ -370,11 +371,16 @@ class HttpEdge:
     on to `app` with its body in one message.
 
     The connection (BoundedConnection) tells the request's handler when its
-    client goes: `scope[DISCONNECT_KEY]`."""
+    client goes: `scope[DISCONNECT_KEY]`.
+
+    Inference POSTs go to `inference` (the inference surface's own Router), every
+    other request to `app`."""
 
     def __init__(self, app, server: ServerConfig, admission: Admission, api_key: str | None,
-                 admin_key: str | None) -> None:
+                 admin_key: str | None, inference: Router | None = None) -> None:
         self.app = app
+        self.inference = inference
+        self.inference_paths = frozenset(r.path for r in inference.routes) if inference else frozenset()
         self.limit = server.max_body_bytes
         self.budget = server.max_buffered_body_bytes
         self.buffered = 0  # bytes of the bodies being read now
@@ -412,12 +418,13 @@ class HttpEdge:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # after the body: disconnect notices pass through
 
+        app = self.inference if scope["method"] == "POST" and scope["path"] in self.inference_paths else self.app
         connection = _connection.get()
         if connection is None:  # another server than BoundedConnection's: no disconnect notice
-            return await self.app(scope, replay, send)
+            return await app(scope, replay, send)
         scope[DISCONNECT_KEY] = connection.begin_request()
         try:
-            return await self.app(scope, replay, send)
+            return await app(scope, replay, send)
         finally:
             connection.end_request()
 

@@ -16,13 +16,14 @@ import re
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Router
 
 from protocol import Delta, Done
 from protocol.errors import ErrorCode, PoolError
 from supervisor import openai_shapes as shapes
 from supervisor import responses_shapes as rshapes
 from supervisor.admission import DEFAULT_TENANT
-from supervisor.http_guard import DISCONNECT_KEY, TENANT_KEY, Disconnect
+from supervisor.http_guard import DISCONNECT_KEY, TENANT_KEY, Disconnect, error_response
 from supervisor.jobs import Job
 from supervisor.metrics import CLIENT_CLOSED
 
@@ -66,10 +67,14 @@ class JobStream(StreamingResponse):
             self.end(self.job)
 
 
-def add_inference_routes(app: FastAPI, engine, admission, metrics, config) -> None:
-    """Add the inference routes to `app` (POST, plain Starlette routes; see `route`), and
-    their bodies' schemas to its OpenAPI document."""
+def add_inference_routes(app: FastAPI, engine, admission, metrics, config) -> Router:
+    """The inference surface: its POST routes (plain Starlette routes; see `route`) as one
+    Starlette `Router`, which the edge hands inference POSTs to directly (each ASGI layer
+    costs on every request, and this surface needs none of the app's: its endpoints
+    answer their own errors). The same routes are on `app` too, so that other methods get
+    the app's 405, and their bodies' schemas go in its OpenAPI document."""
     documented: dict[str, tuple[str, type[msgspec.Struct]]] = {}  # path -> (operation, body Struct)
+    surface = Router()
     # -- running a job for a client ------------------------------------------------------------------
     async def collect(job: Job) -> tuple[shapes.Choices, Done]:
         choices = shapes.Choices()
@@ -196,8 +201,9 @@ def add_inference_routes(app: FastAPI, engine, admission, metrics, config) -> No
     def route(path: str, model: type[msgspec.Struct]):
         """POST `path` as a plain Starlette route: `handle(body, data, request)` gets the
         body decoded and validated as `model` (request_body) and its JSON object as sent;
-        what it raises goes to the app's exception handlers. The OpenAPI document lists
-        the route with `model`'s schema (see `document`)."""
+        a PoolError it raises is answered here, in the error envelope (it is already
+        counted where it was raised). The OpenAPI document lists the route with `model`'s
+        schema (see `document`)."""
         def register(handle):
             async def endpoint(request: Request):
                 raw = await request.body()
@@ -205,10 +211,14 @@ def add_inference_routes(app: FastAPI, engine, admission, metrics, config) -> No
                     body, data = request_body(raw, request.headers.get("content-type"), model)
                 except PoolError as err:  # logged with the model the body named, its code and message
                     metrics.request(_named_model(raw), path, err.status, error=err)
-                    raise
-                return await handle(body, data, request)
+                    return error_response(err)
+                try:
+                    return await handle(body, data, request)
+                except PoolError as err:
+                    return error_response(err)
             endpoint.__name__ = handle.__name__
             app.add_route(path, endpoint, methods=["POST"], include_in_schema=False)
+            surface.add_route(path, endpoint, methods=["POST"])
             documented[path] = (handle.__name__, model)
             return handle
         return register
@@ -242,6 +252,7 @@ def add_inference_routes(app: FastAPI, engine, admission, metrics, config) -> No
                                lambda choices, done: shapes.embeddings(body.model, done), "embeddings")
 
     document(app, documented)
+    return surface
 
 
 # -- the OpenAPI document ------------------------------------------------------------------------------

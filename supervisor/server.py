@@ -97,5 +97,5 @@ def run(cfg: PoolConfig, log_level: str = "info") -> None:
         app, host=cfg.server.host, port=cfg.server.port, log_level=log_level, loop="uvloop",
         http=bounded_protocol(cfg.server), ws="none",  # no WebSocket routes: no upgrade path to guard
         access_log=False, timeout_graceful_shutdown=5),
-        app.state.engine, cfg.server.shutdown_grace_s)
+        app.app.state.engine, cfg.server.shutdown_grace_s)
     server.run()
