@@ -160,7 +160,9 @@ def test_failed_loads_report_llama_server_errors(make_pool, tiny_gguf, llama_ser
     assert "failed to load model" in r.json()["error"]["message"]  # llama-server's own words
     view = pool.model("corrupt")
     assert view["state"] == "failed" and "failed to load model" in view["error"]
-    assert pool.workers("corrupt") == []
+    # the failed load's replica stays listed, with llama-server's words and no process (operators look there)
+    [left] = pool.workers("corrupt")
+    assert left["pid"] is None and "failed to load model" in (left["last_error"] or ""), left
     r = pool.http.post("/v1/chat/completions", json={
         "model": "good", "max_tokens": 3, "messages": [{"role": "user", "content": "still fine"}]})
     assert r.status_code == 200
