@@ -35,7 +35,7 @@ def pool(tmp_path_factory):
     if not python:
         pytest.skip("no vLLM environment: run scripts/test-vllm")
     model_dir = tmp_path_factory.mktemp("tinyhf")
-    subprocess.run([python, str(ROOT / "tests" / "tiny_hf_llama.py"), str(model_dir)], check=True,
+    subprocess.run([python, str(ROOT / "testkit" / "tiny_hf_llama.py"), str(model_dir)], check=True,
                    capture_output=True, timeout=300)
     p = Pool(tmp_path_factory.mktemp("vllm"), [{
         "name": "tinyv", "backend": "vllm_serve", "target_inflight": SEQS, "load_timeout_s": 900,
