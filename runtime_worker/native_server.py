@@ -17,6 +17,7 @@ import sys
 import time
 import zlib
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import aiohttp
 import httpx
@@ -107,9 +108,12 @@ class OpenAIClient:
         chat = path == "/chat/completions"
         choices = requested_choices(request, completions=not chat)
         try:
-            async for event in self._complete(path, self.body(request, stream=request.get("stream") is not False),
-                                              chat, choices):
-                yield event
+            # each generator below is closed with its consumer (aclosing): a cancel closes the HTTP
+            # stream at once, not when the garbage collector gets to the inner generators
+            body = self.body(request, stream=request.get("stream") is not False)
+            async with aclosing(self._complete(path, body, chat, choices)) as events:
+                async for event in events:
+                    yield event
         except (aiohttp.ClientError, ConnectionError) as exc:  # refused, or cut mid-stream
             raise connection_lost(exc) from None
 
@@ -159,8 +163,9 @@ class OpenAIClient:
             if r.status != 200:
                 raise upstream_error(r.status, await upstream.error_text())
             if r.content_type == "text/event-stream":
-                async for event in self._read_stream(upstream, chat, choices):
-                    yield event
+                async with aclosing(self._read_stream(upstream, chat, choices)) as events:
+                    async for event in events:
+                        yield event
             elif whole and r.content_type == "application/json":
                 raw = await upstream.read()
                 r.close()
@@ -179,26 +184,27 @@ class OpenAIClient:
         finishes: dict[int, str] = {}
         seen = {0}  # choice indexes that produced output (choice 0 always owes a finish_reason)
         usage, produced, done = None, 0, False
-        async for data in sse_data(upstream, self.limits.max_upstream_line_bytes):
-            if data == b"[DONE]":
-                done = True
-                if self.keep_alive:  # the connection goes back to the pool only once drained
-                    await upstream.drain()
-                break
-            chunk = json_object(data, "an event")
-            if "error" in chunk:
-                raise runtime_reported(chunk["error"])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for choice in chunk.get("choices") or ():
-                index = choice_index(choice, choices)
-                event = choice_event(choice, chat, index=index)
-                if event is not None:
-                    seen.add(index)
-                    produced += 1
-                    yield event
-                if choice.get("finish_reason"):
-                    finishes[index] = str(choice["finish_reason"])
+        async with aclosing(sse_data(upstream, self.limits.max_upstream_line_bytes)) as lines:
+            async for data in lines:
+                if data == b"[DONE]":
+                    done = True
+                    if self.keep_alive:  # the connection goes back to the pool only once drained
+                        await upstream.drain()
+                    break
+                chunk = json_object(data, "an event")
+                if "error" in chunk:
+                    raise runtime_reported(chunk["error"])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices") or ():
+                    index = choice_index(choice, choices)
+                    event = choice_event(choice, chat, index=index)
+                    if event is not None:
+                        seen.add(index)
+                        produced += 1
+                        yield event
+                    if choice.get("finish_reason"):
+                        finishes[index] = str(choice["finish_reason"])
         # a stream cut short is no success, whatever it held: never a made-up "stop"
         if not done:
             raise JobError(ErrorCode.RUNTIME_ERROR, "the runtime's stream ended before [DONE] (cut short)")
@@ -547,21 +553,22 @@ async def sse_data(body: UpstreamBody, max_line_bytes: int) -> AsyncIterator[byt
     one, longer than `max_line_bytes` fails the job before more of it is held."""
     buf = bytearray()
     for_newline = 0  # buf[:for_newline] holds no newline
-    async for chunk in body.chunks():
-        if not buf and chunk.endswith(b"\n"):  # the common case, whole lines: no copy
-            lines = DATA_LINE.findall(chunk)
-        else:
-            buf += chunk
-            end = buf.rfind(b"\n", for_newline) + 1  # just past the last complete line; 0: none
-            lines = DATA_LINE.findall(buf, 0, end) if end else ()
-            del buf[:end]
-        for line in lines:
-            if len(line) > max_line_bytes:
+    async with aclosing(body.chunks()) as pieces:
+        async for chunk in pieces:
+            if not buf and chunk.endswith(b"\n"):  # the common case, whole lines: no copy
+                lines = DATA_LINE.findall(chunk)
+            else:
+                buf += chunk
+                end = buf.rfind(b"\n", for_newline) + 1  # just past the last complete line; 0: none
+                lines = DATA_LINE.findall(buf, 0, end) if end else ()
+                del buf[:end]
+            for line in lines:
+                if len(line) > max_line_bytes:
+                    raise line_too_long(max_line_bytes)
+                yield line.strip()
+            for_newline = len(buf)
+            if for_newline > max_line_bytes:
                 raise line_too_long(max_line_bytes)
-            yield line.strip()
-        for_newline = len(buf)
-        if for_newline > max_line_bytes:
-            raise line_too_long(max_line_bytes)
     if buf.startswith(b"data:"):
         yield bytes(buf[5:]).strip()
 
