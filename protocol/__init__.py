@@ -20,6 +20,7 @@ array of them; see below):
             finish_reasons[], result{}
     error   job|None, code, message
     heartbeat inflight, jobs[], submits_seen
+    kv_events events[], reset
 
   hello is sent on connect; the supervisor answers with setup, the model's
   options (secrets among them: never in the worker's argv), and the worker
@@ -28,6 +29,8 @@ array of them; see below):
   `error`, also when it was cancelled (finish_reason "cancelled").
   An optional field at its default is left off the wire (a plain text delta
   carries only job and text); see messages.Delta for the typed parts.
+  kv_events (a vLLM worker with routing "prefix") relays the engine's
+  KV-cache events, in order, MAX_KV_EVENTS at most a message; see messages.KvEvents.
 
 Either side may send several messages as one frame, a msgpack array of those
 maps (`encode_batch`): what its sender had ready in one wake-up, across jobs,
@@ -47,6 +50,8 @@ from protocol.messages import (
     Error,
     Heartbeat,
     Hello,
+    KvEvents,
+    MAX_KV_EVENTS,
     Message,
     Ready,
     Setup,
@@ -60,6 +65,6 @@ from protocol.messages import (
 __all__ = [
     "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "ProtocolError", "decode", "decode_many", "encode", "encode_batch",
     "find_unencodable",
-    "Cancel", "Delta", "Done", "Error", "Heartbeat", "Hello", "Message", "Ready", "Setup",
+    "Cancel", "Delta", "Done", "Error", "Heartbeat", "Hello", "KvEvents", "MAX_KV_EVENTS", "Message", "Ready", "Setup",
     "Shutdown", "Submit", "ENDPOINTS", "delta_parts", "delta_size", "merge_deltas",
 ]

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 import msgpack
 
-from protocol.messages import FIELD_TYPES, MESSAGE_TYPES, Delta, Message, part_error
+from protocol.messages import FIELD_TYPES, MAX_KV_EVENTS, MESSAGE_TYPES, Delta, KvEvents, Message, part_error
 
 # 2: Submit.endpoint, Delta.parts, Done.finish_reasons and result; 3: batches (encode_batch);
-# 4: Setup (the model's options over the socket, not in argv)
-PROTOCOL_VERSION = 4
+# 4: Setup (the model's options over the socket, not in argv); 5: KvEvents (a runtime's KV-cache events)
+PROTOCOL_VERSION = 5
 # Twice the largest request body a pool may accept (supervisor config caps
 # max_body_bytes at MAX_FRAME_BYTES // 2): msgpack never makes a JSON request
 # much bigger, so a body under its cap always fits in one Submit frame.
@@ -166,6 +166,8 @@ def _message(data, what: str = "frame") -> Message | ProtocolError:
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             return ProtocolError(f"{cls.TYPE}: field {name!r} has type {type(value).__name__}", job)
         kwargs[name] = value
+    if cls is KvEvents and len(kwargs.get("events", ())) > MAX_KV_EVENTS:
+        return ProtocolError(f"kv_events: {len(kwargs['events'])} events, more than {MAX_KV_EVENTS}")
     if cls is Delta and kwargs.get("parts"):
         for part in kwargs["parts"]:
             if reason := part_error(part):

@@ -95,14 +95,36 @@ class Heartbeat:
 
 
 @dataclass(frozen=True, slots=True)
+class KvEvents:
+    """Worker -> supervisor: what the runtime's prefix cache stored and dropped
+    (vLLM's KV-cache events), in the engine's order, at most MAX_KV_EVENTS a
+    message. Each event is a list:
+
+        ["stored", [block hash, ...], parent hash | None, [token id, ...], block size, extra]
+        ["removed", [block hash, ...]]
+        ["cleared"]
+
+    A block hash is bytes or an int, as the engine made it; `extra` is true when
+    the engine hashed more than the tokens (LoRA, images, a cache salt).
+    `reset`: events were lost before these (a gap in the engine's sequence, a
+    relay restart): what the receiver knew of the cache is no longer exact."""
+    TYPE: ClassVar[str] = "kv_events"
+    events: list = field(default_factory=list)
+    reset: bool = False
+
+
+MAX_KV_EVENTS = 256  # events in one KvEvents message
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown:
     TYPE: ClassVar[str] = "shutdown"
 
 
-Message = Hello | Setup | Ready | Submit | Cancel | Delta | Done | Error | Heartbeat | Shutdown
+Message = Hello | Setup | Ready | Submit | Cancel | Delta | Done | Error | Heartbeat | KvEvents | Shutdown
 
 MESSAGE_TYPES: dict[str, type] = {
-    cls.TYPE: cls for cls in (Hello, Setup, Ready, Submit, Cancel, Delta, Done, Error, Heartbeat, Shutdown)
+    cls.TYPE: cls for cls in (Hello, Setup, Ready, Submit, Cancel, Delta, Done, Error, Heartbeat, KvEvents, Shutdown)
 }
 
 # Expected Python types per field, checked on decode (msgpack gives plain types).
@@ -116,6 +138,7 @@ FIELD_TYPES: dict[type, dict[str, Any]] = {
     Done: {"job": str, "finish_reason": str, "usage": dict, "finish_reasons": list, "result": dict},
     Error: {"job": (str, type(None)), "code": str, "message": str, "param": (str, type(None))},
     Heartbeat: {"inflight": int, "jobs": list, "submits_seen": int},
+    KvEvents: {"events": list, "reset": bool},
     Shutdown: {},
 }
 

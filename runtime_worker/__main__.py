@@ -105,6 +105,7 @@ class Worker:
         self.backend = backend_class(self.args.backend)(
             options, self.args.target_inflight, log, stop_timeout_s=self.args.stop_timeout_s,
             limits=OutputLimits(self.args.max_job_output_bytes, self.args.max_upstream_line_bytes))
+        self.backend.kv_events_sink = lambda events, reset: self.send(p.KvEvents(events=events, reset=reset))
         started = time.monotonic()
         try:
             capacity, info = await self.backend.start()

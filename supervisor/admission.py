@@ -67,7 +67,8 @@ class Admission:
         return tenant
 
     # -- scope -> limits -> queue: once the body names the model -------------------------------------------
-    def submit(self, tenant: Tenant, model: str, request: dict, endpoint: str) -> Job:
+    def submit(self, tenant: Tenant, model: str, request: dict, endpoint: str,
+               prompt_tokens: list[int] | None = None) -> Job:
         """The job for this request, queued on its model; PoolError when it is refused."""
         entry = self.engine.entry(model)  # 404 for a model that does not exist...
         if not tenant.spec.may_use((entry.cfg.name, *entry.cfg.aliases)):
@@ -75,7 +76,7 @@ class Admission:
             raise PoolError(ErrorCode.MODEL_NOT_FOUND, f"model {model!r} does not exist", param="model")
         tenant.admit()  # 429 over rpm, tpm or max_inflight
         try:
-            job = self.engine.submit(model, request, endpoint, tenant.name)
+            job = self.engine.submit(model, request, endpoint, tenant.name, prompt_tokens)
         except BaseException:
             tenant.refused()
             raise

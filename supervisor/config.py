@@ -137,6 +137,8 @@ class VllmServeOptions(_Options):
     extra_args: list[str] = Field(default_factory=list)
     extra_body: dict[str, Any] = Field(default_factory=dict)
     env: dict[str, str | int | float] = Field(default_factory=dict)  # extra environment for vLLM
+    # relay vLLM's KV-cache events for the exact prefix index; default: on with routing "prefix"
+    kv_events: bool | None = None
 
 
 class ExLlamaV3Options(_Options):
@@ -257,6 +259,18 @@ class ModelConfig(_Strict):
             return self.routing
         return "prefix" if self.replicas > 1 and self.backend in PREFIX_CACHING_BACKENDS else "least_inflight"
 
+    @property
+    def worker_options(self) -> dict:
+        """The options the worker gets (Setup): a vllm_serve model's `kv_events` resolved,
+        on by default where routing is "prefix" and the replicas are local (the pool
+        asks their /tokenize over loopback)."""
+        if self.backend != "vllm_serve":
+            return self.options
+        kv_events = self.options.get("kv_events")
+        if kv_events is None:
+            kv_events = self.replica_routing == "prefix" and not self.remote
+        return {**self.options, "kv_events": bool(kv_events)}
+
 
 TENANT_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -374,6 +388,10 @@ def parse_config(raw: dict, source: str = "<config>") -> PoolConfig:
             BACKEND_OPTIONS[m.backend].model_validate(m.options)
         except ValidationError as exc:
             raise _config_error(source, raw, exc, ("models", i, "options")) from None
+        if m.options.get("kv_events") is True and (m.replica_routing != "prefix" or m.remote):
+            raise ConfigError(f"{source}: model {m.name!r}: key 'options.kv_events': KV events feed routing "
+                              f"\"prefix\" on local replicas; this model has routing {m.replica_routing!r}"
+                              f"{' and placement ray' if m.remote else ''}")
     return cfg
 
 

@@ -21,10 +21,11 @@ from supervisor.models.views import Views, model_state
 from supervisor.observe import ProcessSampler
 from supervisor.process import spawn_worker, sweep_stale_workers
 from supervisor.prompt_bounds import check_prompt_bounds
+from supervisor.prompt_tokens import PromptTokenizer
 from supervisor.request_bounds import check_request_bounds
 from supervisor.replica import Launcher
 from supervisor.state_dir import default_state_dir, make_private_dir, pool_state_dir
-from supervisor.states import ModelState
+from supervisor.states import ModelState, ReplicaState
 from supervisor.tenants import DEFAULT as DEFAULT_TENANT
 from supervisor.tenants import Tenants
 from supervisor.transport import Transport, sweep_stale_socket_dirs
@@ -57,6 +58,7 @@ class ModelRouterEngine:
         self._drain: asyncio.Future | None = None  # the one drain of a graceful stop
         self._closed = False
         self._tasks: set[asyncio.Task] = set()
+        self.tokenizer = PromptTokenizer()  # token ids for the exact prefix index (routing "prefix" on vLLM)
 
     # -- what other modules read (names kept from before the split) ------------------------------
     @property
@@ -171,6 +173,7 @@ class ModelRouterEngine:
                 await self.lifecycle.transport.close()
             if self.lifecycle.cluster:
                 await self.lifecycle.cluster.close()
+            await self.tokenizer.close()
             self.sampler.stop()
 
     def ready(self) -> bool:
@@ -221,7 +224,21 @@ class ModelRouterEngine:
                 self.lifecycle.idle_unload(entry, f"idle for {self.lifecycle.idle_unload_s(entry):g}s")
 
     # -- jobs -------------------------------------------------------------------------------------
-    def submit(self, model: str, request: dict, endpoint: str = "chat", tenant: str = DEFAULT_TENANT) -> Job:
+    async def prompt_tokens(self, model: str, request: dict, endpoint: str = "chat") -> list[int] | None:
+        """The request's prompt as token ids, from a ready replica's tokenizer, when the
+        model's replicas report their cache (KV events); else None, at no cost."""
+        entry = self.models.get(model) or self.models.get(self.aliases.get(model, ""))
+        executor = entry.executor if entry is not None else None
+        if executor is None or executor.choice.routing != "prefix":
+            return None
+        url = next((r.info.get("tokenize_url") for r in executor.replicas
+                    if r.state is ReplicaState.READY and isinstance(r.info, dict) and r.info.get("kv_events")), None)
+        if not isinstance(url, str):
+            return None
+        return await self.tokenizer.tokens(url, request, endpoint)
+
+    def submit(self, model: str, request: dict, endpoint: str = "chat", tenant: str = DEFAULT_TENANT,
+               prompt_tokens: list[int] | None = None) -> Job:
         entry = self.registry.lookup(model)
         check_request_bounds(request, endpoint)
         if self.shutting_down:
@@ -234,6 +251,7 @@ class ModelRouterEngine:
                   self.config.server.max_job_output_bytes, tenant=tenant)
         if entry.cfg.log_bodies:
             job.transcript = []
+        job.prompt_tokens = prompt_tokens
         entry.used()
         self.lifecycle.admit(entry, job)  # a request that cannot travel (bounds) started no load
         return job

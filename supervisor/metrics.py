@@ -159,6 +159,21 @@ class _EngineCollector:
                                      labels=rlabels)
         hit_ratio = GaugeMetricFamily("llm_pool_prompt_cache_hit_ratio", "cached / prompt tokens, since the "
                                       "model was loaded", labels=rlabels)
+        matched = CounterMetricFamily("llm_pool_prefix_matches", "Prefix-routing matches per replica, by the "
+                                      "index that judged them (exact: the engine's KV events; approximate; "
+                                      "approximate_fallback: exact wanted, no token ids)", labels=[*rlabels, "index"])
+        kv_blocks = GaugeMetricFamily("llm_pool_kv_index_blocks", "Engine blocks the exact prefix index holds",
+                                      labels=rlabels)
+        kv_resets = CounterMetricFamily("llm_pool_kv_index_resets", "Gaps in the engine's KV events (the exact "
+                                        "index started over)", labels=rlabels)
+        tokenizer = self.engine.tokenizer
+        tok_calls = CounterMetricFamily("llm_pool_tokenize_calls", "Prompts tokenized for the exact prefix index")
+        tok_calls.add_metric([], tokenizer.calls)
+        tok_failed = CounterMetricFamily("llm_pool_tokenize_failures", "Of those, failed or timed out (routed by "
+                                         "the approximate index)")
+        tok_failed.add_metric([], tokenizer.failures)
+        tok_seconds = CounterMetricFamily("llm_pool_tokenize_seconds", "Time spent tokenizing prompts")
+        tok_seconds.add_metric([], tokenizer.seconds)
         for name, entry in self.engine.models.items():
             view = self.engine.model_view(entry)
             queue.add_metric([name], view["queue_depth"])
@@ -181,6 +196,11 @@ class _EngineCollector:
                 cached.add_metric(key, routing["cached_tokens"])
                 if routing["cache_hit_ratio"] is not None:
                     hit_ratio.add_metric(key, routing["cache_hit_ratio"])
+                for index, count in (routing.get("prefix_matches") or {}).items():
+                    matched.add_metric([*key, index], count)
+                if kv := routing.get("kv_index"):
+                    kv_blocks.add_metric(key, kv["blocks"])
+                    kv_resets.add_metric(key, kv["resets"])
                 by_process: dict[str, int] = {}  # summed per process name: one series each
                 view = replica_view(sampler, r)
                 if view and view.get("rss_bytes") is not None:
@@ -190,7 +210,7 @@ class _EngineCollector:
                 for process, value in by_process.items():
                     rss.add_metric([*key, process], value)
         yield from (queue, inflight, configured, effective, loaded, shown, ready, up, restarts, bad, rss, routed,
-                    prompt, cached, hit_ratio)
+                    prompt, cached, hit_ratio, matched, kv_blocks, kv_resets, tok_calls, tok_failed, tok_seconds)
         yield from self._lifecycle()
 
     def _lifecycle(self):

@@ -48,6 +48,8 @@ class ReplicaOwner(Protocol):
 
     def replica_restarted(self, replica: Replica) -> None: ...  # a new worker starts: its cache is empty
 
+    def replica_kv_events(self, replica: Replica, events: list, reset: bool) -> None: ...  # its engine's cache
+
 
 class Launcher(Protocol):
     """Starts a worker (process.spawn_worker; ray_placement.RayLauncher, which also
@@ -537,5 +539,7 @@ class Replica:
                     self._crash_kill(error.code, error.message)
             case p.Heartbeat():
                 self._reconcile_jobs(msg)
+            case p.KvEvents(events=events, reset=reset):
+                self.owner.replica_kv_events(self, events, reset)
             case p.Hello():
-                self.transport.send(self.identity, p.Setup(options=self.cfg.options))
+                self.transport.send(self.identity, p.Setup(options=self.cfg.worker_options))

@@ -9,7 +9,11 @@ job ends (`finished`).
 Per model, `routing` picks the policy:
 - least_inflight: least occupancy (inflight / effective capacity), round-robin among equals.
 - prefix: the free replica whose prompt cache probably holds the longest prefix
-  of the prompt (prefix_index), if that is at least CACHE_THRESHOLD of it.
+  of the prompt (prefix_index), if that is at least CACHE_THRESHOLD of it. For
+  a replica whose engine reports its cache (vLLM's KV events: kv_index) and a
+  job whose token ids the pool has, the engine's own blocks are matched
+  instead (exact); any gap (no token ids, no events) falls back to the
+  approximate index, which is kept either way.
 - session: the replica a session key (prompt_cache_key, else user) hashes to,
   by rendezvous hashing over the ready replicas: when one leaves, only its
   sessions move.
@@ -31,6 +35,7 @@ from typing import Protocol
 
 from protocol import Done
 from supervisor.jobs import Job
+from supervisor.kv_index import ExactIndex, token_block_keys
 from supervisor.prefix_index import BLOCK_CHARS, CHARS_PER_TOKEN, BlockLRU, canonical_prompt, prompt_blocks
 from supervisor.replica import Replica
 from supervisor.states import ReplicaState
@@ -43,6 +48,7 @@ BALANCE_ABS_SHARE = 0.25
 BALANCE_REL = 1.5
 CACHE_THRESHOLD = 0.3  # share of the prompt's blocks a replica must hold to be preferred
 DEFAULT_CACHE_TOKENS = 32768  # a replica's cache when neither the runtime nor the config says
+MAX_EXACT_BLOCKS = 262_144  # engine blocks one replica's exact index follows (4M tokens at 16 a block)
 
 
 class Decision(StrEnum):
@@ -66,6 +72,9 @@ class ReplicaChoice(Protocol):
 
     def replica_view(self, replica: Replica) -> dict:
         """What the policy knows of a replica, for /admin/workers and /metrics."""
+
+    def kv_events(self, replica: Replica, events: list, reset: bool) -> None:
+        """The replica's engine reports what its cache stored and dropped (protocol.KvEvents)."""
 
 
 def overloaded(wanted: Replica, least: Replica) -> bool:
@@ -122,6 +131,9 @@ class _Policy:
     def forget(self, replica: Replica) -> None:
         pass
 
+    def kv_events(self, replica: Replica, events: list, reset: bool) -> None:
+        pass  # only the prefix policy reads them
+
     def finished(self, replica: Replica, job: Job) -> None:
         done = job.events[-1] if job.events else None  # the Done was put there just now
         if isinstance(done, Done) and done.usage.get("input_tokens"):
@@ -146,7 +158,9 @@ class LeastInflight(_Policy):
 
 
 class PrefixAffinity(_Policy):
-    """The free replica that probably holds the longest prefix of the prompt."""
+    """The free replica that holds the longest prefix of the prompt: exactly, from
+    the engine's events, where it reports them and the job has token ids; else
+    probably, from the approximate index."""
 
     routing = "prefix"
 
@@ -154,6 +168,10 @@ class PrefixAffinity(_Policy):
         super().__init__()
         self.cache_tokens = cache_tokens  # per replica; None: from the runtime (slots x context)
         self._index: dict[int, tuple[str, BlockLRU]] = {}  # replica index -> (its worker's identity, keys)
+        self._exact: dict[int, tuple[str, ExactIndex]] = {}  # replica index -> (identity, engine blocks)
+        # per replica index: how its match was judged; "approximate_fallback": it reports its
+        # cache but the job had no token ids (the tokenize call failed or timed out)
+        self._matched: dict[int, dict[str, int]] = {}
 
     def _lru(self, replica: Replica) -> BlockLRU:
         """The replica's keys; empty for a new worker (a restart cleared its cache,
@@ -162,6 +180,21 @@ class PrefixAffinity(_Policy):
         if entry is None or entry[0] != replica.identity:
             entry = self._index[replica.index] = (replica.identity, BlockLRU(self._capacity(replica)))
         return entry[1]
+
+    def exact(self, replica: Replica) -> ExactIndex | None:
+        """The engine's blocks, for a replica whose worker relays its KV events (its
+        Ready info says so); a new worker starts empty."""
+        if not (isinstance(replica.info, dict) and replica.info.get("kv_events")):
+            return None
+        entry = self._exact.get(replica.index)
+        if entry is None or entry[0] != replica.identity:
+            entry = self._exact[replica.index] = (replica.identity, ExactIndex(MAX_EXACT_BLOCKS))
+        return entry[1]
+
+    def kv_events(self, replica: Replica, events: list, reset: bool) -> None:
+        index = self.exact(replica)
+        if index is not None:
+            index.apply(events, reset)
 
     def _capacity(self, replica: Replica) -> int:
         """Blocks in the replica's cache: the configured tokens, else the runtime's
@@ -176,43 +209,71 @@ class PrefixAffinity(_Policy):
         key = job.request.get("prompt_cache_key")
         return prompt_blocks(canonical_prompt(job.request, job.endpoint), key if isinstance(key, str) else None)
 
+    def _share(self, replica: Replica, job: Job, keys: list[int], token_keys: dict) -> float:
+        """The share of the prompt the replica's cache holds: from the engine's
+        blocks where it can be, else from the approximate index."""
+        matched = self._matched.setdefault(replica.index, {"exact": 0, "approximate": 0,
+                                                           "approximate_fallback": 0})
+        exact = self.exact(replica)
+        if exact is not None and job.prompt_tokens is not None:
+            matched["exact"] += 1
+            size = exact.block_size
+            if size is None:  # it has stored nothing yet
+                return 0.0
+            if size not in token_keys:
+                token_keys[size] = token_block_keys(job.prompt_tokens, size)
+            total = len(token_keys[size])
+            return exact.match(token_keys[size]) / total if total else 0.0
+        matched["approximate_fallback" if exact is not None else "approximate"] += 1
+        return self._lru(replica).match(keys) / len(keys) if keys else 0.0
+
     def choose(self, replicas: Sequence[Replica], job: Job) -> Replica | None:
         least = self.least_loaded(replicas)
         if least is None:
             return None
         keys = self.blocks(job)
         decision, chosen = Decision.LEAST_INFLIGHT, least
-        if keys:
-            needed = max(1, math.ceil(CACHE_THRESHOLD * len(keys)))
-            best, best_len, full_len = None, 0, 0
+        if keys or job.prompt_tokens:
+            token_keys: dict[int, list[int]] = {}  # block size -> the prompt's token block keys
+            best, best_share, full_share = None, 0.0, 0.0
             n_replicas = len(replicas)
             for offset in range(n_replicas):  # from the round-robin cursor: equal matches take turns
                 r = replicas[(self._rr + offset) % n_replicas]
                 if r.state is not ReplicaState.READY:
                     continue
-                n = self._lru(r).match(keys)
-                if n < needed:
+                share = self._share(r, job, keys, token_keys)
+                if share <= 0 or share < CACHE_THRESHOLD:
                     continue
                 if r.free_slots <= 0:  # holds it, but is full
-                    full_len = max(full_len, n)
-                elif n > best_len or (n == best_len and len(r.inflight) / r.capacity
-                                      < len(best.inflight) / best.capacity):
-                    best, best_len = r, n
+                    full_share = max(full_share, share)
+                elif share > best_share or (share == best_share and len(r.inflight) / r.capacity
+                                            < len(best.inflight) / best.capacity):
+                    best, best_share = r, share
             if best is not None and not overloaded(best, least):
                 decision, chosen = Decision.PREFIX_HIT, best
-            elif best is not None or full_len:
+            elif best is not None or full_share:
                 decision = Decision.BALANCE_FALLBACK
-            self._lru(chosen).record(keys)
+            if keys:
+                self._lru(chosen).record(keys)
         return self._take(replicas, chosen, decision)
 
     def forget(self, replica: Replica) -> None:
         self._index.pop(replica.index, None)
+        self._exact.pop(replica.index, None)
 
     def replica_view(self, replica: Replica) -> dict:
         entry = self._index.get(replica.index)
         lru = entry[1] if entry and entry[0] == replica.identity else None
-        return {**super().replica_view(replica), "prefix_blocks": len(lru) if lru else 0,
-                "prefix_capacity_blocks": lru.capacity if lru else self._capacity(replica)}
+        view = {**super().replica_view(replica), "prefix_blocks": len(lru) if lru else 0,
+                "prefix_capacity_blocks": lru.capacity if lru else self._capacity(replica),
+                "prefix_matches": dict(self._matched.get(replica.index) or {})}
+        exact = self._exact.get(replica.index)
+        if exact is not None and exact[0] == replica.identity:
+            x = exact[1]
+            view["kv_index"] = {"blocks": len(x), "block_size": x.block_size, "stored": x.stored,
+                                "removed": x.removed, "cleared": x.cleared, "resets": x.resets,
+                                "malformed": x.malformed}
+        return view
 
 
 class SessionAffinity(_Policy):

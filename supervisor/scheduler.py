@@ -121,6 +121,14 @@ class Executor:
         """A new worker starts for `replica`: its cache starts empty."""
         self.choice.forget(replica)
 
+    def replica_kv_events(self, replica: Replica, events: list, reset: bool) -> None:
+        """The replica's engine says what its cache stored and dropped. Bad events are
+        the index's to skip; a bug there must not break the replica's messages."""
+        try:
+            self.choice.kv_events(replica, events, reset)
+        except Exception:
+            log.exception("model %s: applying %s's KV events failed", self.cfg.name, replica.name)
+
     def requeue(self, job: Job) -> None:
         """A job lost with its crashed worker before producing anything: it goes
         back to the head of the queue (it was admitted first)."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 
@@ -106,6 +106,8 @@ class Backend(abc.ABC):
         self.target_inflight = target_inflight
         self.log = log
         self.stop_timeout_s = stop_timeout_s  # the model's stop_timeout_s: SIGTERM .. SIGKILL of a child
+        # where a runtime that reports its prefix cache sends those events (protocol.KvEvents): (events, reset)
+        self.kv_events_sink: Callable[[list, bool], None] | None = None
 
     @abc.abstractmethod
     async def start(self) -> tuple[int, dict]:

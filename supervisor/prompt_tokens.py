@@ -1,0 +1,79 @@
+"""A prompt's token ids, from the runtime's own tokenizer, for the exact prefix index.
+
+A vLLM replica that relays its KV events reports, in its Ready info, the loopback
+address of vLLM's `/tokenize` (it applies the model's chat template to `messages`,
+as a chat completion does, and needs no key). Before a request of such a model is
+queued, the pool asks one ready replica once, within TOKENIZE_TIMEOUT_S; on any
+failure the request goes on without token ids and is routed by the approximate
+index (counted in `failures`). Local replicas only: the address is loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import aiohttp
+
+log = logging.getLogger("llm_pool.prompt_tokens")
+
+TOKENIZE_TIMEOUT_S = 2.0
+MAX_TOKENS = 1_000_000  # a longer answer is not trusted (nor needed: no cache holds it)
+MAX_ANSWER_BYTES = 16 * 1024 * 1024
+_CHAT_FIELDS = ("messages", "tools", "chat_template", "chat_template_kwargs", "add_generation_prompt",
+                "continue_final_message")
+
+
+def tokenize_body(request: dict, endpoint: str) -> dict | None:
+    """vLLM's /tokenize body for what the request will prompt; None for what no prefix cache reuses."""
+    if endpoint == "chat" and isinstance(request.get("messages"), list):
+        body = {k: request[k] for k in _CHAT_FIELDS if k in request}
+        body.setdefault("add_generation_prompt", not body.get("continue_final_message", False))
+        return body
+    if endpoint == "completions" and isinstance(request.get("prompt"), str):
+        return {"prompt": request["prompt"]}
+    return None
+
+
+def parse_tokens(answer) -> list[int] | None:
+    tokens = answer.get("tokens") if isinstance(answer, dict) else None
+    if not isinstance(tokens, list) or len(tokens) > MAX_TOKENS or not all(type(t) is int for t in tokens):
+        return None
+    return tokens
+
+
+class PromptTokenizer:
+    def __init__(self, timeout_s: float = TOKENIZE_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self._session: aiohttp.ClientSession | None = None
+        self.calls = self.failures = 0
+        self.seconds = 0.0  # spent in calls, all together
+
+    async def tokens(self, url: str, request: dict, endpoint: str) -> list[int] | None:
+        body = tokenize_body(request, endpoint)
+        if body is None:
+            return None
+        if self._session is None:  # made on first use, inside the running loop
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        self.calls += 1
+        start = time.perf_counter()
+        tokens = None
+        try:
+            async with self._session.post(url, json=body, allow_redirects=False) as r:
+                raw = await r.content.read(MAX_ANSWER_BYTES + 1) if r.status == 200 else b""
+                if len(raw) <= MAX_ANSWER_BYTES and raw:
+                    tokens = parse_tokens(json.loads(raw))
+                why = f"HTTP {r.status}" if r.status != 200 else "an answer without token ids"
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        self.seconds += time.perf_counter() - start
+        if tokens is None:
+            self.failures += 1
+            log.warning("tokenize at %s failed (%s): this request is routed by the approximate prefix index",
+                        url, why)
+        return tokens
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
