@@ -1,0 +1,243 @@
+"""The exact prefix index: vLLM's KV-event messages decoded (runtime_worker/kv_events.py),
+relayed over a real ZeroMQ socket, carried by the protocol, and applied to one
+replica's index (supervisor/kv_index.py) and to the prefix policy. No processes.
+
+The payloads are built as vLLM's publisher makes them (vllm/distributed/kv_events.py:
+msgspec msgpack of KVEventBatch, an array [ts, events, rank], each event a map tagged
+by "type"); the vLLM tier (tests/test_vllm_serve.py) checks the same path on a real engine."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+
+import msgpack
+import pytest
+import zmq
+
+import protocol as p
+from runtime_worker.kv_events import MAX_BLOCKS_PER_EVENT, MAX_PENDING_EVENTS, KvEventRelay, decode_frame
+from supervisor.jobs import Job
+from supervisor.kv_index import ExactIndex, token_block_keys
+from supervisor.replica_choice import Decision, make_replica_choice
+from supervisor.states import ReplicaState
+
+BS = 4  # block size of these tests
+
+
+def stored(hashes, parent, tokens, size=BS, **extra) -> dict:
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+            "block_size": size, "lora_id": None, "medium": "GPU", "lora_name": None, **extra}
+
+
+def removed(hashes) -> dict:
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU"}
+
+
+def frame(seq: int, events: list, topic: bytes = b"") -> list[bytes]:
+    return [topic, seq.to_bytes(8, "big"), msgpack.packb([1.5, events, None])]
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+# -- the decoder ------------------------------------------------------------------------------------
+def test_decode_vllm_frame():
+    seq, events = decode_frame(frame(7, [stored([h(1), h(2)], None, list(range(8))), removed([h(1)]),
+                                         {"type": "AllBlocksCleared"}]))
+    assert seq == 7
+    assert events == [["stored", [h(1), h(2)], None, list(range(8)), BS, False], ["removed", [h(1)]], ["cleared"]]
+
+
+def test_decode_marks_extra_keys_and_skips_other_caches():
+    _, events = decode_frame(frame(0, [
+        stored([h(1)], None, [1, 2, 3, 4], extra_keys=[["salt"]]),
+        stored([h(2)], None, [1, 2, 3, 4], medium="CPU"),  # an offload tier: not the engine's cache
+        stored([h(3)], None, [1, 2, 3, 4], group_idx=1),  # another KV group
+        stored([5], None, [1, 2, 3, 4]),  # int hashes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+    ]))
+    assert events == [["stored", [h(1)], None, [1, 2, 3, 4], BS, True], ["stored", [5], None, [1, 2, 3, 4], BS, False]]
+
+
+def test_decode_splits_long_events():
+    n = MAX_BLOCKS_PER_EVENT * 2 + 3
+    _, events = decode_frame(frame(0, [stored([h(i) for i in range(n)], h(999), list(range(n * BS)))]))
+    assert [len(e[1]) for e in events] == [MAX_BLOCKS_PER_EVENT, MAX_BLOCKS_PER_EVENT, 3]
+    assert [e[2] for e in events] == [h(999), h(MAX_BLOCKS_PER_EVENT - 1), h(2 * MAX_BLOCKS_PER_EVENT - 1)]
+    assert [t for e in events for t in e[3]] == list(range(n * BS))
+
+
+@pytest.mark.parametrize("parts", [
+    [b"", b"\x00" * 8],  # two frames
+    [b"", b"\x00" * 7, msgpack.packb([1.0, []])],  # short sequence number
+    [b"", b"\x00" * 8, b"\xc1garbage"],
+    [b"", b"\x00" * 8, msgpack.packb({"ts": 1})],
+    [b"", b"\x00" * 8, msgpack.packb([1.0, [{"type": "BlockExploded"}]])],
+    [b"", b"\x00" * 8, msgpack.packb([1.0, [stored([h(1)], None, [1, 2, 3])]])],  # tokens do not fill it
+    [b"", b"\x00" * 8, msgpack.packb([1.0, [stored(["x"], None, [1, 2, 3, 4])]])],
+    [b"", b"\x00" * 8, msgpack.packb([1.0, [stored([h(1)], None, [1, 2, "3", 4])]])],
+    [b"", b"\x00" * 8, msgpack.packb([1.0, [stored([h(1)], None, [1, 2, 3, 4], size=True)]])],
+    [b"", b"\x00" * 8, msgpack.packb([1.0, ["not a map"]])],
+])
+def test_decode_refuses_malformed(parts):
+    assert isinstance(decode_frame(parts), str)
+
+
+# -- the relay, over a real socket -------------------------------------------------------------------
+async def _relay_run(messages: list, want: int):
+    """A PUB bound where an engine would, the relay subscribed: what reaches `send`.
+    `messages`: (sequence number counted after the probes, events), or raw frames."""
+    sent: list[tuple[list, bool]] = []
+    with tempfile.TemporaryDirectory() as d:
+        endpoint = f"ipc://{d}/events"
+        ctx = zmq.Context()
+        relay = KvEventRelay(ctx, endpoint, lambda events, reset: sent.append((events, reset)))
+        pub = ctx.socket(zmq.PUB)
+        pub.bind(endpoint)
+        try:
+            deadline = asyncio.get_running_loop().time() + 10
+            # a PUB drops what it sends before the subscription arrives: a probe until one gets through
+            probes = 0
+            while not sent:
+                pub.send_multipart(frame(probes, []))
+                probes += 1
+                await asyncio.sleep(0.05)
+                assert asyncio.get_running_loop().time() < deadline, "the relay never heard the publisher"
+            await asyncio.sleep(0.1)  # the probes in flight arrive
+            sent.clear()
+            probe_gaps = relay.gaps  # a probe sent before the subscription arrived is a gap too
+            for m in messages:
+                pub.send_multipart(frame(probes + m[0], m[1]) if isinstance(m, tuple) else m)
+            while sum(len(e) for e, _ in sent) + sum(r for _, r in sent) < want:
+                await asyncio.sleep(0.02)
+                assert asyncio.get_running_loop().time() < deadline, f"relay sent {sent}"
+        finally:
+            pub.close(0)
+            relay.close()
+            ctx.term()
+    return sent, relay.gaps - probe_gaps, relay.malformed
+
+
+def test_relay_passes_events_in_order_and_resets_on_a_gap_or_garbage():
+    messages = [(0, [stored([h(1)], None, [1, 2, 3, 4])]),
+                (2, [removed([h(1)])]),  # 1 is missing: a gap, said with the events after it
+                [b"", b"\x00" * 8, b"\xc1garbage"],  # malformed: the relay survives it
+                (3, [{"type": "AllBlocksCleared"}])]
+    sent, gaps, malformed = asyncio.run(_relay_run(messages, want=5))
+    assert sent == [([["stored", [h(1)], None, [1, 2, 3, 4], BS, False]], False),
+                    ([["removed", [h(1)]]], True), ([], True), ([["cleared"]], False)]
+    assert (gaps, malformed) == (1, 1)
+
+
+def test_relay_batches_are_bounded():
+    n = p.MAX_KV_EVENTS * 2 + 1
+    sent, _, _ = asyncio.run(_relay_run([(0, [removed([h(i)]) for i in range(n)])], want=n))
+    assert [len(e) for e, _ in sent] == [p.MAX_KV_EVENTS, p.MAX_KV_EVENTS, 1]
+    assert n < MAX_PENDING_EVENTS
+
+
+# -- the protocol message ----------------------------------------------------------------------------
+def test_kv_events_message_round_trip_and_bounds():
+    msg = p.KvEvents(events=[["stored", [h(1)], None, [1, 2, 3, 4], BS, False], ["cleared"]], reset=True)
+    assert p.decode(p.encode(msg)) == msg
+    too_many = msgpack.packb({"v": p.PROTOCOL_VERSION, "t": "kv_events", "events": [["cleared"]] *
+                              (p.MAX_KV_EVENTS + 1)})
+    assert isinstance(p.decode(too_many), p.ProtocolError)
+    wrong = msgpack.packb({"v": p.PROTOCOL_VERSION, "t": "kv_events", "events": "all", "reset": False})
+    assert isinstance(p.decode(wrong), p.ProtocolError)
+
+
+# -- the exact index ---------------------------------------------------------------------------------
+def chain(tokens: list[int], first: int = 0, parent=None) -> list:
+    """A stored event for the full blocks of `tokens`, hashed h(first), h(first+1), ..."""
+    n = len(tokens) // BS
+    return ["stored", [h(first + i) for i in range(n)], parent, tokens[:n * BS], BS, False]
+
+
+def test_index_matches_what_the_engine_stored():
+    index = ExactIndex(100)
+    prompt = list(range(100, 114))  # 3 full blocks and 2 tokens
+    index.apply([chain(prompt[:8]), chain(prompt[8:12], first=2, parent=h(1))])
+    assert index.match(token_block_keys(prompt, BS)) == 3
+    assert index.match(token_block_keys([*prompt[:8], 0, 0, 0, 0], BS)) == 2  # differs in block 3
+    assert index.match(token_block_keys([1, *prompt[1:]], BS)) == 0  # differs in block 1: nothing after counts
+    index.apply([["removed", [h(1)]]])  # the engine dropped block 2: block 3 is no longer reachable by a prefix
+    assert index.match(token_block_keys(prompt, BS)) == 1
+    index.apply([["cleared"]])
+    assert index.match(token_block_keys(prompt, BS)) == 0 and len(index) == 0
+
+
+def test_index_cannot_match_what_tokens_do_not_key():
+    index = ExactIndex(100)
+    prompt = list(range(12))
+    index.apply([["stored", [h(0)], None, prompt[:4], BS, True],  # a salted (extra-keyed) root
+                 ["stored", [h(1), h(2)], h(0), prompt[4:12], BS, False]])
+    assert index.match(token_block_keys(prompt, BS)) == 0
+    index.apply([["stored", [h(5)], h(404), prompt[:4], BS, False]])  # an unknown parent
+    assert index.match(token_block_keys(prompt, BS)) == 0
+
+
+def test_index_reset_bound_and_malformed_events():
+    index = ExactIndex(4)
+    prompt = list(range(24))  # 6 blocks
+    index.apply([chain(prompt)])
+    assert len(index) == 4  # bounded: the oldest stored went first
+    assert index.match(token_block_keys(prompt, BS)) == 0  # blocks 1 and 2 are forgotten
+    index.apply([["stored", [h(9)], None, [1, 2], BS, False], ["bogus"], [], "x", ["removed", 5]])
+    assert index.malformed == 5
+    index.apply([chain(prompt[:8], first=20)], reset=True)
+    assert (len(index), index.resets) == (2, 1) and index.match(token_block_keys(prompt, BS)) == 2
+
+
+# -- the policy ---------------------------------------------------------------------------------------
+class FakeReplica:
+    def __init__(self, index: int, kv_events: bool = True) -> None:
+        self.index, self.identity, self.state = index, f"m/{index}#1", ReplicaState.READY
+        self.capacity = self.runtime_capacity = 4
+        self.info = {"kv_events": kv_events}
+        self.inflight: dict = {}
+
+    @property
+    def free_slots(self) -> int:
+        return self.capacity - len(self.inflight)
+
+
+def job(tokens: list[int] | None, text: str = "hello") -> Job:
+    j = Job("m", {"messages": [{"role": "user", "content": text}]}, 60)
+    j.prompt_tokens = tokens
+    return j
+
+
+def test_policy_routes_by_the_engines_blocks():
+    policy = make_replica_choice("prefix")
+    replicas = [FakeReplica(0), FakeReplica(1)]
+    prompt = list(range(40))
+    for r in replicas:
+        policy.exact(r)  # known to report its cache
+    policy.kv_events(replicas[1], [chain(prompt)], False)
+    for _ in range(3):  # the replica holding it, whatever the round-robin cursor says
+        assert policy.choose(replicas, job(prompt)) is replicas[1]
+    assert policy.decisions[Decision.PREFIX_HIT] == 3
+    view = policy.replica_view(replicas[1])
+    assert view["kv_index"]["blocks"] == 10 and view["prefix_matches"]["exact"] == 3
+    # the engine dropped it: nothing to go on
+    policy.kv_events(replicas[1], [["cleared"]], False)
+    policy.choose(replicas, job(prompt))
+    assert policy.decisions[Decision.PREFIX_HIT] == 3 and policy.decisions[Decision.LEAST_INFLIGHT] == 1
+
+
+def test_policy_falls_back_without_token_ids_and_forgets_a_restart():
+    policy = make_replica_choice("prefix")
+    replicas = [FakeReplica(0), FakeReplica(1)]
+    first = policy.choose(replicas, job(None, "x" * 2000))  # no token ids: the approximate index records it
+    assert policy.choose(replicas, job(None, "x" * 2000)) is first
+    assert policy.replica_view(first)["prefix_matches"]["approximate_fallback"] >= 1
+    prompt = list(range(40))
+    policy.kv_events(replicas[0], [chain(prompt)], False)
+    assert policy.choose(replicas, job(prompt)) is replicas[0]
+    replicas[0].identity = "m/0#2"  # a new worker: its cache is empty
+    assert policy.replica_view(replicas[0]).get("kv_index") is None
+    before = policy.decisions[Decision.PREFIX_HIT]
+    policy.choose(replicas, job(prompt))
+    assert policy.decisions[Decision.PREFIX_HIT] == before
