@@ -163,7 +163,7 @@ class SyntheticOptions(_Options):
     output_tokens: int = Field(16, ge=0)
     load_ms: float = Field(0, ge=0)
     chaos: Literal["garbage", "wrong_types", "bad_version", "oversized", "unknown_job",
-                   "bad_batch_item", "bad_batch", "lone_surrogate"] | None = None  # tests
+                   "bad_batch_item", "bad_batch", "lone_surrogate", "kv_events"] | None = None  # tests
     chaos_prompt: str | None = None  # chaos only for jobs whose last message is this
     grandchild: bool = False  # tests: start a process in its own session that must die with the worker
 

