@@ -213,3 +213,31 @@ def test_a_shared_state_dir_keeps_its_mode_and_the_pool_makes_its_own(make_pool,
     assert stat.S_IMODE(own.stat().st_mode) == 0o700 and stat.S_IMODE((own / "logs").stat().st_mode) == 0o700
     assert (own / "logs" / "s-0.log").is_file() and (own / "requests.sqlite3").is_file()
     assert sorted(p.name for p in shared.iterdir()) == ["llm-pool"]  # nothing of the pool's lies open beside it
+
+
+VLLM_MODEL = '[[models]]\nname = "v"\nbackend = "vllm_serve"\nreplicas = {replicas}\n{extra}[models.options]\nmodel = "m"\n'
+
+
+@pytest.mark.parametrize("replicas, extra, kv_option, expected", [
+    (2, "", "", True),  # routing defaults to prefix for 2 replicas: KV events on
+    (1, "", "", False),  # least_inflight: off
+    (2, "", "kv_events = false\n", False),
+    (2, 'routing = "session"\n', "", False),
+    (1, 'routing = "prefix"\n', "kv_events = true\n", True),
+])
+def test_vllm_kv_events_follow_prefix_routing(tmp_path, replicas, extra, kv_option, expected):
+    path = tmp_path / "pool.toml"
+    path.write_text(VLLM_MODEL.format(replicas=replicas, extra=extra) + kv_option)
+    assert load_config(path).models[0].worker_options["kv_events"] is expected
+
+
+@pytest.mark.parametrize("extra, kv_option, expected", [
+    ('routing = "least_inflight"\n', "kv_events = true\n", "routing 'least_inflight'"),
+    ("", 'kv_events = "yes"\n', "options.kv_events"),
+])
+def test_vllm_kv_events_refused_where_nothing_reads_them(tmp_path, extra, kv_option, expected):
+    path = tmp_path / "pool.toml"
+    path.write_text(VLLM_MODEL.format(replicas=2, extra=extra) + kv_option)
+    with pytest.raises(ConfigError) as exc:
+        load_config(path)
+    assert "options.kv_events" in str(exc.value) and expected in str(exc.value), str(exc.value)
