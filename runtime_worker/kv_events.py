@@ -123,7 +123,7 @@ class KvEventRelay:
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, 1024)  # a stalled worker loses messages past this (a gap: reset), not memory
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 4096)  # a bigger message drops the connection
         sock.connect(endpoint)  # before the engine binds: it then delivers from its first batch
         self._send = send

@@ -98,8 +98,8 @@ def streamed_multi_turn(url: str, model: str, conversations_n: int = 8, turns: i
                         at_once: bool = True) -> list[float]:
     """Streamed turns: the times to the first content chunk (TTFT). `at_once`: each
     conversation in its own thread, turn after turn; else one request at a time,
-    the conversations' turns interleaved (turn 1 of each, then turn 2, ...), so a
-    TTFT is prefill alone, without queueing. The assistant turns in the history
+    the conversations' turns interleaved (turn 1 of each in a shuffled order,
+    then turn 2, ...), so a TTFT is prefill alone, without queueing. The assistant turns in the history
     are fixed text, so both policies see the same prompts."""
     times: list[float] = []
     rngs = [random.Random(200 + c) for c in range(conversations_n)]
@@ -129,9 +129,10 @@ def streamed_multi_turn(url: str, model: str, conversations_n: int = 8, turns: i
         with ThreadPoolExecutor(conversations_n) as ex:
             list(ex.map(talk, range(conversations_n)))
     else:
-        with httpx.Client(base_url=url, timeout=300) as http:
+        order = random.Random(7)  # each round in its own order: a fixed order with an even number of
+        with httpx.Client(base_url=url, timeout=300) as http:  # conversations is sticky under round-robin
             for _ in range(turns):
-                for c in range(conversations_n):
+                for c in order.sample(range(conversations_n), conversations_n):
                     turn(http, c)
     return times
 
@@ -169,7 +170,7 @@ def smollm2_multi_turn(bench: Bench, out: dict, cache_ram: bool = True, at_once:
     rows.append(["least_inflight / prefix", "", f"{a['p50_s'] / b['p50_s']:.2f}x",
                  f"{a['p95_s'] / b['p95_s']:.2f}x", "", ""])
     return table([f"SmolLM2-135M multi-turn (8 conversations x 6 turns "
-                  f"{'at once' if at_once else 'interleaved, one request at a time'}, 2 replicas x 4 slots, "
+                  f"{'at once' if at_once else 'shuffled, one request at a time'}, 2 replicas x 4 slots, "
                   f"llama-server -t 1 each{'' if cache_ram else ', --cache-ram 0'})", "requests", "TTFT p50 ms", "TTFT p95 ms", "cached / prompt tokens",
                   "served per replica"], rows)
 
