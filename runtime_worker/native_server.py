@@ -515,8 +515,8 @@ class UpstreamBody:
         connection can carry the next job; a server that does not end the body in
         time (or sends more than a little) only costs that connection."""
         try:
-            async with asyncio.timeout(timeout_s):
-                async for _ in self.chunks(ERROR_BODY_BYTES):
+            async with asyncio.timeout(timeout_s), aclosing(self.chunks(ERROR_BODY_BYTES)) as pieces:
+                async for _ in pieces:
                     pass
         except (TimeoutError, JobError):
             pass

@@ -12,6 +12,7 @@ import asyncio
 import functools
 import json
 import re
+from contextlib import aclosing
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -90,11 +91,14 @@ def add_inference_routes(app: FastAPI, engine, admission, metrics, config) -> di
     # -- running a job for a client ------------------------------------------------------------------
     async def collect(job: Job) -> tuple[shapes.Choices, Done]:
         choices = shapes.Choices()
-        async for event in job.stream(engine.cancel):
-            if isinstance(event, Delta):
-                choices.add(event)
-            else:
-                return choices, event
+        # closed here, not left to the garbage collector, whose finalizer would wake the loop
+        # from "another thread" and spend a task on closing it, per request
+        async with aclosing(job.stream(engine.cancel)) as events:
+            async for event in events:
+                if isinstance(event, Delta):
+                    choices.add(event)
+                else:
+                    return choices, event
         raise PoolError(ErrorCode.RUNTIME_ERROR, "job ended without a result")
 
     async def unless_disconnected(request: Request, job: Job, waiting):

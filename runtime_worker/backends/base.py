@@ -113,7 +113,8 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def run(self, job: str, request: dict) -> AsyncIterator[Event]:
-        """Run one job (`job` is its id): stream TextDelta events, end with exactly one Finished."""
+        """Run one job (`job` is its id): stream TextDelta events, end with exactly one Finished.
+        An async generator (the worker closes it with aclose when the job ends, however)."""
 
     def complete(self, job: str, request: dict) -> AsyncIterator[Event]:
         """A legacy text completion (endpoint "completions")."""
