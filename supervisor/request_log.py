@@ -30,7 +30,8 @@ QUERY_MAX_BYTES = 4 * 2**20  # the rows of one /admin/requests answer, about (th
 WAL_MAX_BYTES = 4 * 2**20  # the write-ahead log is cut back to this after a checkpoint
 
 COLUMNS = ("ts", "model", "endpoint", "status", "error_code", "error_message", "queued_ms", "ttft_ms",
-           "duration_ms", "tokens_in", "tokens_out", "prompt", "output", "tenant")
+           "duration_ms", "tokens_in", "tokens_out", "prompt", "output", "tenant", "cached_tokens",
+           "runtime_prefill_tps", "runtime_decode_tps")
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -47,7 +48,10 @@ CREATE TABLE IF NOT EXISTS requests (
     tokens_out INTEGER,
     prompt TEXT,                 -- only with the model's log_bodies, truncated
     output TEXT,
-    tenant TEXT                  -- who asked (a configured tenant name); NULL: refused before a tenant was known
+    tenant TEXT,                 -- who asked (a configured tenant name); NULL: refused before a tenant was known
+    cached_tokens INTEGER,       -- of tokens_in, from the runtime's prompt cache; NULL: the runtime did not say
+    runtime_prefill_tps REAL,    -- prompt tokens/s and output tokens/s as the runtime timed them
+    runtime_decode_tps REAL      -- (llama-server's timings); NULL: it gave none
 );
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 """
@@ -56,7 +60,8 @@ TEXT_LIMITS = {"model": 200, "endpoint": 64, "error_code": 64, "error_message": 
                "prompt": BODY_CHARS + 64, "output": BODY_CHARS + 64}  # room for truncate()'s note
 _TEXT_COLUMNS = tuple((COLUMNS.index(name), limit) for name, limit in TEXT_LIMITS.items())
 # columns added since the first schema: a log written by an older version gets them on open
-ADDED_COLUMNS = {"tenant": "TEXT"}
+ADDED_COLUMNS = {"tenant": "TEXT", "cached_tokens": "INTEGER", "runtime_prefill_tps": "REAL",
+                 "runtime_decode_tps": "REAL"}
 
 
 def truncate(text: str | None, limit: int = BODY_CHARS) -> str | None:
@@ -76,6 +81,23 @@ def phase_speeds(r: dict) -> dict:
     if (r.get("tokens_out") or 0) > 1 and ttft is not None and duration is not None and duration - ttft > 0:
         decode = round((r["tokens_out"] - 1) / ((duration - ttft) / 1000), 1)
     return {"prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode}
+
+
+class SpeedSource:
+    """Where a row's prefill and decode speeds come from (`speeds_from`)."""
+    RUNTIME = "runtime"  # the runtime's own timings of each phase (llama-server)
+    POOL = "pool"  # derived from the pool's times (phase_speeds): runtimes that time nothing
+
+
+def speeds(r: dict) -> dict:
+    """A logged request's prefill and decode speeds: the runtime's where it timed
+    them, else derived from the pool's own times; and which it is."""
+    if r.get("runtime_prefill_tps") is not None or r.get("runtime_decode_tps") is not None:
+        return {"prefill_tokens_per_s": r.get("runtime_prefill_tps"),
+                "decode_tokens_per_s": r.get("runtime_decode_tps"), "speeds_from": SpeedSource.RUNTIME}
+    derived = phase_speeds(r)
+    has = derived["prefill_tokens_per_s"] is not None or derived["decode_tokens_per_s"] is not None
+    return {**derived, "speeds_from": SpeedSource.POOL if has else None}
 
 
 def _cut(row: tuple) -> tuple:
@@ -268,5 +290,5 @@ class RequestLog:
         for r in rows:  # output tokens over the whole request (the time to the first one included)
             seconds = (r["duration_ms"] or 0) / 1000
             r["tokens_per_s"] = round(r["tokens_out"] / seconds, 1) if r["tokens_out"] and seconds > 0 else None
-            r.update(phase_speeds(r))
+            r.update(speeds(r))
         return rows, more
