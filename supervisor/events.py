@@ -43,6 +43,12 @@ class EventKind(StrEnum):
     STATE = "state"  # a model's shown state changed (degraded, failed, recovered)
 
 
+def tenant_actor(tenant: str) -> str:
+    """The actor of an event a tenant's request caused (a load on demand): the tenant by
+    its configured name, never its key."""
+    return f"tenant {tenant}"
+
+
 def emit(kind: EventKind, message: str, *, model: str | None = None, replica: int | None = None,
          by: str | None = None, level: int = logging.INFO) -> None:
     """Log the event (the supervisor's log) and record it (the timeline)."""
@@ -67,7 +73,7 @@ CREATE TABLE IF NOT EXISTS events (
     level TEXT NOT NULL,   -- info, warning, error
     model TEXT,
     replica INTEGER,
-    by TEXT,               -- who asked: cli, page, api, idle timer, memory budget, ...
+    by TEXT,               -- who asked: cli, page, admin key, api, tenant NAME, idle timer, memory budget, ...
     message TEXT NOT NULL
 );
 """
