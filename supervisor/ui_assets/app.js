@@ -323,9 +323,9 @@ async function refreshTenants() {
 
 // A phase speed: the runtime's own figure as is, one derived from the pool's times marked "~"
 function speedCell(r, value) {
-  if (value == null) return el("td", {class: "num"}, "-");
+  if (value == null) return el("td", {class: "speed num"}, "-");
   const derived = r.speeds_from !== "runtime";
-  return el("td", {class: "num" + (derived ? " derived" : ""),
+  return el("td", {class: "speed num" + (derived ? " derived" : ""),
                    title: derived ? "derived from the pool's own times" : "timed by the runtime"},
             (derived ? "~" : "") + value);
 }
