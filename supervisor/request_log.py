@@ -1,12 +1,12 @@
 """The request log: one row per finished inference request, in SQLite in the
 state dir, so that it survives a restart of the supervisor.
 
-The event loop never touches the database for a write: `record()` appends a
-tuple (its text columns cut to TEXT_LIMITS) to a deque, and one writer thread
-wakes every `flush_s`, inserts what has piled up in one transaction, then
-trims the table to `max_rows` rows, `days` days and about `max_bytes` bytes
-of data, and gives freed pages back to the file system (auto_vacuum =
-INCREMENTAL). Reads (`query`) open their own connection and are meant to run
+The event loop never touches the database for a write: `record()` queues a
+tuple (its text columns cut to TEXT_LIMITS) for the shared batched writer
+(sqlite_writer.BatchWriter), which every `flush_s` inserts what has piled up
+in one transaction, trims the table to `max_rows` rows, `days` days and about
+`max_bytes` bytes of data, and gives freed pages back to the file system
+(auto_vacuum = INCREMENTAL). Reads (`query`) open their own connection and are meant to run
 in a thread; one answer holds at most QUERY_MAX_BYTES of rows (and says
 where the next page starts)."""
 
@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-import threading
 import time
-from collections import deque
 from contextlib import closing
 from pathlib import Path
+
+from supervisor.sqlite_writer import BatchWriter
 
 log = logging.getLogger("llm_pool.request_log")
 
@@ -122,12 +122,9 @@ class RequestLog:
         self.max_rows = max_rows
         self.days = days
         self.max_bytes = max_bytes
-        self.flush_s = flush_s
-        self.dropped = 0
-        self.written = 0
-        self._rows: deque[tuple] = deque()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._insert = f"INSERT INTO requests ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
+        self._writer = BatchWriter("request-log", self.path, self._connect, self._write, queue_max=QUEUE_MAX,
+                                   flush_s=flush_s, prepare=self._vacuum_mode, after=self._give_back)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with closing(self._connect()) as db, db:
             db.execute("PRAGMA auto_vacuum=INCREMENTAL")  # before the first table: a new file has it
@@ -148,52 +145,33 @@ class RequestLog:
         return db
 
     # -- writing (any thread; cheap on the event loop) ---------------------------------------
+    @property
+    def dropped(self) -> int:
+        """Rows lost because QUEUE_MAX were waiting for the disk."""
+        return self._writer.dropped
+
+    @property
+    def written(self) -> int:
+        return self._writer.written
+
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._writer, name="request-log", daemon=True)
-        self._thread.start()
+        self._writer.start()
 
     def record(self, **row) -> None:
         """Queue one finished request (keys from COLUMNS; missing ones are NULL)."""
         self.append(tuple(row.get(c) for c in COLUMNS))
 
     def append(self, row: tuple) -> None:
-        """Queue one finished request: a tuple in COLUMNS order."""
-        if len(self._rows) >= QUEUE_MAX:  # the disk is stuck: lose log rows, never slow a request
-            self.dropped += 1
-            return
-        self._rows.append(_cut(row))
+        """Queue one finished request: a tuple in COLUMNS order (the disk stuck: dropped, counted)."""
+        self._writer.put(_cut(row))
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Write what is queued, then stop the writer."""
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join(timeout_s)
-            self._thread = None
+        self._writer.close(timeout_s)
 
-    def _writer(self) -> None:
-        db = self._connect()
-        try:
-            self._vacuum_mode(db)
-        except sqlite3.Error:
-            log.exception("request log: %s could not be switched to incremental vacuum", self.path)
-        insert = f"INSERT INTO requests ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
-        while True:
-            stopping = self._stop.wait(self.flush_s)
-            rows = []
-            while self._rows:
-                rows.append(self._rows.popleft())
-            if rows:
-                try:
-                    with db:
-                        db.executemany(insert, rows)
-                        self._trim(db)
-                    self._give_back(db)
-                    self.written += len(rows)
-                except sqlite3.Error:
-                    log.exception("request log: %d rows not written to %s", len(rows), self.path)
-            if stopping:
-                break
-        db.close()
+    def _write(self, db: sqlite3.Connection, rows: list[tuple]) -> None:  # the writer thread, in a transaction
+        db.executemany(self._insert, rows)
+        self._trim(db)
 
     def _vacuum_mode(self, db: sqlite3.Connection) -> None:
         """A file made before auto_vacuum was set keeps mode NONE until one VACUUM

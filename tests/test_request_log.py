@@ -5,11 +5,13 @@ page reads: /admin/requests, the live samples and the live log tail over SSE,
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 import threading
 import time
+from contextlib import closing
 
 import httpx
 import pytest
@@ -455,3 +457,35 @@ def test_llama_server_reports_cached_tokens_and_its_own_speeds(make_pool, tiny_g
     assert shown[1]["DECODE/S"] == str(second["decode_tokens_per_s"])
     blank = table_rows(cli("requests", "--model", "syn", url=pool.url).stdout)
     assert blank[0]["CACHED"] == "-" and blank[0]["FROM"] == "pool"
+
+
+def test_the_shared_writer_bounds_its_queue_and_outlives_a_failed_batch(tmp_path, caplog):
+    """One writer serves the request log and the timeline: past queue_max rows are dropped and
+    counted (never a wait), a batch SQLite refuses is logged and the next one is written."""
+    import sqlite3
+
+    from supervisor.sqlite_writer import BatchWriter
+
+    path = tmp_path / "w.sqlite3"
+    with closing(sqlite3.connect(path)) as db:
+        db.execute("CREATE TABLE t (v INTEGER NOT NULL)")
+
+    def write(db, rows):
+        db.executemany("INSERT INTO t (v) VALUES (?)", rows)
+
+    writer = BatchWriter("test-writer", path, lambda: sqlite3.connect(path, check_same_thread=False), write,
+                         queue_max=3, flush_s=0.01)
+    for v in range(5):  # not started: the queue fills, the last two are dropped
+        writer.put((v,))
+    assert writer.dropped == 2
+    writer.start()
+    wait_for(lambda: writer.written == 3, 5, what="the queued rows written")
+    with caplog.at_level(logging.ERROR, logger="llm_pool.sqlite_writer"):
+        writer.put((None,))  # NOT NULL: SQLite refuses this batch
+        wait_for(lambda: any("1 rows not written" in r.getMessage() for r in caplog.records), 5,
+                 what="the failed batch logged")
+    writer.put((7,))
+    writer.close()
+    assert writer.written == 4 and writer._thread is None
+    with closing(sqlite3.connect(path)) as db:
+        assert [v for (v,) in db.execute("SELECT v FROM t")] == [0, 1, 2, 7]
