@@ -16,7 +16,7 @@ from contextlib import closing
 from enum import StrEnum
 from pathlib import Path
 
-from supervisor.sqlite_writer import BatchWriter
+from supervisor.sqlite_writer import BatchWriter, insert_rows
 
 log = logging.getLogger("llm_pool.events")
 log.setLevel(logging.INFO)  # the timeline records every event, whatever the console's level
@@ -66,7 +66,6 @@ def clip(text: str | None, limit: int) -> str | None:
 
 
 COLUMNS = ("ts", "kind", "level", "model", "replica", "by", "message")
-INSERT = f"INSERT INTO events ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -125,7 +124,7 @@ class EventLog(logging.Handler):
         super().close()
 
     def _write(self, db: sqlite3.Connection, rows: list[tuple]) -> None:  # the writer thread, in a transaction
-        db.executemany(INSERT, rows)
+        insert_rows(db, "events", COLUMNS, rows)
         db.execute("DELETE FROM events WHERE id <= (SELECT id FROM events ORDER BY id DESC LIMIT 1 OFFSET ?)",
                    (self.max_rows,))
 

@@ -18,7 +18,7 @@ import time
 from contextlib import closing
 from pathlib import Path
 
-from supervisor.sqlite_writer import BatchWriter
+from supervisor.sqlite_writer import BatchWriter, insert_rows
 
 log = logging.getLogger("llm_pool.request_log")
 
@@ -122,7 +122,6 @@ class RequestLog:
         self.max_rows = max_rows
         self.days = days
         self.max_bytes = max_bytes
-        self._insert = f"INSERT INTO requests ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
         self._writer = BatchWriter("request-log", self.path, self._connect, self._write, queue_max=QUEUE_MAX,
                                    flush_s=flush_s, prepare=self._vacuum_mode, after=self._give_back)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -170,7 +169,7 @@ class RequestLog:
         self._writer.close(timeout_s)
 
     def _write(self, db: sqlite3.Connection, rows: list[tuple]) -> None:  # the writer thread, in a transaction
-        db.executemany(self._insert, rows)
+        insert_rows(db, "requests", COLUMNS, rows)
         self._trim(db)
 
     def _vacuum_mode(self, db: sqlite3.Connection) -> None:

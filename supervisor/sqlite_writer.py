@@ -3,13 +3,14 @@
 Callers on the event loop (or any thread) `put` a row: a deque append, never
 I/O, never a wait. One writer thread wakes every `flush_s`, takes what piled
 up, and hands it to the store's `write(db, rows)` in one transaction (the
-store inserts and trims there); `after(db)` runs once the transaction is
+store inserts there, with `insert_rows`, and trims); `after(db)` runs once the transaction is
 committed (the request log gives freed pages back there). Past `queue_max`
 waiting rows, new rows are dropped and counted: a stuck disk loses log rows,
 never slows a request. `close` writes what is queued, then stops the thread."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import sqlite3
 import threading
@@ -21,6 +22,25 @@ log = logging.getLogger("llm_pool.sqlite_writer")
 
 Write = Callable[[sqlite3.Connection, list[tuple]], None]
 Step = Callable[[sqlite3.Connection], None]
+
+
+INSERT_ROWS = 500  # rows per INSERT statement (17 columns at most: well under SQLite's 32,766 parameters)
+
+
+@functools.lru_cache(maxsize=16)
+def _insert(table: str, columns: tuple[str, ...], rows: int) -> str:
+    one = f"({', '.join('?' * len(columns))})"
+    return f"INSERT INTO {table} ({', '.join(columns)}) VALUES {', '.join([one] * rows)}"
+
+
+def insert_rows(db: sqlite3.Connection, table: str, columns: tuple[str, ...], rows: list[tuple]) -> None:
+    """The rows in a few INSERTs of up to INSERT_ROWS rows each. One statement for many
+    rows, not executemany: sqlite3 lets go of the GIL at each statement's step, and every
+    let-go while the event loop is busy costs the loop a wait for the GIL (a wait per
+    request, at 500 rows a second)."""
+    for start in range(0, len(rows), INSERT_ROWS):
+        chunk = rows[start:start + INSERT_ROWS]
+        db.execute(_insert(table, columns, len(chunk)), [value for row in chunk for value in row])
 
 
 class BatchWriter:
