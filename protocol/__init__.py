@@ -17,7 +17,8 @@ array of them; see below):
     ready   capacity, info{}                cancel    job
     delta   job, text, parts[]              heartbeat
     done    job, finish_reason, usage{},    shutdown
-            finish_reasons[], result{}
+            finish_reasons[], result{},
+            timings{}
     error   job|None, code, message
     heartbeat inflight, jobs[], submits_seen
 
@@ -55,6 +56,7 @@ from protocol.messages import (
     delta_parts,
     delta_size,
     merge_deltas,
+    runtime_timings,
 )
 
 __all__ = [
@@ -62,4 +64,5 @@ __all__ = [
     "find_unencodable",
     "Cancel", "Delta", "Done", "Error", "Heartbeat", "Hello", "Message", "Ready", "Setup",
     "Shutdown", "Submit", "ENDPOINTS", "delta_parts", "delta_size", "merge_deltas",
+    "runtime_timings",
 ]

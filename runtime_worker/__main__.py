@@ -183,12 +183,13 @@ class Worker:
                         self.outbox.put(event.data)
                     elif isinstance(event, Finished):
                         usage = {"input_tokens": event.input_tokens, "output_tokens": event.output_tokens}
-                        if event.cached_tokens:
+                        if event.cached_tokens is not None:  # a runtime's 0 is a fact; its silence is not
                             usage["cached_tokens"] = event.cached_tokens
                         if event.reasoning_tokens:
                             usage["reasoning_tokens"] = event.reasoning_tokens
                         self.send(p.Done(job=job, finish_reason=event.finish_reason, usage=usage,
-                                         finish_reasons=list(event.finish_reasons), result=event.result or {}))
+                                         finish_reasons=list(event.finish_reasons), result=event.result or {},
+                                         timings=event.timings or {}))
                         return
             raise JobError(ErrorCode.RUNTIME_ERROR, "runtime ended the job without finishing it")
         except asyncio.CancelledError:

@@ -26,6 +26,7 @@ from procutil.groups import signal_group, stop_group
 from procutil.net import free_port
 from protocol.choices import MAX_CHOICES, choice_limit
 from protocol.errors import ErrorCode, exit_text
+from protocol.messages import runtime_timings
 from protocol.redact import mask_url_credentials
 from runtime_worker.backends.base import (
     Backend, BackendLoadError, Event, Finished, JobError, OutputLimits, PartsDelta, TextDelta)
@@ -182,7 +183,7 @@ class OpenAIClient:
     async def _read_stream(self, upstream: UpstreamBody, chat: bool, choices: int) -> AsyncIterator[Event]:
         finishes: dict[int, str] = {}
         seen = {0}  # choice indexes that produced output (choice 0 always owes a finish_reason)
-        usage, produced, done = None, 0, False
+        usage, timings, produced, done = None, None, 0, False
         async with aclosing(sse_data(upstream, self.limits.max_upstream_line_bytes)) as lines:
             async for data in lines:
                 if data == b"[DONE]":
@@ -195,6 +196,8 @@ class OpenAIClient:
                     raise runtime_reported(chunk["error"])
                 if chunk.get("usage"):
                     usage = chunk["usage"]
+                if chunk.get("timings"):  # llama-server's, on its last chunk (the usage chunk, if asked for)
+                    timings = chunk["timings"]
                 for choice in chunk.get("choices") or ():
                     index = choice_index(choice, choices)
                     event = choice_event(choice, chat, index=index)
@@ -210,7 +213,7 @@ class OpenAIClient:
         if unfinished := sorted(seen - finishes.keys()):
             raise JobError(ErrorCode.RUNTIME_ERROR,
                            f"the runtime's stream ended with no finish_reason for choice {unfinished[0]}")
-        yield finished(finishes, usage, produced)
+        yield finished(finishes, usage, produced, timings)
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -254,17 +257,23 @@ def answer_events(raw: bytes, chat: bool, choices: int) -> list[Event]:
         finishes[index] = str(choice["finish_reason"])
     if 0 not in finishes:
         raise JobError(ErrorCode.RUNTIME_ERROR, "the runtime's answer has no choice 0")
-    return [*events, finished(finishes, answer.get("usage"), len(events))]
+    return [*events, finished(finishes, answer.get("usage"), len(events), answer.get("timings"))]
 
 
-def finished(finishes: dict[int, str], usage, produced: int) -> Finished:
+def finished(finishes: dict[int, str], usage, produced: int, timings=None) -> Finished:
     """The end of a completion: per choice finish reasons (below the request's
-    `n`, so at most MAX_CHOICES; a choice that said nothing at all stopped) and usage."""
+    `n`, so at most MAX_CHOICES; a choice that said nothing at all stopped), usage
+    and the runtime's own timings (llama-server's `timings`; none from most others)."""
     usage = usage if isinstance(usage, dict) else {}
     reasons = tuple(finishes.get(i, "stop") for i in range(max(finishes) + 1))
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return Finished(reasons[0], int(usage.get("prompt_tokens", 0)),
                     int(usage.get("completion_tokens", produced)), reasons if len(reasons) > 1 else (),
-                    cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
+                    # None when the runtime did not say: never a made-up 0
+                    cached_tokens=cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0
+                    else None,
+                    timings=runtime_timings(timings) or None,
                     reasoning_tokens=int((usage.get("completion_tokens_details") or {}).get("reasoning_tokens")
                                          or 0))
 

@@ -125,6 +125,14 @@ def create_app(config: PoolConfig) -> HttpEdge:
     async def admin_models():
         return {"models": [engine.model_view(e) for e in engine.models.values()]}
 
+    @app.get("/admin/tenants")
+    async def admin_tenants():
+        """The configured tenants (never their keys): the page's tenant filter, and their limits."""
+        return {"tenants": [{"name": t.name, "weight": t.spec.weight, "priority": t.spec.priority,
+                             "models": list(t.spec.models), "rpm": t.spec.rpm, "tpm": t.spec.tpm,
+                             "max_inflight": t.spec.max_inflight, "inflight": t.inflight}
+                            for t in engine.tenants.by_name.values()]}
+
     @app.post("/admin/models/{name}/load")
     async def admin_load(request: Request, name: str):
         return engine.model_view(await engine.load(name, by=admin_feeds.asked_by(request)))

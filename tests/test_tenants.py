@@ -307,3 +307,28 @@ def test_request_log_gains_the_tenant_column_and_filters_by_it(tmp_path):
     store.close()
     assert [r["tenant"] for r in store.query()] == ["team-b", "team-a", None]
     assert [r["status"] for r in store.query(tenant="team-a")] == [200]
+
+
+def test_the_timeline_names_the_tenant_whose_request_loaded_a_model_and_never_a_key(make_pool):
+    """Who asked, by name: a load on demand says which tenant's request caused it; an
+    admin call without the CLI's or the page's header says `admin key`; no key anywhere."""
+    pool = tenants_pool(make_pool, [synthetic("lazy", tokens=2, load_on_start=False)],
+                        [{"name": "team-a", "keys": ["sk-team-a-secret"]}])
+    http = pool.http
+    r = http.post("/v1/chat/completions", json=chat("lazy"), headers=key("sk-team-a-secret"))
+    assert r.status_code == 200, r.text
+    unloaded = http.post("/admin/models/lazy/unload", headers=ADMIN_H)
+    assert unloaded.status_code == 200, unloaded.text
+
+    def timeline() -> list[dict]:
+        return http.get("/admin/events", params={"model": "lazy"}, headers=ADMIN_H).json()["events"]
+    events = wait_for(lambda: (e := timeline()) and any(x["kind"] == "unloading" for x in e) and e, 5,
+                      what="the load and the unload in the timeline")
+    by = {e["kind"]: e["by"] for e in events}
+    assert by["loading"] == by["loaded"] == "tenant team-a", events
+    assert by["unloading"] == "admin key", events
+    assert "sk-team-a-secret" not in str(events) and ADMIN not in str(events)
+    # the page's tenant filter lists the configured tenants (never their keys)
+    tenants = http.get("/admin/tenants", headers=ADMIN_H).json()["tenants"]
+    assert {t["name"] for t in tenants} == {"team-a", "default"}
+    assert "sk-team-a-secret" not in str(tenants) and "sk-default" not in str(tenants)
