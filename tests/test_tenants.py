@@ -16,6 +16,7 @@ import pytest
 import tomli_w
 
 from protocol.errors import ErrorCode, PoolError
+from supervisor.admission import DEFAULT_OUTPUT_RESERVE, output_reserve
 from supervisor.config import ConfigError, parse_config
 from supervisor.tenants import Tenants, Window, duration
 from tests.conftest import synthetic
@@ -112,6 +113,26 @@ def test_limits_refuse_with_retry_after_and_a_reload_keeps_what_was_used():
     a.admit()  # rpm 3 with 2 used: one more
     headers = dict(a.limit_headers())
     assert headers[b"x-ratelimit-limit-requests"] == b"3" and headers[b"x-ratelimit-remaining-requests"] == b"0"
+
+
+def test_tpm_reserves_the_most_output_and_settles_to_what_was_used():
+    a = Tenants(parse_config({"tenants": [{"name": "a", "keys": ["k"], "tpm": 100}]})).by_name["a"]
+    assert output_reserve({"max_tokens": 40}) == 40
+    assert output_reserve({"max_completion_tokens": 7}) == 7 and output_reserve({"max_output_tokens": 9}) == 9
+    assert output_reserve({}) == DEFAULT_OUTPUT_RESERVE and output_reserve({"max_tokens": True}) == DEFAULT_OUTPUT_RESERVE
+    a.reserve_tokens(60)  # prompt + max output: held at admission
+    assert dict(a.limit_headers())[b"x-ratelimit-remaining-tokens"] == b"40"
+    with pytest.raises(PoolError) as refused:  # 40 left: a second reserve of 60 does not fit
+        a.reserve_tokens(60)
+    assert refused.value.code is ErrorCode.RATE_LIMIT_EXCEEDED and "reserves 60 tokens" in refused.value.message
+    assert 1 <= refused.value.retry_after_s <= 13  # 20 tokens at 100 a minute: about 12 s
+    a.charge_tokens(15 - 60)  # the first request used 15: the rest comes back
+    a.reserve_tokens(60)  # 85 left (and a little refill): fits
+    # a request larger than the whole window goes in once the window is full, never before
+    b = Tenants(parse_config({"tenants": [{"name": "b", "keys": ["k"], "tpm": 100}]})).by_name["b"]
+    b.reserve_tokens(500)
+    with pytest.raises(PoolError):
+        b.reserve_tokens(1)
 
 
 # -- real pools ---------------------------------------------------------------------------------------------

@@ -103,8 +103,10 @@ def admission_cost(iterations: int) -> dict[str, float]:
         def entry(self, name: str) -> Entry:
             return Entry
 
-        def submit(self, model, request, endpoint, tenant="default") -> Job:
+        def submit(self, model, request, endpoint, tenant="default", before_queue=None) -> Job:
             job = Job(model, request, 600, None, endpoint, tenant)
+            if before_queue is not None:
+                before_queue(job)
             self.queue.push(job)
             return job
 
