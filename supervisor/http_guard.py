@@ -35,6 +35,7 @@ from uvicorn.importer import import_from_string
 from protocol.errors import ErrorCode, PoolError
 from supervisor.admission import Admission, key_matches, presented_key
 from supervisor.config import ServerConfig
+from supervisor.tenants import UNKNOWN_KEY
 
 log = logging.getLogger("llm_pool.http")
 
@@ -377,8 +378,11 @@ class HttpEdge:
     other request to `app`."""
 
     def __init__(self, app, server: ServerConfig, admission: Admission, api_key: str | None,
-                 admin_key: str | None, inference: Router | None = None) -> None:
+                 admin_key: str | None, inference: Router | None = None, on_key_refused=None) -> None:
         self.app = app
+        # on_key_refused(path, error, tenant): a /v1/ request refused for its key (401); tenant is
+        # UNKNOWN_KEY when a key was given that no tenant holds, None when none was given
+        self.on_key_refused = on_key_refused
         self.inference = inference
         self.inference_paths = frozenset(r.path for r in inference.routes) if inference else frozenset()
         self.limit = server.max_body_bytes
@@ -470,6 +474,9 @@ class HttpEdge:
             try:
                 scope[TENANT_KEY] = self.admission.tenant(scope["headers"])
             except PoolError as refusal:
+                if self.on_key_refused is not None:  # a row in the request log: the key's owner, never the key
+                    given = presented_key(scope["headers"])
+                    self.on_key_refused(path, refusal, UNKNOWN_KEY if given else None)
                 return refusal
             return None
         if not is_admin_path(path):

@@ -47,7 +47,7 @@ CREATE TABLE IF NOT EXISTS requests (
     tokens_out INTEGER,
     prompt TEXT,                 -- only with the model's log_bodies, truncated
     output TEXT,
-    tenant TEXT                  -- who asked (a configured tenant name); NULL: refused before a tenant was known
+    tenant TEXT                  -- who asked (a configured tenant name); "(unknown key)": refused for a key no tenant holds; NULL: no key
 );
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 """

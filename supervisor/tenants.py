@@ -26,6 +26,9 @@ from supervisor.fair_queue import Share
 from supervisor.process import withhold_env
 
 DEFAULT = "default"  # the tenant of [server] api_key, and of every request when no key is set
+# the request log's tenant for a request refused for a key no tenant holds: a value no tenant
+# name can take (names are [A-Za-z0-9._-]), and never the key itself; no metric label uses it
+UNKNOWN_KEY = "(unknown key)"
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ a weight without touching a worker."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -183,6 +184,15 @@ def test_identity_scope_and_model_list(make_pool):
     assert [(r["TENANT"], r["MODEL"]) for r in table_rows(done.stdout)] == [("team-b", "syn-b")]
     metrics = http.get("/metrics").text
     assert 'llm_pool_tenant_requests_total{model="syn-a",status="200",tenant="team-a"} 2.0' in metrics
+    # the 401s are logged: an unknown key (the admin key is one here) shows as such, never as the key
+    unknown = http.get("/admin/requests", params={"tenant": "(unknown key)"}, headers=ADMIN_H)
+    assert [(r["status"], r["error_code"]) for r in unknown.json()["requests"]] == [(401, "invalid_api_key")] * 2
+    keyless = [r for r in http.get("/admin/requests", params={"status": "error"}, headers=ADMIN_H).json()["requests"]
+               if r["error_code"] == "unauthorized"]
+    assert [r["tenant"] for r in keyless] == [None]
+    assert "sk-nope" not in unknown.text and ADMIN not in unknown.text
+    labels = set(re.findall(r'tenant="([^"]*)"', metrics))
+    assert labels and labels <= {"team-a", "team-b", "default"}, labels  # configured names only
     assert 'llm_pool_tenant_requests_total{model="syn-b",status="404",tenant="team-a"} 1.0' in metrics
     assert 'llm_pool_tenant_tokens_total{kind="output",model="syn-b",tenant="team-b"}' in metrics
     assert 'llm_pool_tenant_queue_wait_seconds_count{model="syn-a",tenant="team-a"} 2.0' in metrics
