@@ -198,6 +198,11 @@ class ModelConfig(_Strict):
     replicas: int = Field(1, ge=1, le=64)
     target_inflight: int = Field(1, ge=1, le=4096)
     max_queue: int = Field(256, ge=0)
+    # Slots per replica beyond target_inflight that only a request whose tenant has nothing
+    # running on this model may take (supervisor/scheduler.py): a light tenant's request starts
+    # at once while others flood, instead of waiting for a running request to end. Opt-in, for
+    # runtimes with room above target_inflight: clamped to what the runtime reports it can run.
+    newcomer_slots: int = Field(0, ge=0, le=64)
     load_on_start: bool = True
     load_on_demand: bool = True  # a request for an unloaded model loads it and waits in its queue
     idle_unload_s: float | None = Field(None, gt=0)  # nothing queued or running this long: unload

@@ -293,6 +293,30 @@ def test_a_flood_by_one_key_and_another_keys_request_is_served_at_the_next_free_
     wait_for(lambda: served_order(pool, 11).count("heavy") == 10, 5, what="every request in the log")
 
 
+def test_a_newcomer_slot_starts_a_light_tenant_beside_a_flood(make_pool):
+    """target_inflight 1 on a runtime that runs 2, with newcomer_slots = 1: heavy's backlog
+    never takes the second slot (heavy has a job running), light's request starts in it at once,
+    while heavy's job still runs and heavy's backlog still waits."""
+    pool = tenants_pool(make_pool, [synthetic("syn", tokens=400, tps=200, capacity=2, newcomer_slots=1)],
+                        [{"name": "heavy", "keys": ["sk-h"]}, {"name": "light", "keys": ["sk-l"]}])
+    workers = lambda: pool.http.get("/admin/workers", headers=ADMIN_H).json()["workers"]  # noqa: E731
+    assert workers()[0]["newcomer_slots"] == 1 and workers()[0]["capacity"] == 1
+    threads = flood(pool, "sk-h", 4, max_tokens=400)  # 2 s each on the one regular slot
+    wait_for(lambda: queue_depth(pool) >= 2, 20, what="heavy's backlog")
+    assert workers()[0]["inflight"] == 1  # the newcomer slot is not heavy's: it has a job running
+    with httpx.stream("POST", pool.url + "/v1/chat/completions", json=chat("syn", max_tokens=400, stream=True),
+                      headers=key("sk-l"), timeout=30) as light:
+        assert light.status_code == 200
+        lines = light.iter_lines()
+        next(lines)  # light's first chunk: it runs now...
+        # ...beside a heavy job (heavy's backlog keeps the regular slot busy), without waiting for it
+        assert workers()[0]["inflight"] == 2 and queue_depth(pool) >= 1
+        assert any(line == "data: [DONE]" for line in lines)
+    for t in threads:
+        t.join(60)
+    wait_for(lambda: served_order(pool, 5).count("heavy") == 4, 5, what="every request in the log")
+
+
 def test_reload_changes_a_weight_without_touching_a_worker(make_pool):
     tenants = [{"name": "a", "keys": ["sk-a"]}, {"name": "b", "keys": ["sk-b"]}, {"name": "c", "keys": ["sk-c"]}]
     pool = tenants_pool(make_pool, [synthetic("syn", tokens=2000, tps=200)], tenants)
