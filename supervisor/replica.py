@@ -239,7 +239,8 @@ class Replica:
             self.proc = await self.launcher([
                 "--endpoint", endpoint, "--replica", self.identity,
                 "--backend", self.cfg.backend,  # its options (secrets among them) follow Hello, in Setup
-                "--target-inflight", str(self.cfg.target_inflight),
+                # the runtime is sized for the regular slots and the newcomer slots above them
+                "--target-inflight", str(self.cfg.target_inflight + self.cfg.newcomer_slots),
                 "--heartbeat-s", str(self.server.heartbeat_s), "--liveness-s", str(self.server.liveness_s),
                 "--stop-timeout-s", str(self.cfg.stop_timeout_s), "--cancel-grace-s", str(self.cfg.cancel_grace_s),
                 "--supervisor-patience-s", str(self.server.supervisor_patience_s),
