@@ -169,7 +169,7 @@ class Worker:
                     if event.text:
                         budget -= len(event.text)
                         self._over_budget(budget)
-                        self.send(p.Delta(job=job, text=event.text))
+                        self.outbox.put_text(job, event.text)
                 elif isinstance(event, PartsDelta):
                     if event.parts:
                         delta = p.Delta(job=job, parts=event.parts)
