@@ -48,7 +48,7 @@ CREATE TABLE IF NOT EXISTS requests (
     tokens_out INTEGER,
     prompt TEXT,                 -- only with the model's log_bodies, truncated
     output TEXT,
-    tenant TEXT                  -- who asked (a configured tenant name); "(unknown key)": refused for a key no tenant holds; NULL: no key
+    tenant TEXT                  -- who asked (a configured tenant name); NULL: refused before a tenant was known
 );
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 """
@@ -57,6 +57,7 @@ TEXT_LIMITS = {"model": 200, "endpoint": 64, "error_code": 64, "error_message": 
                "prompt": BODY_CHARS + 64, "output": BODY_CHARS + 64}  # room for truncate()'s note
 _TEXT_COLUMNS = tuple((COLUMNS.index(name), limit) for name, limit in TEXT_LIMITS.items())
 # columns added since the first schema: a log written by an older version gets them on open
+# tenant: also "(unknown key)" (tenants.UNKNOWN_KEY) for a 401 whose key no tenant holds; NULL with no key
 ADDED_COLUMNS = {"tenant": "TEXT"}
 
 

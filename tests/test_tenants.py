@@ -120,7 +120,7 @@ def test_tpm_reserves_the_most_output_and_settles_to_what_was_used():
     a = Tenants(parse_config({"tenants": [{"name": "a", "keys": ["k"], "tpm": 100}]})).by_name["a"]
     assert output_reserve({"max_tokens": 40}) == 40
     assert output_reserve({"max_completion_tokens": 7}) == 7 and output_reserve({"max_output_tokens": 9}) == 9
-    assert output_reserve({}) == DEFAULT_OUTPUT_RESERVE and output_reserve({"max_tokens": True}) == DEFAULT_OUTPUT_RESERVE
+    assert output_reserve({}) == output_reserve({"max_tokens": True}) == DEFAULT_OUTPUT_RESERVE
     a.reserve_tokens(60)  # prompt + max output: held at admission
     assert dict(a.limit_headers())[b"x-ratelimit-remaining-tokens"] == b"40"
     with pytest.raises(PoolError) as refused:  # 40 left: a second reserve of 60 does not fit
