@@ -24,6 +24,7 @@ import httpx
 
 from procutil.groups import signal_group, stop_group
 from procutil.net import free_port
+from protocol.choices import MAX_CHOICES, choice_limit
 from protocol.errors import ErrorCode, exit_text
 from protocol.redact import mask_url_credentials
 from runtime_worker.backends.base import (
@@ -34,8 +35,6 @@ from runtime_worker.lifeline import lifeline_argv
 RELAY_CHUNK_BYTES = 64 * 1024
 RELAY_LINE_BYTES = 16 * 1024  # a longer line of the child's output is split in the log
 STALE_RETRIES = 3  # keep-alive clients: resends after a connection error before any answer
-N_MAX = 128  # OpenAI's bound on `n`
-MAX_CHOICES = 2048  # n times the prompts of a legacy completions batch: a choice index is below both
 MAX_TOOL_CALLS = 1024  # a tool call index in one choice is below this
 INFLATE_PIECE_BYTES = 256 * 1024  # a compressed answer is inflated this much at a time
 ERROR_BODY_BYTES = 64 * 1024  # an error answer is read this far for its message
@@ -106,7 +105,7 @@ class OpenAIClient:
         Cancelling the consumer closes the HTTP stream, which makes the server
         drop the request and free its slot."""
         chat = path == "/chat/completions"
-        choices = requested_choices(request, completions=not chat)
+        choices = choice_limit(request, "chat" if chat else "completions")
         try:
             # each generator below is closed with its consumer (aclosing): a cancel closes the HTTP
             # stream at once, not when the garbage collector gets to the inner generators
@@ -268,18 +267,6 @@ def finished(finishes: dict[int, str], usage, produced: int) -> Finished:
                     cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
                     reasoning_tokens=int((usage.get("completion_tokens_details") or {}).get("reasoning_tokens")
                                          or 0))
-
-
-def requested_choices(request: dict, completions: bool = False) -> int:
-    """How many choices a request asked for: its `n` (1 to N_MAX), for legacy
-    completions times the prompts of a batch; at most MAX_CHOICES. (The
-    supervisor holds a runtime to the same rule: supervisor/request_bounds.py.)"""
-    n = request.get("n")
-    n = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= N_MAX else 1
-    prompt = request.get("prompt")
-    if completions and isinstance(prompt, list) and prompt and all(isinstance(x, (str, list)) for x in prompt):
-        n *= len(prompt)
-    return min(n, MAX_CHOICES)
 
 
 def choice_index(choice, choices: int) -> int:

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 import protocol as p
 from protocol import Delta, Done
 from protocol.errors import ErrorCode, PoolError
-from supervisor.request_bounds import choice_limit, clip
+from protocol.choices import choice_limit
+from supervisor.request_bounds import clip
 
 if TYPE_CHECKING:
     from supervisor.replica import Replica

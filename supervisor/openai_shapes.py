@@ -16,7 +16,7 @@ from msgspec import Meta
 
 from protocol import Delta, Done
 from protocol.errors import PoolError
-from supervisor.request_bounds import MAX_CHOICES
+from protocol.choices import MAX_CHOICES
 
 
 # -- requests: msgspec Structs, decoded and validated in C (see `request_body`) ------------------------
