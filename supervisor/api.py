@@ -63,7 +63,9 @@ def create_app(config: PoolConfig) -> HttpEdge:
     app.include_router(admin_feeds.router)
     app.include_router(ui.router)
     edge = HttpEdge(app, server=config.server, admission=admission, api_key=api_key, admin_key=admin_key,
-                    inference=inference)
+                    inference=inference,
+                    on_key_refused=lambda path, err, tenant: metrics.request(None, path, err.status, error=err,
+                                                                             tenant=tenant))
 
     # -- errors -------------------------------------------------------------------------------
     @app.exception_handler(PoolError)

@@ -34,6 +34,7 @@ from uvicorn.importer import import_from_string
 from protocol.errors import ErrorCode, PoolError
 from supervisor.admission import Admission, key_matches, presented_key
 from supervisor.config import ServerConfig
+from supervisor.tenants import UNKNOWN_KEY
 
 log = logging.getLogger("llm_pool.http")
 
@@ -454,9 +455,12 @@ class HttpEdge:
     request to `app`."""
 
     def __init__(self, app, server: ServerConfig, admission: Admission, api_key: str | None,
-                 admin_key: str | None, inference: dict | None = None) -> None:
+                 admin_key: str | None, inference: dict | None = None, on_key_refused=None) -> None:
         self.app = app
         self.inference = inference or {}  # path -> the ASGI endpoint of its POST
+        # on_key_refused(path, error, tenant): a /v1/ request refused for its key (401); tenant is
+        # UNKNOWN_KEY when a key was given that no tenant holds, None when none was given
+        self.on_key_refused = on_key_refused
         self.limit = server.max_body_bytes
         self.budget = server.max_buffered_body_bytes
         self.buffered = 0  # bytes of the bodies being read now
@@ -546,6 +550,9 @@ class HttpEdge:
             try:
                 scope[TENANT_KEY] = self.admission.tenant(scope["headers"])
             except PoolError as refusal:
+                if self.on_key_refused is not None:  # a row in the request log: the key's owner, never the key
+                    given = presented_key(scope["headers"])
+                    self.on_key_refused(path, refusal, UNKNOWN_KEY if given else None)
                 return refusal
             return None
         if not is_admin_path(path):

@@ -161,6 +161,7 @@ async def worker_views(replicas: list[Replica], sampler: ProcessSampler) -> list
             "last_exit": None if r.last_exit_code is None else exit_text(r.last_exit_code),
             "uptime_s": round(time.time() - r.started_at, 1) if r.pid and r.started_at else None,
             "inflight": len(r.inflight), "capacity": r.capacity, "runtime_capacity": r.runtime_capacity,
+            "newcomer_slots": r.newcomer_slots,
             "rss_bytes": None, "cpu_percent": None, "children": [], "gpu_memory_bytes": None,
             "log_path": str(r.log_path), "last_error": r.last_error, "runtime_info": r.info,
             "protocol_errors": r.protocol_errors, "unknown_job_replies": r.unknown_job_replies,

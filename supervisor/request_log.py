@@ -60,6 +60,7 @@ TEXT_LIMITS = {"model": 200, "endpoint": 64, "error_code": 64, "error_message": 
                "prompt": BODY_CHARS + 64, "output": BODY_CHARS + 64}  # room for truncate()'s note
 _TEXT_COLUMNS = tuple((COLUMNS.index(name), limit) for name, limit in TEXT_LIMITS.items())
 # columns added since the first schema: a log written by an older version gets them on open
+# tenant: also "(unknown key)" (tenants.UNKNOWN_KEY) for a 401 whose key no tenant holds; NULL with no key
 ADDED_COLUMNS = {"tenant": "TEXT", "cached_tokens": "INTEGER", "runtime_prefill_tps": "REAL",
                  "runtime_decode_tps": "REAL"}
 
