@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import psutil
 
+from procutil.tree import descendant_pids
+
 
 def empty_view() -> dict:
     return {"rss_bytes": None, "cpu_percent": None, "children": [], "gpu_memory_bytes": None}
@@ -45,8 +47,9 @@ class TreeSampler:
                 view["rss_bytes"] = proc.memory_info().rss
                 view["cpu_percent"] = proc.cpu_percent(None)
             tree = [proc]
-            for child in proc.children(recursive=True):
+            for child_pid in descendant_pids(pid):
                 try:
+                    child = psutil.Process(child_pid)
                     view["children"].append({"pid": child.pid, "name": child.name(),
                                              "rss_bytes": child.memory_info().rss})
                     tree.append(child)

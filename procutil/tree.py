@@ -19,22 +19,61 @@ from procutil.groups import signal_group
 log = logging.getLogger("llm_pool.process")
 
 
-def process_tree(pid: int) -> list[psutil.Process]:
-    """The process and all its descendants (children first found, then deeper)."""
+def child_pids(pid: int) -> list[int]:
+    """The pids of `pid`'s children now. Linux lists them per thread in
+    /proc/PID/task/TID/children (proc(5)): a few small reads, where psutil's
+    children() reads the stat file of every process on the machine."""
     try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:  # gone (or no /proc at all: then psutil says which)
+        if os.path.isdir("/proc/self/task"):
+            return []
+        return _psutil_children(pid)
+    found: list[int] = []
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                found.extend(int(c) for c in f.read().split())
+        except FileNotFoundError:  # the thread ended; or a kernel without the file
+            if not os.path.exists(f"/proc/{pid}/task/{tid}"):
+                continue
+            return _psutil_children(pid)
+    return found
+
+
+def _psutil_children(pid: int) -> list[int]:
+    try:
+        return [p.pid for p in psutil.Process(pid).children()]
     except psutil.NoSuchProcess:
         return []
+
+
+def descendant_pids(pid: int) -> list[int]:
+    """The pids below `pid` now, children first found, then deeper."""
+    found: list[int] = []
+    level = [pid]
+    while level and len(found) < 100_000:  # a pid loop cannot exist; the bound guards a broken /proc
+        level = [c for parent in level for c in child_pids(parent)]
+        found.extend(level)
+    return found
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    """The process and all its descendants (children first found, then deeper)."""
+    tree = []
+    for p in (pid, *descendant_pids(pid)):
+        try:
+            tree.append(psutil.Process(p))
+        except psutil.NoSuchProcess:
+            if p == pid:
+                return []
+    return tree
 
 
 def descendants(pid: int) -> set[int]:
     """The pids below `pid` now. Record them while they live: a descendant whose
     parent dies leaves the tree, and only a record can still find it."""
-    try:
-        return {p.pid for p in psutil.Process(pid).children(recursive=True)}
-    except psutil.NoSuchProcess:
-        return set()
+    return set(descendant_pids(pid))
 
 
 def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:

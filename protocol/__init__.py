@@ -17,7 +17,8 @@ array of them; see below):
     ready   capacity, info{}                cancel    job
     delta   job, text, parts[]              heartbeat
     done    job, finish_reason, usage{},    shutdown
-            finish_reasons[], result{}
+            finish_reasons[], result{},
+            timings{}
     error   job|None, code, message
     heartbeat inflight, jobs[], submits_seen
     kv_events events[], reset
@@ -60,6 +61,7 @@ from protocol.messages import (
     delta_parts,
     delta_size,
     merge_deltas,
+    runtime_timings,
 )
 
 __all__ = [
@@ -67,4 +69,5 @@ __all__ = [
     "find_unencodable",
     "Cancel", "Delta", "Done", "Error", "Heartbeat", "Hello", "KvEvents", "MAX_KV_EVENTS", "Message", "Ready", "Setup",
     "Shutdown", "Submit", "ENDPOINTS", "delta_parts", "delta_size", "merge_deltas",
+    "runtime_timings",
 ]

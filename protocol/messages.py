@@ -75,6 +75,7 @@ class Done:
     usage: dict = field(default_factory=dict)  # {"input_tokens", "output_tokens"}
     finish_reasons: list = field(default_factory=list)  # per choice, when there are several (n > 1)
     result: dict = field(default_factory=dict)  # a non-streamed answer (embeddings: {"data", "usage"})
+    timings: dict = field(default_factory=dict)  # the runtime's own phase timings (runtime_timings), if it gave any
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,12 +136,34 @@ FIELD_TYPES: dict[type, dict[str, Any]] = {
     Submit: {"job": str, "request": dict, "endpoint": str},
     Cancel: {"job": str},
     Delta: {"job": str, "text": str, "parts": list},
-    Done: {"job": str, "finish_reason": str, "usage": dict, "finish_reasons": list, "result": dict},
+    Done: {"job": str, "finish_reason": str, "usage": dict, "finish_reasons": list, "result": dict, "timings": dict},
     Error: {"job": (str, type(None)), "code": str, "message": str, "param": (str, type(None))},
     Heartbeat: {"inflight": int, "jobs": list, "submits_seen": int},
     KvEvents: {"events": list, "reset": bool},
     Shutdown: {},
 }
+
+
+# -- a runtime's own timings -----------------------------------------------------------------------
+# llama-server's `timings` object (final stream chunk, whole answer): the fields the pool keeps.
+TIMING_COUNTS = ("prompt_n", "predicted_n", "cache_n")  # tokens
+TIMING_MEASURES = ("prompt_ms", "prompt_per_second", "predicted_ms", "predicted_per_second")
+TIMING_MAX = 1e12  # past this a figure is nonsense, not a measurement
+
+
+def runtime_timings(raw) -> dict:
+    """The known timing fields of `raw` that are finite, non-negative numbers
+    below TIMING_MAX; anything else (unknown keys, strings, NaN) is left out.
+    The worker applies it to what its runtime sent, the supervisor to what a
+    worker sent: at most seven numbers cross, whatever the runtime said."""
+    if not isinstance(raw, dict):
+        return {}
+    out = {}
+    for name in TIMING_COUNTS + TIMING_MEASURES:
+        value = raw.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < TIMING_MAX:
+            out[name] = int(value) if name in TIMING_COUNTS else float(value)
+    return out
 
 
 # -- delta parts ------------------------------------------------------------------------------------

@@ -165,29 +165,33 @@ class Worker:
             run = {"chat": self.backend.run, "completions": self.backend.complete,
                    "embeddings": self.backend.embed}.get(endpoint, self.backend.run)
             budget = self.args.max_job_output_bytes  # what this job may still send (characters, about bytes)
-            async for event in run(job, request):
-                if isinstance(event, TextDelta):
-                    if event.text:
-                        budget -= len(event.text)
-                        self._over_budget(budget)
-                        self.send(p.Delta(job=job, text=event.text))
-                elif isinstance(event, PartsDelta):
-                    if event.parts:
-                        delta = p.Delta(job=job, parts=event.parts)
-                        budget -= p.delta_size(delta)
-                        self._over_budget(budget)
-                        self.send(delta)
-                elif isinstance(event, RawFrame):
-                    self.outbox.put(event.data)
-                elif isinstance(event, Finished):
-                    usage = {"input_tokens": event.input_tokens, "output_tokens": event.output_tokens}
-                    if event.cached_tokens:
-                        usage["cached_tokens"] = event.cached_tokens
-                    if event.reasoning_tokens:
-                        usage["reasoning_tokens"] = event.reasoning_tokens
-                    self.send(p.Done(job=job, finish_reason=event.finish_reason, usage=usage,
-                                     finish_reasons=list(event.finish_reasons), result=event.result or {}))
-                    return
+            # closed when the job ends, not by the garbage collector (whose finalizer costs a
+            # thread-safe wake-up of the loop and a task per job)
+            async with contextlib.aclosing(run(job, request)) as events:
+                async for event in events:
+                    if isinstance(event, TextDelta):
+                        if event.text:
+                            budget -= len(event.text)
+                            self._over_budget(budget)
+                            self.outbox.put_text(job, event.text)
+                    elif isinstance(event, PartsDelta):
+                        if event.parts:
+                            delta = p.Delta(job=job, parts=event.parts)
+                            budget -= p.delta_size(delta)
+                            self._over_budget(budget)
+                            self.send(delta)
+                    elif isinstance(event, RawFrame):
+                        self.outbox.put(event.data)
+                    elif isinstance(event, Finished):
+                        usage = {"input_tokens": event.input_tokens, "output_tokens": event.output_tokens}
+                        if event.cached_tokens is not None:  # a runtime's 0 is a fact; its silence is not
+                            usage["cached_tokens"] = event.cached_tokens
+                        if event.reasoning_tokens:
+                            usage["reasoning_tokens"] = event.reasoning_tokens
+                        self.send(p.Done(job=job, finish_reason=event.finish_reason, usage=usage,
+                                         finish_reasons=list(event.finish_reasons), result=event.result or {},
+                                         timings=event.timings or {}))
+                        return
             raise JobError(ErrorCode.RUNTIME_ERROR, "runtime ended the job without finishing it")
         except asyncio.CancelledError:
             if not self.stopping.is_set():

@@ -24,7 +24,9 @@ import httpx
 
 from procutil.groups import signal_group, stop_group
 from procutil.net import free_port
+from protocol.choices import MAX_CHOICES, choice_limit
 from protocol.errors import ErrorCode, exit_text
+from protocol.messages import runtime_timings
 from protocol.redact import mask_url_credentials
 from runtime_worker.backends.base import (
     Backend, BackendLoadError, Event, Finished, JobError, OutputLimits, PartsDelta, TextDelta)
@@ -34,8 +36,6 @@ from runtime_worker.lifeline import lifeline_argv
 RELAY_CHUNK_BYTES = 64 * 1024
 RELAY_LINE_BYTES = 16 * 1024  # a longer line of the child's output is split in the log
 STALE_RETRIES = 3  # keep-alive clients: resends after a connection error before any answer
-N_MAX = 128  # OpenAI's bound on `n`
-MAX_CHOICES = 2048  # n times the prompts of a legacy completions batch: a choice index is below both
 MAX_TOOL_CALLS = 1024  # a tool call index in one choice is below this
 INFLATE_PIECE_BYTES = 256 * 1024  # a compressed answer is inflated this much at a time
 ERROR_BODY_BYTES = 64 * 1024  # an error answer is read this far for its message
@@ -106,7 +106,7 @@ class OpenAIClient:
         Cancelling the consumer closes the HTTP stream, which makes the server
         drop the request and free its slot."""
         chat = path == "/chat/completions"
-        choices = requested_choices(request, completions=not chat)
+        choices = choice_limit(request, "chat" if chat else "completions")
         try:
             # each generator below is closed with its consumer (aclosing): a cancel closes the HTTP
             # stream at once, not when the garbage collector gets to the inner generators
@@ -183,7 +183,7 @@ class OpenAIClient:
     async def _read_stream(self, upstream: UpstreamBody, chat: bool, choices: int) -> AsyncIterator[Event]:
         finishes: dict[int, str] = {}
         seen = {0}  # choice indexes that produced output (choice 0 always owes a finish_reason)
-        usage, produced, done = None, 0, False
+        usage, timings, produced, done = None, None, 0, False
         async with aclosing(sse_data(upstream, self.limits.max_upstream_line_bytes)) as lines:
             async for data in lines:
                 if data == b"[DONE]":
@@ -196,6 +196,8 @@ class OpenAIClient:
                     raise runtime_reported(chunk["error"])
                 if chunk.get("usage"):
                     usage = chunk["usage"]
+                if chunk.get("timings"):  # llama-server's, on its last chunk (the usage chunk, if asked for)
+                    timings = chunk["timings"]
                 for choice in chunk.get("choices") or ():
                     index = choice_index(choice, choices)
                     event = choice_event(choice, chat, index=index)
@@ -211,7 +213,7 @@ class OpenAIClient:
         if unfinished := sorted(seen - finishes.keys()):
             raise JobError(ErrorCode.RUNTIME_ERROR,
                            f"the runtime's stream ended with no finish_reason for choice {unfinished[0]}")
-        yield finished(finishes, usage, produced)
+        yield finished(finishes, usage, produced, timings)
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -255,31 +257,25 @@ def answer_events(raw: bytes, chat: bool, choices: int) -> list[Event]:
         finishes[index] = str(choice["finish_reason"])
     if 0 not in finishes:
         raise JobError(ErrorCode.RUNTIME_ERROR, "the runtime's answer has no choice 0")
-    return [*events, finished(finishes, answer.get("usage"), len(events))]
+    return [*events, finished(finishes, answer.get("usage"), len(events), answer.get("timings"))]
 
 
-def finished(finishes: dict[int, str], usage, produced: int) -> Finished:
+def finished(finishes: dict[int, str], usage, produced: int, timings=None) -> Finished:
     """The end of a completion: per choice finish reasons (below the request's
-    `n`, so at most MAX_CHOICES; a choice that said nothing at all stopped) and usage."""
+    `n`, so at most MAX_CHOICES; a choice that said nothing at all stopped), usage
+    and the runtime's own timings (llama-server's `timings`; none from most others)."""
     usage = usage if isinstance(usage, dict) else {}
     reasons = tuple(finishes.get(i, "stop") for i in range(max(finishes) + 1))
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return Finished(reasons[0], int(usage.get("prompt_tokens", 0)),
                     int(usage.get("completion_tokens", produced)), reasons if len(reasons) > 1 else (),
-                    cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
+                    # None when the runtime did not say: never a made-up 0
+                    cached_tokens=cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0
+                    else None,
+                    timings=runtime_timings(timings) or None,
                     reasoning_tokens=int((usage.get("completion_tokens_details") or {}).get("reasoning_tokens")
                                          or 0))
-
-
-def requested_choices(request: dict, completions: bool = False) -> int:
-    """How many choices a request asked for: its `n` (1 to N_MAX), for legacy
-    completions times the prompts of a batch; at most MAX_CHOICES. (The
-    supervisor holds a runtime to the same rule: supervisor/request_bounds.py.)"""
-    n = request.get("n")
-    n = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= N_MAX else 1
-    prompt = request.get("prompt")
-    if completions and isinstance(prompt, list) and prompt and all(isinstance(x, (str, list)) for x in prompt):
-        n *= len(prompt)
-    return min(n, MAX_CHOICES)
 
 
 def choice_index(choice, choices: int) -> int:
@@ -528,8 +524,8 @@ class UpstreamBody:
         connection can carry the next job; a server that does not end the body in
         time (or sends more than a little) only costs that connection."""
         try:
-            async with asyncio.timeout(timeout_s):
-                async for _ in self.chunks(ERROR_BODY_BYTES):
+            async with asyncio.timeout(timeout_s), aclosing(self.chunks(ERROR_BODY_BYTES)) as pieces:
+                async for _ in pieces:
                     pass
         except (TimeoutError, JobError):
             pass

@@ -86,26 +86,60 @@ def encode_or_fail(msg: p.Message, on_job_failed=None) -> bytes:
             f"the runtime sent output that cannot be passed on ({type(exc).__name__}: {exc})")))
 
 
+class _TextRun:
+    """Plain text of one job, put token by token (put_text) and sent as one Delta: a
+    token costs a list append, not a message."""
+
+    __slots__ = ("job", "texts", "chars")
+
+    def __init__(self, job: str) -> None:
+        self.job = job
+        self.texts: list[str] = []
+        self.chars = 0
+
+    def delta(self) -> p.Delta:
+        return p.Delta(job=self.job, text="".join(self.texts))
+
+
 class Outbox:
     def __init__(self, sock: LoopSocket, on_job_failed=None) -> None:
         self.sock = sock
         self.on_job_failed = on_job_failed  # called with a job id whose message could not be encoded
-        self._items: list[p.Message | bytes] = []
+        self._items: list[p.Message | bytes | _TextRun] = []
+        self._open_runs: dict[str, _TextRun] = {}  # job -> its text run still taking tokens (in _items)
         self._wake = asyncio.Event()
         self._empty = asyncio.Event()
         self._empty.set()
 
     def put(self, item: p.Message | bytes) -> None:
         """Queue a message (or an already encoded frame); never blocks."""
+        if isinstance(item, bytes):
+            self._open_runs.clear()  # a raw frame (fault injection) is opaque: nothing joins across it
+        elif (job := getattr(item, "job", None)) is not None:
+            self._open_runs.pop(job, None)  # the job's later text comes after this message
         self._items.append(item)
         self._empty.clear()
         self._wake.set()
+
+    def put_text(self, job: str, text: str) -> None:
+        """Queue plain content text of a job's choice 0 (what `put(Delta(job, text))` does,
+        joined to the job's text queued since its last other message)."""
+        run = self._open_runs.get(job)
+        if run is None or run.chars + len(text) > MERGE_LIMIT_CHARS:
+            run = self._open_runs[job] = _TextRun(job)
+            self._items.append(run)
+            self._empty.clear()
+            self._wake.set()
+        run.texts.append(text)
+        run.chars += len(text)
 
     async def run(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
             batch, self._items = self._items, []
+            self._open_runs.clear()
+            batch = [item.delta() if type(item) is _TextRun else item for item in batch]
             frames: list[bytes] = []
             size = 0
             for item in coalesce(batch):

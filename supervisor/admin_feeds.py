@@ -30,10 +30,14 @@ CLIENT_HEADER = "x-llm-pool-client"  # who asks, for the event timeline: the CLI
 
 
 def asked_by(request: Request) -> str:
-    """Who asked for an admin action: `cli`, `page` (their header), else `api`. A tenant's key
-    name joins this once keys have names."""
+    """Who asked for an admin action: `cli`, `page` (their header), else `admin key` (a
+    caller of the API with the admin key), or `api` on a pool with no admin key. Admin
+    routes take only the admin key: a tenant's key never gets here (tenants show up as the
+    actor of what their requests cause, a load on demand: events.tenant_actor)."""
     said = request.headers.get(CLIENT_HEADER, "")
-    return said if re.fullmatch(r"[a-z][a-z0-9-]{0,19}", said) else "api"
+    if re.fullmatch(r"[a-z][a-z0-9-]{0,19}", said):
+        return said
+    return "admin key" if request.app.state.engine.tenants.admin_key else "api"
 
 
 def _event(name: str, data) -> bytes:

@@ -22,6 +22,18 @@ from supervisor.tenants import DEFAULT, Tenant, Tenants, TenantSpec
 
 DEFAULT_TENANT = Tenant(TenantSpec(DEFAULT))  # who a request is when the edge did not say (no edge in front)
 PROMPT_BYTES_PER_TOKEN = 4  # a prompt's tokens counted against tpm at admission, set right at its end
+# the output a request may produce, reserved against tpm at admission: its own limit when it sets one...
+OUTPUT_LIMIT_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+DEFAULT_OUTPUT_RESERVE = 1024  # ...else this many tokens (the window's size when that is smaller)
+
+
+def output_reserve(request: dict) -> int:
+    """The output tokens a request may produce, as its tpm reserve counts them."""
+    for name in OUTPUT_LIMIT_KEYS:
+        value = request.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return DEFAULT_OUTPUT_RESERVE
 
 
 def presented_key(headers) -> bytes:
@@ -69,27 +81,39 @@ class Admission:
     # -- scope -> limits -> queue: once the body names the model -------------------------------------------
     def submit(self, tenant: Tenant, model: str, request: dict, endpoint: str,
                prompt_tokens: list[int] | None = None) -> Job:
-        """The job for this request, queued on its model; PoolError when it is refused."""
+        """The job for this request, queued on its model; PoolError when it is refused.
+        tpm: the request reserves its prompt's estimate and the most output it may produce
+        (`output_reserve`) before it is queued, and settles to its real usage at its end.
+        `prompt_tokens`: its token ids, for the exact prefix index (engine.prompt_tokens)."""
         entry = self.engine.entry(model)  # 404 for a model that does not exist...
         if not tenant.spec.may_use((entry.cfg.name, *entry.cfg.aliases)):
             # ...and the same answer for one out of scope: a tenant does not learn other tenants' models
             raise PoolError(ErrorCode.MODEL_NOT_FOUND, f"model {model!r} does not exist", param="model")
-        tenant.admit()  # 429 over rpm, tpm or max_inflight
+        tenant.admit()  # 429 over rpm or max_inflight
+        estimate = reserved = 0
+
+        def reserve(job: Job) -> None:  # 429 when the prompt and the most output do not fit in tpm
+            nonlocal estimate, reserved
+            estimate = len(job.frame) // PROMPT_BYTES_PER_TOKEN
+            want = estimate + output_reserve(request)
+            tenant.reserve_tokens(want)
+            reserved = want
+
         try:
-            job = self.engine.submit(model, request, endpoint, tenant.name, prompt_tokens)
+            job = self.engine.submit(model, request, endpoint, tenant.name, before_queue=reserve,
+                                     prompt_tokens=prompt_tokens)
         except BaseException:
             tenant.refused()
+            tenant.charge_tokens(-reserved)  # refused after its reserve (queue full, ...): given back
             raise
-        estimate = len(job.frame) // PROMPT_BYTES_PER_TOKEN
-        tenant.charge_tokens(estimate)
 
-        def ended(job: Job, outcome) -> None:
+        def ended(job: Job, outcome) -> None:  # the reserve settles to what was used
             tenant.release()
             usage = outcome.usage if isinstance(outcome, Done) else {}
             meter = job.meter
             used = (int(usage.get("input_tokens") or (meter.prompt if meter else estimate))
                     + int(usage.get("output_tokens") or (meter.output if meter else 0)))
-            tenant.charge_tokens(used - estimate)
+            tenant.charge_tokens(used - reserved)
 
         job.on_end = ended
         return job

@@ -63,7 +63,9 @@ def create_app(config: PoolConfig) -> HttpEdge:
     app.include_router(admin_feeds.router)
     app.include_router(ui.router)
     edge = HttpEdge(app, server=config.server, admission=admission, api_key=api_key, admin_key=admin_key,
-                    inference=inference)
+                    inference=inference,
+                    on_key_refused=lambda path, err, tenant: metrics.request(None, path, err.status, error=err,
+                                                                             tenant=tenant))
 
     # -- errors -------------------------------------------------------------------------------
     @app.exception_handler(PoolError)
@@ -124,6 +126,14 @@ def create_app(config: PoolConfig) -> HttpEdge:
     @app.get("/admin/models")
     async def admin_models():
         return {"models": [engine.model_view(e) for e in engine.models.values()]}
+
+    @app.get("/admin/tenants")
+    async def admin_tenants():
+        """The configured tenants (never their keys): the page's tenant filter, and their limits."""
+        return {"tenants": [{"name": t.name, "weight": t.spec.weight, "priority": t.spec.priority,
+                             "models": list(t.spec.models), "rpm": t.spec.rpm, "tpm": t.spec.tpm,
+                             "max_inflight": t.spec.max_inflight, "inflight": t.inflight}
+                            for t in engine.tenants.by_name.values()]}
 
     @app.post("/admin/models/{name}/load")
     async def admin_load(request: Request, name: str):

@@ -458,12 +458,16 @@ def _request_rows(rows: list[dict]) -> list[tuple[str, ...]]:
     return [(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["ts"])), _clip(r["model"], 40),
              _clip(r.get("tenant"), 40), r["endpoint"],
              str(r["status"]), r["error_code"] or "-", _ms(r["queued_ms"]), _ms(r["ttft_ms"]),
-             _ms(r["duration_ms"]), _dash(r["tokens_in"]), _dash(r["tokens_out"]), _dash(r["tokens_per_s"]))
+             _ms(r["duration_ms"]), _dash(r["tokens_in"]), _dash(r.get("cached_tokens")), _dash(r["tokens_out"]),
+             _dash(r["tokens_per_s"]), _dash(r.get("prefill_tokens_per_s")), _dash(r.get("decode_tokens_per_s")),
+             _dash(r.get("speeds_from")))
             for r in rows]
 
 
-REQUEST_HEADERS = ["TIME", "MODEL", "TENANT", "ENDPOINT", "STATUS", "ERROR", "QUEUED", "TTFT", "DURATION", "IN", "OUT",
-                   "TOK/S"]
+# CACHED: of IN, from the runtime's prompt cache ("-": the runtime did not say); PREFILL/S and
+# DECODE/S: tokens/s of each phase, timed by the runtime or derived from the pool's times (FROM)
+REQUEST_HEADERS = ["TIME", "MODEL", "TENANT", "ENDPOINT", "STATUS", "ERROR", "QUEUED", "TTFT", "DURATION", "IN",
+                   "CACHED", "OUT", "TOK/S", "PREFILL/S", "DECODE/S", "FROM"]
 
 
 @_client

@@ -25,6 +25,19 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+def _key_not_below(key: str, bound: str, *, strictly: bool = False):
+    """A field validator: key `key` is at least key `bound` (greater, with `strictly`).
+    `bound` is declared above `key` in the model, so it is validated first (when it is
+    itself invalid, only its own error is reported)."""
+    def check(cls, value, info: ValidationInfo):
+        limit = info.data.get(bound)
+        if limit is not None and (value <= limit if strictly else value < limit):
+            raise ValueError(f"must be {'greater than' if strictly else 'at least'} {bound} ({limit})")
+        return value
+    check.__name__ = f"_{key}_not_below_{bound}"
+    return field_validator(key)(classmethod(check))
+
+
 class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -81,14 +94,6 @@ class ServerConfig(_Strict):
                 raise ValueError(f"{h!r} is not a host name (expected 'name', 'name:port' or '*')")
         return hosts
 
-    @field_validator("max_buffered_body_bytes")
-    @classmethod
-    def _room_for_one_body(cls, value: int, info: ValidationInfo) -> int:
-        largest = info.data.get("max_body_bytes")
-        if largest is not None and value < largest:
-            raise ValueError(f"must be at least max_body_bytes ({largest})")
-        return value
-
     @field_validator("ray_address")
     @classmethod
     def _cluster_address(cls, address: str | None) -> str | None:
@@ -97,21 +102,9 @@ class ServerConfig(_Strict):
                              "on a host of the cluster; Ray Client ray:// addresses are not supported)")
         return address
 
-    @field_validator("liveness_s")
-    @classmethod
-    def _liveness_above_heartbeat(cls, value: float, info: ValidationInfo) -> float:
-        heartbeat = info.data.get("heartbeat_s")
-        if heartbeat is not None and value <= heartbeat:
-            raise ValueError(f"must be greater than heartbeat_s ({heartbeat})")
-        return value
-
-    @field_validator("supervisor_patience_s")
-    @classmethod
-    def _patience_at_least_liveness(cls, value: float, info: ValidationInfo) -> float:
-        liveness = info.data.get("liveness_s")
-        if liveness is not None and value < liveness:
-            raise ValueError(f"must be at least liveness_s ({liveness})")
-        return value
+    _room_for_one_body = _key_not_below("max_buffered_body_bytes", "max_body_bytes")
+    _liveness_above_heartbeat = _key_not_below("liveness_s", "heartbeat_s", strictly=True)
+    _patience_at_least_liveness = _key_not_below("supervisor_patience_s", "liveness_s")
 
 
 # -- [models.options], per backend: every key the backend reads, with its type ----------------
@@ -207,6 +200,11 @@ class ModelConfig(_Strict):
     replicas: int = Field(1, ge=1, le=64)
     target_inflight: int = Field(1, ge=1, le=4096)
     max_queue: int = Field(256, ge=0)
+    # Slots per replica beyond target_inflight that only a request whose tenant has nothing
+    # running on this model may take (supervisor/scheduler.py): a light tenant's request starts
+    # at once while others flood, instead of waiting for a running request to end. Opt-in, for
+    # runtimes with room above target_inflight: clamped to what the runtime reports it can run.
+    newcomer_slots: int = Field(0, ge=0, le=64)
     load_on_start: bool = True
     load_on_demand: bool = True  # a request for an unloaded model loads it and waits in its queue
     idle_unload_s: float | None = Field(None, gt=0)  # nothing queued or running this long: unload

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ConfigError, PoolConfig, load_config
@@ -238,7 +239,12 @@ class ModelRouterEngine:
         return await self.tokenizer.tokens(url, request, endpoint)
 
     def submit(self, model: str, request: dict, endpoint: str = "chat", tenant: str = DEFAULT_TENANT,
+               before_queue: Callable[[Job], None] | None = None,
                prompt_tokens: list[int] | None = None) -> Job:
+        """The job for `request`, queued on its model (a load started when it needs one).
+        `before_queue(job)` runs once the job exists and before it is queued (admission: the
+        tenant's tpm reserve, which needs the job's size); what it raises refuses the request.
+        `prompt_tokens`: the prompt's token ids, for the exact prefix index (prompt_tokens)."""
         entry = self.registry.lookup(model)
         check_request_bounds(request, endpoint)
         if self.shutting_down:
@@ -249,6 +255,8 @@ class ModelRouterEngine:
         check_prompt_bounds(entry.cfg, request)
         job = Job(entry.cfg.name, request, entry.cfg.request_timeout_s, entry.cfg.queue_timeout_s, endpoint,
                   self.config.server.max_job_output_bytes, tenant=tenant)
+        if before_queue is not None:
+            before_queue(job)
         if entry.cfg.log_bodies:
             job.transcript = []
         job.prompt_tokens = prompt_tokens

@@ -3,19 +3,20 @@ unloads, evictions, crashes, restarts, reloads, moves to fatal or degraded),
 and who asked for it. One call, `emit`, writes the supervisor's log line and
 the timeline's row, so the two always say the same thing.
 
-Rows go to SQLite (`events.sqlite3` beside the request log) the way the
-request log's do: the event loop appends to a deque, one writer thread
-inserts and trims to EVENTS_MAX_ROWS; reads run in a thread."""
+Rows go to SQLite (`events.sqlite3` beside the request log) through the same
+batched writer as the request log's (sqlite_writer.BatchWriter): the event
+loop queues a row, the writer thread inserts and trims to EVENTS_MAX_ROWS;
+reads run in a thread."""
 
 from __future__ import annotations
 
 import logging
 import sqlite3
-import threading
-from collections import deque
 from contextlib import closing
 from enum import StrEnum
 from pathlib import Path
+
+from supervisor.sqlite_writer import BatchWriter, insert_rows
 
 log = logging.getLogger("llm_pool.events")
 log.setLevel(logging.INFO)  # the timeline records every event, whatever the console's level
@@ -43,6 +44,12 @@ class EventKind(StrEnum):
     STATE = "state"  # a model's shown state changed (degraded, failed, recovered)
 
 
+def tenant_actor(tenant: str) -> str:
+    """The actor of an event a tenant's request caused (a load on demand): the tenant by
+    its configured name, never its key."""
+    return f"tenant {tenant}"
+
+
 def emit(kind: EventKind, message: str, *, model: str | None = None, replica: int | None = None,
          by: str | None = None, level: int = logging.INFO) -> None:
     """Log the event (the supervisor's log) and record it (the timeline)."""
@@ -67,7 +74,7 @@ CREATE TABLE IF NOT EXISTS events (
     level TEXT NOT NULL,   -- info, warning, error
     model TEXT,
     replica INTEGER,
-    by TEXT,               -- who asked: cli, page, api, idle timer, memory budget, ...
+    by TEXT,               -- who asked: cli, page, admin key, api, tenant NAME, idle timer, memory budget, ...
     message TEXT NOT NULL
 );
 """
@@ -80,11 +87,8 @@ class EventLog(logging.Handler):
         super().__init__(level=logging.INFO)
         self.path = Path(path)
         self.max_rows = max_rows
-        self.flush_s = flush_s
-        self.dropped = 0
-        self._rows: deque[tuple] = deque()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._writer = BatchWriter("event-log", self.path, self._connect, self._write, queue_max=QUEUE_MAX,
+                                   flush_s=flush_s)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with closing(self._connect()) as db:
             db.executescript(SCHEMA)
@@ -97,50 +101,32 @@ class EventLog(logging.Handler):
         return db
 
     # -- writing ------------------------------------------------------------------------------
+    @property
+    def dropped(self) -> int:
+        """Events lost because QUEUE_MAX were waiting for the disk."""
+        return self._writer.dropped
+
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._writer, name="event-log", daemon=True)
-        self._thread.start()
+        self._writer.start()
         log.addHandler(self)
 
     def emit(self, record: logging.LogRecord) -> None:  # logging.Handler's hook: no I/O here
         event = getattr(record, "pool_event", None)
         if event is None:
             return
-        if len(self._rows) >= QUEUE_MAX:
-            self.dropped += 1
-            return
-        self._rows.append((record.created, event["kind"], record.levelname.lower(),
+        self._writer.put((record.created, event["kind"], record.levelname.lower(),
                            clip(event["model"], NAME_CHARS), event["replica"], clip(event["by"], NAME_CHARS),
                            clip(event["message"], MESSAGE_CHARS)))
 
     def close(self) -> None:
         log.removeHandler(self)
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join(5.0)
-            self._thread = None
+        self._writer.close()
         super().close()
 
-    def _writer(self) -> None:
-        db = self._connect()
-        insert = f"INSERT INTO events ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
-        while True:
-            stopping = self._stop.wait(self.flush_s)
-            rows = []
-            while self._rows:
-                rows.append(self._rows.popleft())
-            if rows:
-                try:
-                    with db:
-                        db.executemany(insert, rows)
-                        db.execute("DELETE FROM events WHERE id <= (SELECT id FROM events ORDER BY id DESC "
-                                   "LIMIT 1 OFFSET ?)", (self.max_rows,))
-                except sqlite3.Error:
-                    logging.getLogger("llm_pool.events.store").exception(
-                        "event log: %d rows not written to %s", len(rows), self.path)
-            if stopping:
-                break
-        db.close()
+    def _write(self, db: sqlite3.Connection, rows: list[tuple]) -> None:  # the writer thread, in a transaction
+        insert_rows(db, "events", COLUMNS, rows)
+        db.execute("DELETE FROM events WHERE id <= (SELECT id FROM events ORDER BY id DESC LIMIT 1 OFFSET ?)",
+                   (self.max_rows,))
 
     # -- reading (in a thread) ------------------------------------------------------------------
     def query(self, *, after_id: int | None = None, model: str | None = None, limit: int = 100) -> list[dict]:

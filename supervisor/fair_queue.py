@@ -120,12 +120,12 @@ class FairQueue:
         for job in jobs:
             self.push(job)
 
-    def peek(self) -> Job | None:
-        tenant = self._next_tenant()
+    def peek(self, eligible: Callable[[str], bool] | None = None) -> Job | None:
+        tenant = self._next_tenant(eligible)
         return None if tenant is None else self._lanes[tenant].jobs[0][1]
 
-    def pop(self) -> Job | None:
-        tenant = self._next_tenant()
+    def pop(self, eligible: Callable[[str], bool] | None = None) -> Job | None:
+        tenant = self._next_tenant(eligible)
         if tenant is None:
             return None
         lane = self._lanes[tenant]
@@ -187,9 +187,14 @@ class FairQueue:
             lane = self._lanes[tenant] = _Lane()
         return lane
 
-    def _next_tenant(self) -> str | None:
+    def _next_tenant(self, eligible: Callable[[str], bool] | None = None) -> str | None:
+        """The tenant whose head job goes next; with `eligible`, among the tenants it accepts only
+        (the same rule over fewer lanes: e.g. newcomer slots, which only a tenant with nothing
+        running on the model may take)."""
         best, best_key = None, None
         for tenant, lane in self._lanes.items():
+            if eligible is not None and not eligible(tenant):
+                continue
             key = (-self.shares(tenant).priority, self.counters.get(tenant, 0.0), self._served.get(tenant, 0),
                    lane.jobs[0][0])
             if best_key is None or key < best_key:

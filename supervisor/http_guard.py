@@ -28,13 +28,13 @@ from urllib.parse import urlsplit
 
 import httptools
 from fastapi.responses import JSONResponse
-from starlette.routing import Router
 from uvicorn.config import HTTP_PROTOCOLS
 from uvicorn.importer import import_from_string
 
 from protocol.errors import ErrorCode, PoolError
 from supervisor.admission import Admission, key_matches, presented_key
 from supervisor.config import ServerConfig
+from supervisor.tenants import UNKNOWN_KEY
 
 log = logging.getLogger("llm_pool.http")
 
@@ -133,6 +133,84 @@ class _Shared:
         self.open = 0
 
 
+class CoalescedWrites(asyncio.Transport):
+    """The connection's transport as the server's protocol sees it: what it writes in
+    one turn of the event loop leaves in one write, after that turn. The server writes
+    a response's head and body (or an event stream's head and first event) separately,
+    each a system call; joined, they are one. Everything else passes straight to the
+    real transport, a pending write going out first where order matters (close,
+    write_eof); an abort drops it."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        super().__init__()
+        self._transport = transport
+        self._pending: list[bytes] = []
+        self._loop = asyncio.get_running_loop()
+
+    def write(self, data) -> None:
+        if not data:
+            return
+        if not self._pending:
+            self._loop.call_soon(self._flush)
+        self._pending.append(bytes(data))
+
+    def writelines(self, list_of_data) -> None:
+        for data in list_of_data:
+            self.write(data)
+
+    def _flush(self) -> None:
+        if self._pending:
+            data = self._pending[0] if len(self._pending) == 1 else b"".join(self._pending)
+            self._pending = []
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._pending = []
+        self._transport.abort()
+
+    def write_eof(self) -> None:
+        self._flush()
+        self._transport.write_eof()
+
+    def can_write_eof(self) -> bool:
+        return self._transport.can_write_eof()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def get_extra_info(self, name, default=None):
+        return self._transport.get_extra_info(name, default)
+
+    def pause_reading(self) -> None:
+        self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._transport.resume_reading()
+
+    def is_reading(self) -> bool:
+        return self._transport.is_reading()
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + sum(map(len, self._pending))
+
+    def get_write_buffer_limits(self):
+        return self._transport.get_write_buffer_limits()
+
+    def set_write_buffer_limits(self, high=None, low=None) -> None:
+        self._transport.set_write_buffer_limits(high, low)
+
+    def set_protocol(self, protocol) -> None:
+        self._transport.set_protocol(protocol)
+
+    def get_protocol(self):
+        return self._transport.get_protocol()
+
+
 class BoundedConnection(asyncio.Protocol):
     """One HTTP connection, bounded, around the ASGI server's own protocol object
     (`inner`), which it feeds through the asyncio.Protocol interface only:
@@ -175,7 +253,7 @@ class BoundedConnection(asyncio.Protocol):
 
     # asyncio.Protocol
     def connection_made(self, transport) -> None:
-        self.transport = transport
+        self.transport = transport = CoalescedWrites(transport)  # this side's writes too: one order
         if self.shared.open >= self.bounds.max_connections:
             self._refused = True
             _warnings.warn("connections", "refusing a connection: %d open (server.max_connections)",
@@ -373,14 +451,16 @@ class HttpEdge:
     The connection (BoundedConnection) tells the request's handler when its
     client goes: `scope[DISCONNECT_KEY]`.
 
-    Inference POSTs go to `inference` (the inference surface's own Router), every
-    other request to `app`."""
+    Inference POSTs go straight to their endpoint in `inference`, every other
+    request to `app`."""
 
     def __init__(self, app, server: ServerConfig, admission: Admission, api_key: str | None,
-                 admin_key: str | None, inference: Router | None = None) -> None:
+                 admin_key: str | None, inference: dict | None = None, on_key_refused=None) -> None:
         self.app = app
-        self.inference = inference
-        self.inference_paths = frozenset(r.path for r in inference.routes) if inference else frozenset()
+        self.inference = inference or {}  # path -> the ASGI endpoint of its POST
+        # on_key_refused(path, error, tenant): a /v1/ request refused for its key (401); tenant is
+        # UNKNOWN_KEY when a key was given that no tenant holds, None when none was given
+        self.on_key_refused = on_key_refused
         self.limit = server.max_body_bytes
         self.budget = server.max_buffered_body_bytes
         self.buffered = 0  # bytes of the bodies being read now
@@ -418,7 +498,7 @@ class HttpEdge:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # after the body: disconnect notices pass through
 
-        app = self.inference if scope["method"] == "POST" and scope["path"] in self.inference_paths else self.app
+        app = (self.inference.get(scope["path"]) if scope["method"] == "POST" else None) or self.app
         connection = _connection.get()
         if connection is None:  # another server than BoundedConnection's: no disconnect notice
             return await app(scope, replay, send)
@@ -470,6 +550,9 @@ class HttpEdge:
             try:
                 scope[TENANT_KEY] = self.admission.tenant(scope["headers"])
             except PoolError as refusal:
+                if self.on_key_refused is not None:  # a row in the request log: the key's owner, never the key
+                    given = presented_key(scope["headers"])
+                    self.on_key_refused(path, refusal, UNKNOWN_KEY if given else None)
                 return refusal
             return None
         if not is_admin_path(path):

@@ -12,11 +12,11 @@ import asyncio
 import functools
 import json
 import re
+from contextlib import aclosing
 
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Router
 
 from protocol import Delta, Done
 from protocol.errors import ErrorCode, PoolError
@@ -38,15 +38,15 @@ def sse_frame(event: dict) -> bytes:
     return f"data: {event['data']}\n\n".encode()
 
 
-_answer_encoder = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+_encode_answer = msgspec.json.Encoder().encode
 
 
 class AnswerJSON(JSONResponse):
-    """Starlette's JSONResponse with one encoder made once (json.dumps with
-    options builds a new one per call), same bytes."""
+    """Starlette's JSONResponse, its body encoded by msgspec (in C): compact UTF-8 JSON,
+    as Starlette's, with floats in their shortest form (1e-05 as 0.00001: the same value)."""
 
     def render(self, content) -> bytes:
-        return _answer_encoder.encode(content).encode("utf-8")
+        return _encode_answer(content)
 
 
 class JobStream(StreamingResponse):
@@ -67,22 +67,38 @@ class JobStream(StreamingResponse):
             self.end(self.job)
 
 
-def add_inference_routes(app: FastAPI, engine, admission, metrics, config) -> Router:
-    """The inference surface: its POST routes (plain Starlette routes; see `route`) as one
-    Starlette `Router`, which the edge hands inference POSTs to directly (each ASGI layer
-    costs on every request, and this surface needs none of the app's: its endpoints
-    answer their own errors). The same routes are on `app` too, so that other methods get
-    the app's 405, and their bodies' schemas go in its OpenAPI document."""
+class InferenceEndpoint:
+    """One inference route's endpoint as an ASGI app (Starlette's Route takes an ASGI
+    app as its endpoint, as it does an HTTPEndpoint): no per-request wrapper but the
+    Request. `handle(request)` answers every error itself, in the error envelope."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    async def __call__(self, scope, receive, send) -> None:
+        response = await self.handle(Request(scope, receive))
+        await response(scope, receive, send)
+
+
+def add_inference_routes(app: FastAPI, engine, admission, metrics, config) -> dict[str, InferenceEndpoint]:
+    """The inference surface: its POST endpoints by path, which the edge hands inference
+    POSTs to directly (each ASGI layer and router costs on every request, and this surface
+    needs none of the app's: its endpoints answer their own errors). The same endpoints are
+    plain routes on `app` too, so that other methods get the app's 405, and their bodies'
+    schemas go in its OpenAPI document."""
     documented: dict[str, tuple[str, type[msgspec.Struct]]] = {}  # path -> (operation, body Struct)
-    surface = Router()
+    surface: dict[str, InferenceEndpoint] = {}
     # -- running a job for a client ------------------------------------------------------------------
     async def collect(job: Job) -> tuple[shapes.Choices, Done]:
         choices = shapes.Choices()
-        async for event in job.stream(engine.cancel):
-            if isinstance(event, Delta):
-                choices.add(event)
-            else:
-                return choices, event
+        # closed here, not left to the garbage collector, whose finalizer would wake the loop
+        # from "another thread" and spend a task on closing it, per request
+        async with aclosing(job.stream(engine.cancel)) as events:
+            async for event in events:
+                if isinstance(event, Delta):
+                    choices.add(event)
+                else:
+                    return choices, event
         raise PoolError(ErrorCode.RUNTIME_ERROR, "job ended without a result")
 
     async def unless_disconnected(request: Request, job: Job, waiting):
@@ -207,7 +223,7 @@ def add_inference_routes(app: FastAPI, engine, admission, metrics, config) -> Ro
         counted where it was raised). The OpenAPI document lists the route with `model`'s
         schema (see `document`)."""
         def register(handle):
-            async def endpoint(request: Request):
+            async def answer(request: Request):
                 raw = await request.body()
                 try:
                     body, data = request_body(raw, request.headers.get("content-type"), model)
@@ -218,9 +234,8 @@ def add_inference_routes(app: FastAPI, engine, admission, metrics, config) -> Ro
                     return await handle(body, data, request)
                 except PoolError as err:
                     return error_response(err)
-            endpoint.__name__ = handle.__name__
-            app.add_route(path, endpoint, methods=["POST"], include_in_schema=False)
-            surface.add_route(path, endpoint, methods=["POST"])
+            endpoint = surface[path] = InferenceEndpoint(answer)
+            app.add_route(path, endpoint, methods=["POST"], name=handle.__name__, include_in_schema=False)
             documented[path] = (handle.__name__, model)
             return handle
         return register

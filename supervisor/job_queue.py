@@ -8,7 +8,7 @@ across tenants while staying FIFO within one."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 from supervisor.jobs import Job
@@ -25,11 +25,12 @@ class JobQueue(Protocol):
     def extend(self, jobs: Iterable[Job]) -> None:
         """Jobs carried over from an earlier queue of the same model, in their order."""
 
-    def peek(self) -> Job | None:
-        """The next job to dispatch (the one `pop` returns next); None when empty."""
+    def peek(self, eligible: Callable[[str], bool] | None = None) -> Job | None:
+        """The next job to dispatch (the one `pop` returns next); None when empty. With
+        `eligible`: the next among the jobs of the tenants it accepts (None: none of them waits)."""
 
-    def pop(self) -> Job | None:
-        """The next job to dispatch, removed; None when empty."""
+    def pop(self, eligible: Callable[[str], bool] | None = None) -> Job | None:
+        """The next job to dispatch (as `peek` chooses it), removed; None when there is none."""
 
     def remove(self, job: Job) -> bool:
         """Drop one job (its client left); False if it was not queued."""
@@ -57,11 +58,14 @@ class FifoQueue:
     def extend(self, jobs: Iterable[Job]) -> None:
         self._jobs.extend(jobs)
 
-    def peek(self) -> Job | None:
-        return self._jobs[0] if self._jobs else None
+    def peek(self, eligible: Callable[[str], bool] | None = None) -> Job | None:
+        return next((job for job in self._jobs if eligible is None or eligible(job.tenant)), None)
 
-    def pop(self) -> Job | None:
-        return self._jobs.popleft() if self._jobs else None
+    def pop(self, eligible: Callable[[str], bool] | None = None) -> Job | None:
+        job = self.peek(eligible)
+        if job is not None:
+            self._jobs.remove(job)
+        return job
 
     def remove(self, job: Job) -> bool:
         try:

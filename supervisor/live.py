@@ -11,7 +11,7 @@ import logging
 import time
 from collections import deque
 
-from protocol import Done
+from protocol import Done, runtime_timings
 from protocol.errors import PoolError
 from supervisor.events import EventKind, EventLog, emit
 from supervisor.state_dir import make_private_dir
@@ -49,6 +49,15 @@ class LogTail(logging.Handler):
 
     def after(self, serial: int, limit: int) -> list[tuple[int, str]]:
         return [item for item in self.lines if item[0] > serial][-limit:]
+
+
+def runtime_speeds(timings: dict) -> tuple[float | None, float | None]:
+    """(prefill, decode) tokens/s from a runtime's own timings (checked again here:
+    a worker is no more trusted than its runtime); None for a phase it did not time."""
+    t = runtime_timings(timings)
+    prefill, decode = t.get("prompt_per_second"), t.get("predicted_per_second")
+    return (round(prefill, 1) if prefill and t.get("prompt_n") else None,
+            round(decode, 1) if decode and t.get("predicted_n") else None)
 
 
 class Activity:
@@ -98,10 +107,14 @@ class Activity:
     def finished(self, model: str | None, endpoint: str, status: int, job: Job | None = None,
                  done: Done | None = None, error: PoolError | None = None, tenant: str | None = None) -> None:
         """One row for the request log (in COLUMNS order). On every request's path: kept cheap."""
-        queued = ttft = duration = tokens_in = tokens_out = prompt = output = None
+        queued = ttft = duration = tokens_in = tokens_out = prompt = output = cached = prefill = decode = None
         if done is not None:
             usage = done.usage
             tokens_in, tokens_out = int(usage.get("input_tokens", 0)), int(usage.get("output_tokens", 0))
+            cached = usage.get("cached_tokens")  # absent: the runtime did not say (never a made-up 0)
+            cached = cached if type(cached) is int and cached >= 0 else None
+            if done.timings:
+                prefill, decode = runtime_speeds(done.timings)
             if job is not None and model in self.engine.models:
                 by_tenant = self._tenant_tokens.setdefault(model, {})
                 by_tenant[job.tenant] = by_tenant.get(job.tenant, 0) + tokens_in + tokens_out
@@ -121,7 +134,7 @@ class Activity:
                 output = truncate("".join(job.transcript))
         self.requests.append((time.time(), (model or "")[:200], endpoint, status, error and error.code.value,
                               error and error.message, queued, ttft, duration, tokens_in, tokens_out, prompt, output,
-                              job.tenant if job is not None else tenant))
+                              job.tenant if job is not None else tenant, cached, prefill, decode))
 
     # -- live samples ----------------------------------------------------------------------------
     def sample(self) -> dict:

@@ -16,6 +16,7 @@ from supervisor.engine import LOAD_BUCKETS
 from supervisor.jobs import Job
 from supervisor.observe import replica_view
 from supervisor.states import ModelState, ReplicaState
+from supervisor.tenants import UNKNOWN_KEY
 
 LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -78,7 +79,7 @@ class Metrics:
             if job.submitted_at is not None:
                 self._child(self.tenant_queue_wait, self._tenant(tenant), label).observe(
                     job.submitted_at - job.created_at)
-        if tenant is not None:
+        if tenant is not None and tenant != UNKNOWN_KEY:  # labels: configured names only
             self._child(self.tenant_requests, self._tenant(tenant), label, str(status)).inc()
         if self.on_finished is not None:
             self.on_finished(model, endpoint, status, job, done, error, tenant)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from procutil.sample import TreeSampler, gpu_memory_by_pid
+from procutil.tree import child_pids
 from protocol.errors import exit_text
 from supervisor.replica import Replica
 
@@ -111,12 +112,9 @@ class ProcessSampler:
 
     def _take(self) -> Sample:
         taken_at = time.monotonic()
-        try:
-            children = self._me.children()
-        except psutil.Error:
-            children = []
+        children = child_pids(self._me.pid)
         gpu = gpu_memory_by_pid() if children else None
-        views = {c.pid: self._trees.view(c.pid, gpu) for c in children}
+        views = {pid: self._trees.view(pid, gpu) for pid in children}
         self._trees.forget_dead()
         return Sample(taken_at, views, self._me.memory_info().rss, gpu is not None)
 
@@ -163,6 +161,7 @@ async def worker_views(replicas: list[Replica], sampler: ProcessSampler) -> list
             "last_exit": None if r.last_exit_code is None else exit_text(r.last_exit_code),
             "uptime_s": round(time.time() - r.started_at, 1) if r.pid and r.started_at else None,
             "inflight": len(r.inflight), "capacity": r.capacity, "runtime_capacity": r.runtime_capacity,
+            "newcomer_slots": r.newcomer_slots,
             "rss_bytes": None, "cpu_percent": None, "children": [], "gpu_memory_bytes": None,
             "log_path": str(r.log_path), "last_error": r.last_error, "runtime_info": r.info,
             "protocol_errors": r.protocol_errors, "unknown_job_replies": r.unknown_job_replies,

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import time
+from random import getrandbits
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -16,7 +16,7 @@ from msgspec import Meta
 
 from protocol import Delta, Done
 from protocol.errors import PoolError
-from supervisor.request_bounds import MAX_CHOICES
+from protocol.choices import MAX_CHOICES
 
 
 # -- requests: msgspec Structs, decoded and validated in C (see `request_body`) ------------------------
@@ -93,7 +93,9 @@ _json_str = json.JSONEncoder().encode  # a str goes straight to the C escaper (e
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}_{os.urandom(16).hex()}"
+    """A unique id (128 random bits; an id names an answer, it guards nothing, so the
+    generator need not be a system call per answer as os.urandom is)."""
+    return f"{prefix}_{getrandbits(128):032x}"
 
 
 # -- output accumulated per choice ---------------------------------------------------------------

@@ -94,6 +94,7 @@ class Replica:
         self.identity = ""
         self.proc: WorkerProcess | None = None
         self.capacity = 0  # effective: min(configured, runtime capability)
+        self.newcomer_slots = 0  # effective: at most the runtime's room above `capacity`
         self.runtime_capacity: int | None = None
         self.info: dict = {}
         self.inflight: dict[str, Job] = {}
@@ -142,6 +143,13 @@ class Replica:
     @property
     def free_slots(self) -> int:
         return self.capacity - len(self.inflight) if self.state is ReplicaState.READY else 0
+
+    @property
+    def free_newcomer_slots(self) -> int:
+        """Free slots above `capacity`, for a tenant with nothing running on the model."""
+        if self.state is not ReplicaState.READY or not self.newcomer_slots:
+            return 0
+        return min(self.newcomer_slots, self.capacity + self.newcomer_slots - len(self.inflight))
 
     def _task(self, coro, name: str) -> asyncio.Task:
         task = asyncio.create_task(coro, name=name)
@@ -233,7 +241,8 @@ class Replica:
             self.proc = await self.launcher([
                 "--endpoint", endpoint, "--replica", self.identity,
                 "--backend", self.cfg.backend,  # its options (secrets among them) follow Hello, in Setup
-                "--target-inflight", str(self.cfg.target_inflight),
+                # the runtime is sized for the regular slots and the newcomer slots above them
+                "--target-inflight", str(self.cfg.target_inflight + self.cfg.newcomer_slots),
                 "--heartbeat-s", str(self.server.heartbeat_s), "--liveness-s", str(self.server.liveness_s),
                 "--stop-timeout-s", str(self.cfg.stop_timeout_s), "--cancel-grace-s", str(self.cfg.cancel_grace_s),
                 "--supervisor-patience-s", str(self.server.supervisor_patience_s),
@@ -518,6 +527,11 @@ class Replica:
             case p.Ready(capacity=capacity, info=info):
                 self.runtime_capacity = capacity
                 self.capacity = max(0, min(self.cfg.target_inflight, capacity))
+                self.newcomer_slots = max(0, min(self.cfg.newcomer_slots, capacity - self.capacity))
+                if self.newcomer_slots < self.cfg.newcomer_slots:
+                    log.warning("replica %s: %d of %d newcomer_slots (the runtime runs %d at once, target_inflight "
+                                "%d)", self.name, self.newcomer_slots, self.cfg.newcomer_slots, capacity,
+                                self.capacity)
                 self.info = mask_values(info)  # shown in /admin/workers: no credentials in a URL
                 self.ready_at = self.clock()
                 if self.proc:

@@ -9,13 +9,12 @@ be below it: see Job.push)."""
 
 from __future__ import annotations
 
+from protocol.choices import MAX_CHOICES, N_MAX, prompt_count
 from protocol.errors import ErrorCode, PoolError
 
 TOP_LOGPROBS_MAX = 20  # chat `top_logprobs`, Responses `top_logprobs`
 LEGACY_LOGPROBS_MAX = 5  # /v1/completions `logprobs` (the number of alternatives there)
-N_MAX = 128  # choices per prompt
 LOGIT_BIAS_MAX_ENTRIES = 300
-MAX_CHOICES = 2048  # n times the prompts of a /v1/completions batch
 
 
 def _int_in(request: dict, field: str, low: int, high: int) -> int | None:
@@ -29,14 +28,6 @@ def _int_in(request: dict, field: str, low: int, high: int) -> int | None:
         raise PoolError(ErrorCode.INVALID_REQUEST, f"{field}: {shown} is out of range ({low} to {high})",
                         param=field)
     return value
-
-
-def _prompt_count(request: dict) -> int:
-    """Prompts in a /v1/completions request: a list of strings or of token lists is a batch."""
-    prompt = request.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(x, (str, list)) for x in prompt):
-        return len(prompt)
-    return 1
 
 
 def check_request_bounds(request: dict, endpoint: str) -> None:
@@ -53,16 +44,9 @@ def check_request_bounds(request: dict, endpoint: str) -> None:
         if len(bias) > LOGIT_BIAS_MAX_ENTRIES:
             raise PoolError(ErrorCode.INVALID_REQUEST, f"logit_bias: {len(bias)} entries, over the "
                             f"{LOGIT_BIAS_MAX_ENTRIES} allowed", param="logit_bias")
-    if endpoint == "completions" and n * _prompt_count(request) > MAX_CHOICES:
-        raise PoolError(ErrorCode.INVALID_REQUEST, f"n times the prompts is {n * _prompt_count(request)}, "
+    if endpoint == "completions" and n * prompt_count(request) > MAX_CHOICES:
+        raise PoolError(ErrorCode.INVALID_REQUEST, f"n times the prompts is {n * prompt_count(request)}, "
                         f"over the {MAX_CHOICES} choices one request may ask for", param="prompt")
-
-
-def choice_limit(request: dict, endpoint: str) -> int:
-    """How many choices the job's answer may hold (a checked request: see check_request_bounds)."""
-    n = request.get("n")
-    n = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= N_MAX else 1
-    return min(MAX_CHOICES, n * _prompt_count(request)) if endpoint == "completions" else n
 
 
 ECHO_CHARS = 256  # client text quoted back in an error message

@@ -1,12 +1,12 @@
 """The request log: one row per finished inference request, in SQLite in the
 state dir, so that it survives a restart of the supervisor.
 
-The event loop never touches the database for a write: `record()` appends a
-tuple (its text columns cut to TEXT_LIMITS) to a deque, and one writer thread
-wakes every `flush_s`, inserts what has piled up in one transaction, then
-trims the table to `max_rows` rows, `days` days and about `max_bytes` bytes
-of data, and gives freed pages back to the file system (auto_vacuum =
-INCREMENTAL). Reads (`query`) open their own connection and are meant to run
+The event loop never touches the database for a write: `record()` queues a
+tuple (its text columns cut to TEXT_LIMITS) for the shared batched writer
+(sqlite_writer.BatchWriter), which every `flush_s` inserts what has piled up
+in one transaction, trims the table to `max_rows` rows, `days` days and about
+`max_bytes` bytes of data, and gives freed pages back to the file system
+(auto_vacuum = INCREMENTAL). Reads (`query`) open their own connection and are meant to run
 in a thread; one answer holds at most QUERY_MAX_BYTES of rows (and says
 where the next page starts)."""
 
@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-import threading
 import time
-from collections import deque
 from contextlib import closing
 from pathlib import Path
+
+from supervisor.sqlite_writer import BatchWriter, insert_rows
 
 log = logging.getLogger("llm_pool.request_log")
 
@@ -30,7 +30,8 @@ QUERY_MAX_BYTES = 4 * 2**20  # the rows of one /admin/requests answer, about (th
 WAL_MAX_BYTES = 4 * 2**20  # the write-ahead log is cut back to this after a checkpoint
 
 COLUMNS = ("ts", "model", "endpoint", "status", "error_code", "error_message", "queued_ms", "ttft_ms",
-           "duration_ms", "tokens_in", "tokens_out", "prompt", "output", "tenant")
+           "duration_ms", "tokens_in", "tokens_out", "prompt", "output", "tenant", "cached_tokens",
+           "runtime_prefill_tps", "runtime_decode_tps")
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -47,7 +48,10 @@ CREATE TABLE IF NOT EXISTS requests (
     tokens_out INTEGER,
     prompt TEXT,                 -- only with the model's log_bodies, truncated
     output TEXT,
-    tenant TEXT                  -- who asked (a configured tenant name); NULL: refused before a tenant was known
+    tenant TEXT,                 -- who asked (a configured tenant name); NULL: refused before a tenant was known
+    cached_tokens INTEGER,       -- of tokens_in, from the runtime's prompt cache; NULL: the runtime did not say
+    runtime_prefill_tps REAL,    -- prompt tokens/s and output tokens/s as the runtime timed them
+    runtime_decode_tps REAL      -- (llama-server's timings); NULL: it gave none
 );
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 """
@@ -56,7 +60,9 @@ TEXT_LIMITS = {"model": 200, "endpoint": 64, "error_code": 64, "error_message": 
                "prompt": BODY_CHARS + 64, "output": BODY_CHARS + 64}  # room for truncate()'s note
 _TEXT_COLUMNS = tuple((COLUMNS.index(name), limit) for name, limit in TEXT_LIMITS.items())
 # columns added since the first schema: a log written by an older version gets them on open
-ADDED_COLUMNS = {"tenant": "TEXT"}
+# tenant: also "(unknown key)" (tenants.UNKNOWN_KEY) for a 401 whose key no tenant holds; NULL with no key
+ADDED_COLUMNS = {"tenant": "TEXT", "cached_tokens": "INTEGER", "runtime_prefill_tps": "REAL",
+                 "runtime_decode_tps": "REAL"}
 
 
 def truncate(text: str | None, limit: int = BODY_CHARS) -> str | None:
@@ -76,6 +82,23 @@ def phase_speeds(r: dict) -> dict:
     if (r.get("tokens_out") or 0) > 1 and ttft is not None and duration is not None and duration - ttft > 0:
         decode = round((r["tokens_out"] - 1) / ((duration - ttft) / 1000), 1)
     return {"prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode}
+
+
+class SpeedSource:
+    """Where a row's prefill and decode speeds come from (`speeds_from`)."""
+    RUNTIME = "runtime"  # the runtime's own timings of each phase (llama-server)
+    POOL = "pool"  # derived from the pool's times (phase_speeds): runtimes that time nothing
+
+
+def speeds(r: dict) -> dict:
+    """A logged request's prefill and decode speeds: the runtime's where it timed
+    them, else derived from the pool's own times; and which it is."""
+    if r.get("runtime_prefill_tps") is not None or r.get("runtime_decode_tps") is not None:
+        return {"prefill_tokens_per_s": r.get("runtime_prefill_tps"),
+                "decode_tokens_per_s": r.get("runtime_decode_tps"), "speeds_from": SpeedSource.RUNTIME}
+    derived = phase_speeds(r)
+    has = derived["prefill_tokens_per_s"] is not None or derived["decode_tokens_per_s"] is not None
+    return {**derived, "speeds_from": SpeedSource.POOL if has else None}
 
 
 def _cut(row: tuple) -> tuple:
@@ -100,12 +123,8 @@ class RequestLog:
         self.max_rows = max_rows
         self.days = days
         self.max_bytes = max_bytes
-        self.flush_s = flush_s
-        self.dropped = 0
-        self.written = 0
-        self._rows: deque[tuple] = deque()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._writer = BatchWriter("request-log", self.path, self._connect, self._write, queue_max=QUEUE_MAX,
+                                   flush_s=flush_s, prepare=self._vacuum_mode, after=self._give_back)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with closing(self._connect()) as db, db:
             db.execute("PRAGMA auto_vacuum=INCREMENTAL")  # before the first table: a new file has it
@@ -126,52 +145,33 @@ class RequestLog:
         return db
 
     # -- writing (any thread; cheap on the event loop) ---------------------------------------
+    @property
+    def dropped(self) -> int:
+        """Rows lost because QUEUE_MAX were waiting for the disk."""
+        return self._writer.dropped
+
+    @property
+    def written(self) -> int:
+        return self._writer.written
+
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._writer, name="request-log", daemon=True)
-        self._thread.start()
+        self._writer.start()
 
     def record(self, **row) -> None:
         """Queue one finished request (keys from COLUMNS; missing ones are NULL)."""
         self.append(tuple(row.get(c) for c in COLUMNS))
 
     def append(self, row: tuple) -> None:
-        """Queue one finished request: a tuple in COLUMNS order."""
-        if len(self._rows) >= QUEUE_MAX:  # the disk is stuck: lose log rows, never slow a request
-            self.dropped += 1
-            return
-        self._rows.append(_cut(row))
+        """Queue one finished request: a tuple in COLUMNS order (the disk stuck: dropped, counted)."""
+        self._writer.put(_cut(row))
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Write what is queued, then stop the writer."""
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join(timeout_s)
-            self._thread = None
+        self._writer.close(timeout_s)
 
-    def _writer(self) -> None:
-        db = self._connect()
-        try:
-            self._vacuum_mode(db)
-        except sqlite3.Error:
-            log.exception("request log: %s could not be switched to incremental vacuum", self.path)
-        insert = f"INSERT INTO requests ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
-        while True:
-            stopping = self._stop.wait(self.flush_s)
-            rows = []
-            while self._rows:
-                rows.append(self._rows.popleft())
-            if rows:
-                try:
-                    with db:
-                        db.executemany(insert, rows)
-                        self._trim(db)
-                    self._give_back(db)
-                    self.written += len(rows)
-                except sqlite3.Error:
-                    log.exception("request log: %d rows not written to %s", len(rows), self.path)
-            if stopping:
-                break
-        db.close()
+    def _write(self, db: sqlite3.Connection, rows: list[tuple]) -> None:  # the writer thread, in a transaction
+        insert_rows(db, "requests", COLUMNS, rows)
+        self._trim(db)
 
     def _vacuum_mode(self, db: sqlite3.Connection) -> None:
         """A file made before auto_vacuum was set keeps mode NONE until one VACUUM
@@ -268,5 +268,5 @@ class RequestLog:
         for r in rows:  # output tokens over the whole request (the time to the first one included)
             seconds = (r["duration_ms"] or 0) / 1000
             r["tokens_per_s"] = round(r["tokens_out"] / seconds, 1) if r["tokens_out"] and seconds > 0 else None
-            r.update(phase_speeds(r))
+            r.update(speeds(r))
         return rows, more

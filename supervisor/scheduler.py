@@ -186,15 +186,35 @@ class Executor:
             if replica is None:
                 break
             self.queue.pop()
-            self._idle.clear()
-            try:
-                replica.submit(job)
-            except Exception as exc:  # a bug here must cost one job, never the loop or the slot
-                log.exception("model %s: handing job %s to %s failed", self.cfg.name, job.id, replica.name)
-                replica.inflight.pop(job.id, None)
-                job.finish(PoolError(ErrorCode.RUNTIME_ERROR, f"the pool could not hand the request to "
-                                     f"replica {replica.name}: {type(exc).__name__}"))
-                self.replica_changed()
+            self._hand_over(job, replica)
+        if self.queue and self.accepting_new_requests and self.cfg.newcomer_slots:
+            self._dispatch_newcomers()
+
+    def _dispatch_newcomers(self) -> None:
+        """Every regular slot is busy: a queued job of a tenant with nothing running on this
+        model may take a newcomer slot (above target_inflight, where the runtime has room), so
+        a light tenant does not wait for a flood's running request to end. Among such tenants
+        the queue's own rule chooses; each takes one newcomer slot at most at a time."""
+        while self.queue:
+            spare = [r for r in self.replicas if r.free_newcomer_slots > 0]
+            if not spare:
+                return
+            running = {job.tenant for r in self.replicas for job in r.inflight.values()}
+            job = self.queue.pop(lambda tenant: tenant not in running)
+            if job is None:
+                return
+            self._hand_over(job, max(spare, key=lambda r: r.free_newcomer_slots))
+
+    def _hand_over(self, job: Job, replica: Replica) -> None:
+        self._idle.clear()
+        try:
+            replica.submit(job)
+        except Exception as exc:  # a bug here must cost one job, never the loop or the slot
+            log.exception("model %s: handing job %s to %s failed", self.cfg.name, job.id, replica.name)
+            replica.inflight.pop(job.id, None)
+            job.finish(PoolError(ErrorCode.RUNTIME_ERROR, f"the pool could not hand the request to "
+                                 f"replica {replica.name}: {type(exc).__name__}"))
+            self.replica_changed()
 
     def _has_free_slot(self) -> bool:
         return any(r.free_slots > 0 for r in self.replicas)

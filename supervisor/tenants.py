@@ -26,6 +26,9 @@ from supervisor.fair_queue import Share
 from supervisor.process import withhold_env
 
 DEFAULT = "default"  # the tenant of [server] api_key, and of every request when no key is set
+# the request log's tenant for a request refused for a key no tenant holds: a value no tenant
+# name can take (names are [A-Za-z0-9._-]), and never the key itself; no metric label uses it
+UNKNOWN_KEY = "(unknown key)"
 
 
 @dataclass(frozen=True)
@@ -109,10 +112,6 @@ class Tenant:
             wait = self.requests.wait_s(1, now)
             if wait:
                 raise _limited(f"tenant {self.name!r} is over its {spec.rpm} requests per minute (rpm)", wait)
-        if self.tokens is not None:
-            wait = self.tokens.wait_s(1, now)  # its earlier requests used what this minute allows
-            if wait:
-                raise _limited(f"tenant {self.name!r} is over its {spec.tpm} tokens per minute (tpm)", wait)
         if self.requests is not None:
             self.requests.level -= 1
         self.inflight += 1
@@ -126,6 +125,20 @@ class Tenant:
     def release(self) -> None:
         """An admitted request ended."""
         self.inflight -= 1
+
+    def reserve_tokens(self, count: int) -> None:
+        """Hold `count` tokens of the tpm window for an admitted request (its prompt's estimate and
+        the most output it may ask for), or raise 429 saying when they fit. A request larger than
+        the whole window is let in once the window is full (else it could never run). What the
+        request did not use is given back at its end (`charge_tokens` with the difference)."""
+        if self.tokens is None:
+            return
+        now = time.monotonic()
+        wait = self.tokens.wait_s(min(count, self.tokens.per_minute), now)
+        if wait:
+            raise _limited(f"tenant {self.name!r} is over its {self.spec.tpm} tokens per minute (tpm): this "
+                           f"request reserves {count} tokens (prompt + max output tokens)", wait)
+        self.tokens.level -= count
 
     def charge_tokens(self, count: int) -> None:
         if self.tokens is not None and count:

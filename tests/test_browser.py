@@ -115,10 +115,23 @@ def test_page_shows_models_workers_activity_and_log(pool, open_page):
     expect(row.locator(".tokens-in")).to_have_text(str(usage["prompt_tokens"]))
     expect(row.locator(".tokens-out")).to_have_text(str(usage["completion_tokens"]))
 
+    # the same prompt again: llama-server serves most of it from its prompt cache, and times each phase
+    again = pool.http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 6,
+                                                         "messages": [{"role": "user", "content": "hello"}]})
+    cached = again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0
+    row = page.locator(f'#activity tbody tr[data-id="{next_id + 1}"]')
+    expect(row.locator(".cached")).to_have_text(str(cached), timeout=2000)
+    expect(row.locator("td.speed").first).not_to_have_text("-")
+    assert row.locator("td.speed.derived").count() == 0  # the runtime's own figures, unmarked
+    row.click()
+    expect(page.locator("#request-detail")).to_contain_text(f"(cached: {cached})")
+    expect(page.locator("#request-detail")).to_contain_text("timed by the runtime")
+
     # an error row shows its message when clicked
     assert pool.http.post("/v1/chat/completions", json={"model": "nope", "messages": [
         {"role": "user", "content": "x"}]}).status_code == 404
-    failed = page.locator(f'#activity tbody tr[data-id="{next_id + 1}"]')
+    failed = page.locator(f'#activity tbody tr[data-id="{next_id + 2}"]')
     expect(failed.locator(".code")).to_have_text("model_not_found", timeout=2000)
     failed.click()
     expect(page.locator("#request-detail")).to_contain_text("model 'nope' does not exist")
@@ -397,3 +410,34 @@ def test_offline_greys_every_table_and_comes_back(make_pool, open_page, tmp_path
         again.stop()
     # the only console errors are the failed fetches while it was down
     assert all("Failed to load resource" in e or "fetch" in e.lower() for e in ui.errors), ui.errors
+
+
+def test_activity_filters_by_tenant_and_blanks_what_a_runtime_did_not_report(make_pool, open_page):
+    """The tenant filter lists the configured tenants and shows one tenant's rows; a runtime
+    that reports no cached tokens (synthetic) leaves the cell blank, its speeds marked derived."""
+    from playwright.sync_api import expect
+
+    admin = "tenant-page-admin"
+    pool = make_pool([synthetic("syn", tokens=3, tps=100)], server={"admin_key": admin},
+                     tenants=[{"name": "team-a", "keys": ["sk-a"]}, {"name": "team-b", "keys": ["sk-b"]}])
+    for k in ("sk-a", "sk-b", "sk-b"):
+        r = pool.http.post("/v1/chat/completions", headers={"Authorization": f"Bearer {k}"},
+                           json={"model": "syn", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200, r.text
+    ui = open_page(pool)
+    page = ui.page
+    page.fill("#key-input", admin)
+    page.click("#key-submit")
+    rows = page.locator("#activity tbody tr")
+    expect(rows).to_have_count(3)
+    expect(page.locator("#filter-tenant option")).to_have_text(["all", "team-a", "team-b", "default"])
+    page.select_option("#filter-tenant", "team-b")
+    expect(rows).to_have_count(2)
+    expect(page.locator("#activity tbody tr .tenant")).to_have_text(["team-b", "team-b"])
+    page.select_option("#filter-tenant", "team-a")
+    expect(rows).to_have_count(1)
+    expect(rows.locator(".tenant")).to_have_text("team-a")
+    expect(rows.locator(".cached")).to_have_text("")  # not reported: blank, never a 0
+    expect(rows.locator("td.speed.derived").last).to_contain_text("~")  # decode, from the pool's own times
+    ui.shot("tenant-filter")
+    assert all("401" in e for e in ui.errors), ui.errors  # the page's first call, before the key was typed

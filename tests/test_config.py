@@ -58,6 +58,11 @@ GOOD_MODEL = '[[models]]\nname = "a"\nbackend = "synthetic"\n'
      ["model 'x'", "'options.cache_tokens'", "greater than"]),
     ('[server]\nheartbeat_s = 2.0\nliveness_s = 2.0\n', ["'server.liveness_s'", "greater than heartbeat_s"]),
     ('[server]\nliveness_s = 0.5\n', ["'server.liveness_s'", "greater than heartbeat_s (1.0)"]),
+    ('[server]\nliveness_s = 20.0\nsupervisor_patience_s = 19.5\n',
+     ["'server.supervisor_patience_s'", "must be at least liveness_s (20.0)"]),
+    ('[server]\nmax_body_bytes = 8192\nmax_buffered_body_bytes = 4096\n',
+     ["'server.max_buffered_body_bytes'", "must be at least max_body_bytes (8192)"]),
+    (GOOD_MODEL + 'newcomer_slots = -1\n', ["model 'a'", "'newcomer_slots'", "greater than or equal to 0"]),
     # replicas on a Ray cluster (placement = "ray")
     (GOOD_MODEL + 'placement = "ray"\n', ["model 'a'", "'placement'", "needs server.ray_address"]),
     (GOOD_MODEL + 'placement = "k8s"\n', ["model 'a'", "'placement'", "'local' or 'ray'"]),

@@ -88,6 +88,35 @@ def test_fifo_within_each_tenant_whatever_the_interleaving(ops):
     assert queue.pop() is None and queue.peek() is None and len(queue) == 0
 
 
+@given(st.lists(st.tuples(st.sampled_from("abcd"), st.integers(0, 40)), min_size=1, max_size=40),
+       st.sets(st.sampled_from("abcd")), st.lists(st.tuples(st.sampled_from("abcd"), st.integers(0, 30))))
+def test_a_filtered_pop_is_the_same_rule_over_the_eligible_tenants_only(pushes, eligible, charges):
+    """pop(eligible) (newcomer slots: tenants with nothing running) chooses as a queue holding
+    only the eligible tenants' jobs would, with the same counters; the others' jobs stay, in order."""
+    shares = shares_of({"a": Share(2.0), "b": Share(1.0, priority=1), "d": Share(0.5)})
+    whole, only = FairQueue(shares, output_weight=2.0), FairQueue(shares, output_weight=2.0)
+    jobs = [make_job(tenant, chars) for tenant, chars in pushes]
+    for job in jobs:
+        whole.push(job)
+        only.push(job)
+    for job in jobs:
+        if job.tenant not in eligible:
+            only.remove(job)
+    for i, (tenant, tokens) in enumerate(charges):  # service of running jobs, between hand-overs
+        whole.charge(tenant, tokens, i % 3)
+        only.charge(tenant, tokens, i % 3)
+    left_out = [job for job in jobs if job.tenant not in eligible]
+    while True:
+        expected = only.pop()
+        assert whole.peek(eligible.__contains__) is expected
+        assert whole.pop(eligible.__contains__) is expected
+        if expected is None:
+            break
+        assert whole.counters == only.counters
+    assert len(whole) == len(left_out)
+    assert whole.take_all() == left_out  # untouched, in admission order
+
+
 @given(st.lists(st.integers(0, 40), min_size=1, max_size=30), st.data())
 def test_one_tenant_is_plain_fifo_with_requeue_at_the_head(sizes, data):
     fair, fifo = FairQueue(), FifoQueue()

@@ -172,13 +172,15 @@ def test_sse_lines_are_found_across_any_chunking():
 def test_the_choices_a_runtime_may_send_are_those_asked_for():
     """Pure: a choice index is below n (times the prompts of a legacy completions batch), never a list that long."""
     from runtime_worker.backends.base import JobError
-    from runtime_worker.native_server import choice_index, requested_choices
+    from protocol.choices import choice_limit
+    from runtime_worker.native_server import choice_index
 
-    assert requested_choices({}) == 1 and requested_choices({"n": 3}) == 3
-    assert requested_choices({"n": 2, "prompt": ["a", "b", [1, 2]]}, completions=True) == 6
-    assert requested_choices({"n": 2, "prompt": [1, 2, 3]}, completions=True) == 2  # one prompt of tokens
-    assert requested_choices({"n": 128, "prompt": ["a"] * 100}, completions=True) == 2048  # the ceiling
-    assert requested_choices({"n": True}) == requested_choices({"n": "9"}) == 1
+    assert choice_limit({}, "chat") == 1 and choice_limit({"n": 3}, "chat") == 3
+    assert choice_limit({"n": 2, "prompt": ["a", "b", [1, 2]]}, "completions") == 6
+    assert choice_limit({"n": 2, "prompt": ["a", "b"]}, "chat") == 2  # a batch only in legacy completions
+    assert choice_limit({"n": 2, "prompt": [1, 2, 3]}, "completions") == 2  # one prompt of tokens
+    assert choice_limit({"n": 128, "prompt": ["a"] * 100}, "completions") == 2048  # the ceiling
+    assert choice_limit({"n": True}, "chat") == choice_limit({"n": "9"}, "chat") == 1
     assert choice_index({"index": 2}, 3) == 2 and choice_index({}, 1) == 0
     for bad in ({"index": 3}, {"index": -1}, {"index": 20_000_000}, {"index": "0"}, {"index": 1.5}, []):
         with pytest.raises(JobError) as err:

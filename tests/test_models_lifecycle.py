@@ -103,6 +103,10 @@ def test_a_budget_for_two_of_three_evicts_the_lru_idle_model_not_the_busy_or_pin
     metrics = pool.http.get("/metrics").text
     assert "llm_pool_model_evictions_total 1.0" in metrics and "llm_pool_model_swaps_total 1.0" in metrics
     assert "model old: unloading (evicted to make room for new" in pool.log()
+    # the timeline names who the room was made for: the request's tenant (the default one: no keys)
+    evicted = [e for e in pool.http.get("/admin/events", params={"model": "old"}).json()["events"]
+               if e["kind"] == "evicted"]
+    assert [e["by"] for e in evicted] == ["memory budget, for tenant default"], evicted
 
 
 def test_nothing_evictable_waits_then_503_insufficient_memory(make_pool):

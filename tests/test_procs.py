@@ -53,3 +53,22 @@ def test_stop_tree_kills_what_outlives_the_child(group):
                 psutil.Process(pid).kill()
             except psutil.Error:
                 pass
+
+
+def test_descendant_pids_read_from_proc_match_psutils_walk():
+    """procutil's /proc children lists find the same tree as psutil's walk of every
+    process (a thread's children included: each task has its own list)."""
+    from procutil.tree import child_pids, descendant_pids
+    code = ("import subprocess, threading, time; subprocess.Popen(['sleep', '300']); "
+            "threading.Thread(target=lambda: subprocess.Popen(['sh', '-c', 'sleep 300 & sleep 300'])).start(); "
+            "time.sleep(300)")
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        wait_for(lambda: len(psutil.Process(parent.pid).children(recursive=True)) >= 4, 20,
+                 what="the parent's four descendants")
+        walked = {p.pid for p in psutil.Process(parent.pid).children(recursive=True)}
+        assert set(descendant_pids(parent.pid)) == walked
+        assert sorted(child_pids(parent.pid)) == sorted(p.pid for p in psutil.Process(parent.pid).children())
+    finally:
+        stop_tree(parent, set(), 10)
+    assert child_pids(parent.pid) == [] and descendant_pids(parent.pid) == []

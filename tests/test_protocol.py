@@ -290,3 +290,45 @@ def test_the_outbox_sends_what_is_ready_across_jobs_as_one_frame():
     assert p.decode_many(sent[0]) == [p.Delta(job="a", text="13"), p.Delta(job="b", text="2"),
                                       p.Done(job="b", finish_reason="stop")]
     assert p.decode_many(sent[2]) == [p.Delta(job="a", text="4")]
+
+
+_puts = st.lists(st.one_of(
+    st.tuples(st.just("text"), st.sampled_from("ab"), st.text(min_size=1, max_size=3)),
+    st.tuples(st.just("parts"), st.sampled_from("ab"), st.text(max_size=3)),
+    st.tuples(st.just("done"), st.sampled_from("ab"), st.just("")),
+    st.tuples(st.just("raw"), st.just(""), st.just(""))), max_size=16)
+
+
+@given(_puts)
+def test_put_text_sends_what_putting_each_delta_would(puts):
+    """put_text (a token without a message of its own) is an optimisation of put(Delta):
+    the frames on the wire are the same, in the same order."""
+    import asyncio
+    from runtime_worker.outbox import Outbox
+
+    class Sock:
+        def __init__(self):
+            self.sent: list = []
+
+        async def send(self, parts):
+            [frame_] = parts
+            self.sent.append(frame_ if frame_ == b"raw" else p.decode_many(frame_))
+
+    async def go(fast: bool):
+        sock = Sock()
+        box = Outbox(sock)
+        sender = asyncio.create_task(box.run())
+        for kind, job, text in puts:
+            if kind == "text":
+                box.put_text(job, text) if fast else box.put(p.Delta(job=job, text=text))
+            elif kind == "parts":
+                box.put(p.Delta(job=job, parts=[{"k": "reasoning", "t": text}]))
+            elif kind == "done":
+                box.put(p.Done(job=job, finish_reason="stop"))
+            else:
+                box.put(b"raw")
+        await box.flush(5)
+        sender.cancel()
+        return sock.sent
+
+    assert asyncio.run(go(True)) == asyncio.run(go(False))

@@ -5,13 +5,16 @@ page reads: /admin/requests, the live samples and the live log tail over SSE,
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 import threading
 import time
+from contextlib import closing
 
 import httpx
+import pytest
 
 from supervisor.request_log import BODY_CHARS, RequestLog
 from tests.conftest import synthetic
@@ -367,3 +370,122 @@ def test_bad_query_values_get_400_not_500(make_pool):
                                 ["requests"]) == 1 and r["more"] and r, 5, what="a page of one, and more")
     rest = pool.http.get("/admin/requests", params={"model": "m", "before_id": page["requests"][0]["id"]}).json()
     assert len(rest["requests"]) == 1 and rest["more"] is False
+
+
+# -- cached tokens and the runtime's own speeds (issue 24) ---------------------------------------------
+
+def test_runtime_timings_keep_only_known_finite_numbers():
+    from protocol import runtime_timings
+
+    raw = {"prompt_n": 12, "prompt_ms": 3.5, "prompt_per_second": 3428.6, "predicted_n": 5,
+           "predicted_ms": 2.0, "predicted_per_second": 2500.0, "cache_n": 400, "predicted_per_token_ms": 0.4,
+           "extra": "x" * 10_000}
+    assert runtime_timings(raw) == {k: v for k, v in raw.items() if k not in ("predicted_per_token_ms", "extra")}
+    bad = {"prompt_n": True, "prompt_ms": float("nan"), "prompt_per_second": float("inf"), "predicted_n": -1,
+           "predicted_ms": "2", "predicted_per_second": 1e13, "cache_n": None}
+    assert runtime_timings(bad) == {}
+    assert runtime_timings("not a map") == {} and runtime_timings(None) == {}
+
+
+def test_speeds_come_from_the_runtime_when_it_timed_them():
+    from supervisor.request_log import speeds
+
+    derived = {"queued_ms": 100.0, "ttft_ms": 600.0, "duration_ms": 2600.0, "tokens_in": 100, "tokens_out": 11}
+    assert speeds(derived) == {"prefill_tokens_per_s": 200.0, "decode_tokens_per_s": 5.0, "speeds_from": "pool"}
+    timed = {**derived, "runtime_prefill_tps": 5000.0, "runtime_decode_tps": 80.5}
+    assert speeds(timed) == {"prefill_tokens_per_s": 5000.0, "decode_tokens_per_s": 80.5, "speeds_from": "runtime"}
+    assert speeds({"queued_ms": 5.0, "ttft_ms": None, "duration_ms": 5.0, "tokens_in": None, "tokens_out": None}) \
+        == {"prefill_tokens_per_s": None, "decode_tokens_per_s": None, "speeds_from": None}
+
+
+def test_an_older_file_gets_the_new_columns_in_place(tmp_path):
+    import sqlite3
+    path = tmp_path / "r.sqlite3"
+    with sqlite3.connect(path) as db:  # as the version with the tenant column made it
+        db.execute("CREATE TABLE requests (id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, model TEXT NOT "
+                   "NULL, endpoint TEXT NOT NULL, status INTEGER NOT NULL, error_code TEXT, error_message TEXT, "
+                   "queued_ms REAL, ttft_ms REAL, duration_ms REAL, tokens_in INTEGER, tokens_out INTEGER, "
+                   "prompt TEXT, output TEXT, tenant TEXT)")
+        db.execute("INSERT INTO requests (ts, model, endpoint, status, tenant) VALUES (1, 'old', 'x', 200, 'a')")
+    store = RequestLog(path, max_rows=10, days=100_000, flush_s=0.01)
+    store.start()
+    store.record(ts=time.time(), model="new", endpoint="x", status=200, tokens_in=10, cached_tokens=0,
+                 runtime_prefill_tps=900.0, runtime_decode_tps=50.0)
+    store.close()
+    new, old = store.query()
+    assert (old["model"], old["tenant"], old["cached_tokens"], old["speeds_from"]) == ("old", "a", None, None)
+    assert (new["cached_tokens"], new["prefill_tokens_per_s"], new["decode_tokens_per_s"], new["speeds_from"]) == (
+        0, 900.0, 50.0, "runtime")
+
+
+@pytest.mark.llama
+def test_llama_server_reports_cached_tokens_and_its_own_speeds(make_pool, tiny_gguf, llama_server_bin):
+    """A prompt sent twice: llama-server serves the second from its prompt cache and says so;
+    its own timings give the phase speeds. The client's answer keeps its shape (no `timings`)."""
+    from tests.conftest import llama
+
+    pool = make_pool([llama("tiny", tiny_gguf, llama_server_bin, ctx=4096), synthetic("syn", tokens=3, tps=200)])
+    prompt = "the pool remembers " * 40
+    first = chat(pool, "tiny", prompt, max_tokens=4)
+    assert first.status_code == 200, first.text
+    assert "timings" not in first.json()
+    with pool.http.stream("POST", CHAT, json={"model": "tiny", "stream": True, "max_tokens": 4,
+                                              "stream_options": {"include_usage": True},
+                                              "messages": [{"role": "user", "content": prompt}]}) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks and not any("timings" in c for c in chunks)
+    assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # what the client sees, as before
+    assert chat(pool, "syn").status_code == 200
+    rows = wait_for(lambda: (rows := logged(pool)) and len(rows) == 3 and rows, 5, what="three rows")
+    syn, second, first_row = rows
+    assert first_row["cached_tokens"] == 0  # reported by llama-server: a real 0, not a blank
+    assert 0 < second["cached_tokens"] < second["tokens_in"]
+    for row in (first_row, second):
+        assert row["speeds_from"] == "runtime", row
+        assert row["prefill_tokens_per_s"] > 0 and row["decode_tokens_per_s"] > 0
+        assert row["prefill_tokens_per_s"] == row["runtime_prefill_tps"]
+    # the synthetic runtime reports neither: blank cached tokens, speeds from the pool's own times
+    assert syn["cached_tokens"] is None and syn["runtime_prefill_tps"] is None
+    assert syn["speeds_from"] == "pool" and syn["decode_tokens_per_s"] > 0
+    # and `llm-pool requests` shows the same
+    done = cli("requests", "--model", "tiny", url=pool.url)
+    assert done.returncode == 0, done.stderr
+    shown = table_rows(done.stdout)
+    assert [r["CACHED"] for r in shown] == ["0", str(second["cached_tokens"])]
+    assert [r["FROM"] for r in shown] == ["runtime", "runtime"]
+    assert shown[1]["DECODE/S"] == str(second["decode_tokens_per_s"])
+    blank = table_rows(cli("requests", "--model", "syn", url=pool.url).stdout)
+    assert blank[0]["CACHED"] == "-" and blank[0]["FROM"] == "pool"
+
+
+def test_the_shared_writer_bounds_its_queue_and_outlives_a_failed_batch(tmp_path, caplog):
+    """One writer serves the request log and the timeline: past queue_max rows are dropped and
+    counted (never a wait), a batch SQLite refuses is logged and the next one is written."""
+    import sqlite3
+
+    from supervisor.sqlite_writer import BatchWriter
+
+    path = tmp_path / "w.sqlite3"
+    with closing(sqlite3.connect(path)) as db:
+        db.execute("CREATE TABLE t (v INTEGER NOT NULL)")
+
+    def write(db, rows):
+        db.executemany("INSERT INTO t (v) VALUES (?)", rows)
+
+    writer = BatchWriter("test-writer", path, lambda: sqlite3.connect(path, check_same_thread=False), write,
+                         queue_max=3, flush_s=0.01)
+    for v in range(5):  # not started: the queue fills, the last two are dropped
+        writer.put((v,))
+    assert writer.dropped == 2
+    writer.start()
+    wait_for(lambda: writer.written == 3, 5, what="the queued rows written")
+    with caplog.at_level(logging.ERROR, logger="llm_pool.sqlite_writer"):
+        writer.put((None,))  # NOT NULL: SQLite refuses this batch
+        wait_for(lambda: any("1 rows not written" in r.getMessage() for r in caplog.records), 5,
+                 what="the failed batch logged")
+    writer.put((7,))
+    writer.close()
+    assert writer.written == 4 and writer._thread is None
+    with closing(sqlite3.connect(path)) as db:
+        assert [v for (v,) in db.execute("SELECT v FROM t")] == [0, 1, 2, 7]

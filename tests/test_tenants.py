@@ -6,6 +6,7 @@ a weight without touching a worker."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -16,6 +17,7 @@ import pytest
 import tomli_w
 
 from protocol.errors import ErrorCode, PoolError
+from supervisor.admission import DEFAULT_OUTPUT_RESERVE, output_reserve
 from supervisor.config import ConfigError, parse_config
 from supervisor.tenants import Tenants, Window, duration
 from tests.conftest import synthetic
@@ -114,6 +116,26 @@ def test_limits_refuse_with_retry_after_and_a_reload_keeps_what_was_used():
     assert headers[b"x-ratelimit-limit-requests"] == b"3" and headers[b"x-ratelimit-remaining-requests"] == b"0"
 
 
+def test_tpm_reserves_the_most_output_and_settles_to_what_was_used():
+    a = Tenants(parse_config({"tenants": [{"name": "a", "keys": ["k"], "tpm": 100}]})).by_name["a"]
+    assert output_reserve({"max_tokens": 40}) == 40
+    assert output_reserve({"max_completion_tokens": 7}) == 7 and output_reserve({"max_output_tokens": 9}) == 9
+    assert output_reserve({}) == output_reserve({"max_tokens": True}) == DEFAULT_OUTPUT_RESERVE
+    a.reserve_tokens(60)  # prompt + max output: held at admission
+    assert dict(a.limit_headers())[b"x-ratelimit-remaining-tokens"] == b"40"
+    with pytest.raises(PoolError) as refused:  # 40 left: a second reserve of 60 does not fit
+        a.reserve_tokens(60)
+    assert refused.value.code is ErrorCode.RATE_LIMIT_EXCEEDED and "reserves 60 tokens" in refused.value.message
+    assert 1 <= refused.value.retry_after_s <= 13  # 20 tokens at 100 a minute: about 12 s
+    a.charge_tokens(15 - 60)  # the first request used 15: the rest comes back
+    a.reserve_tokens(60)  # 85 left (and a little refill): fits
+    # a request larger than the whole window goes in once the window is full, never before
+    b = Tenants(parse_config({"tenants": [{"name": "b", "keys": ["k"], "tpm": 100}]})).by_name["b"]
+    b.reserve_tokens(500)
+    with pytest.raises(PoolError):
+        b.reserve_tokens(1)
+
+
 # -- real pools ---------------------------------------------------------------------------------------------
 def tenants_pool(make_pool, models, tenants, env=None, **server):
     return make_pool(models, server={"api_key": "sk-default", "admin_key": ADMIN, **server}, tenants=tenants,
@@ -162,6 +184,15 @@ def test_identity_scope_and_model_list(make_pool):
     assert [(r["TENANT"], r["MODEL"]) for r in table_rows(done.stdout)] == [("team-b", "syn-b")]
     metrics = http.get("/metrics").text
     assert 'llm_pool_tenant_requests_total{model="syn-a",status="200",tenant="team-a"} 2.0' in metrics
+    # the 401s are logged: an unknown key (the admin key is one here) shows as such, never as the key
+    unknown = http.get("/admin/requests", params={"tenant": "(unknown key)"}, headers=ADMIN_H)
+    assert [(r["status"], r["error_code"]) for r in unknown.json()["requests"]] == [(401, "invalid_api_key")] * 2
+    keyless = [r for r in http.get("/admin/requests", params={"status": "error"}, headers=ADMIN_H).json()["requests"]
+               if r["error_code"] == "unauthorized"]
+    assert [r["tenant"] for r in keyless] == [None]
+    assert "sk-nope" not in unknown.text and ADMIN not in unknown.text
+    labels = set(re.findall(r'tenant="([^"]*)"', metrics))
+    assert labels and labels <= {"team-a", "team-b", "default"}, labels  # configured names only
     assert 'llm_pool_tenant_requests_total{model="syn-b",status="404",tenant="team-a"} 1.0' in metrics
     assert 'llm_pool_tenant_tokens_total{kind="output",model="syn-b",tenant="team-b"}' in metrics
     assert 'llm_pool_tenant_queue_wait_seconds_count{model="syn-a",tenant="team-a"} 2.0' in metrics
@@ -262,6 +293,30 @@ def test_a_flood_by_one_key_and_another_keys_request_is_served_at_the_next_free_
     wait_for(lambda: served_order(pool, 11).count("heavy") == 10, 5, what="every request in the log")
 
 
+def test_a_newcomer_slot_starts_a_light_tenant_beside_a_flood(make_pool):
+    """target_inflight 1 on a runtime that runs 2, with newcomer_slots = 1: heavy's backlog
+    never takes the second slot (heavy has a job running), light's request starts in it at once,
+    while heavy's job still runs and heavy's backlog still waits."""
+    pool = tenants_pool(make_pool, [synthetic("syn", tokens=400, tps=200, capacity=2, newcomer_slots=1)],
+                        [{"name": "heavy", "keys": ["sk-h"]}, {"name": "light", "keys": ["sk-l"]}])
+    workers = lambda: pool.http.get("/admin/workers", headers=ADMIN_H).json()["workers"]  # noqa: E731
+    assert workers()[0]["newcomer_slots"] == 1 and workers()[0]["capacity"] == 1
+    threads = flood(pool, "sk-h", 4, max_tokens=400)  # 2 s each on the one regular slot
+    wait_for(lambda: queue_depth(pool) >= 2, 20, what="heavy's backlog")
+    assert workers()[0]["inflight"] == 1  # the newcomer slot is not heavy's: it has a job running
+    with httpx.stream("POST", pool.url + "/v1/chat/completions", json=chat("syn", max_tokens=400, stream=True),
+                      headers=key("sk-l"), timeout=30) as light:
+        assert light.status_code == 200
+        lines = light.iter_lines()
+        next(lines)  # light's first chunk: it runs now...
+        # ...beside a heavy job (heavy's backlog keeps the regular slot busy), without waiting for it
+        assert workers()[0]["inflight"] == 2 and queue_depth(pool) >= 1
+        assert any(line == "data: [DONE]" for line in lines)
+    for t in threads:
+        t.join(60)
+    wait_for(lambda: served_order(pool, 5).count("heavy") == 4, 5, what="every request in the log")
+
+
 def test_reload_changes_a_weight_without_touching_a_worker(make_pool):
     tenants = [{"name": "a", "keys": ["sk-a"]}, {"name": "b", "keys": ["sk-b"]}, {"name": "c", "keys": ["sk-c"]}]
     pool = tenants_pool(make_pool, [synthetic("syn", tokens=2000, tps=200)], tenants)
@@ -307,3 +362,28 @@ def test_request_log_gains_the_tenant_column_and_filters_by_it(tmp_path):
     store.close()
     assert [r["tenant"] for r in store.query()] == ["team-b", "team-a", None]
     assert [r["status"] for r in store.query(tenant="team-a")] == [200]
+
+
+def test_the_timeline_names_the_tenant_whose_request_loaded_a_model_and_never_a_key(make_pool):
+    """Who asked, by name: a load on demand says which tenant's request caused it; an
+    admin call without the CLI's or the page's header says `admin key`; no key anywhere."""
+    pool = tenants_pool(make_pool, [synthetic("lazy", tokens=2, load_on_start=False)],
+                        [{"name": "team-a", "keys": ["sk-team-a-secret"]}])
+    http = pool.http
+    r = http.post("/v1/chat/completions", json=chat("lazy"), headers=key("sk-team-a-secret"))
+    assert r.status_code == 200, r.text
+    unloaded = http.post("/admin/models/lazy/unload", headers=ADMIN_H)
+    assert unloaded.status_code == 200, unloaded.text
+
+    def timeline() -> list[dict]:
+        return http.get("/admin/events", params={"model": "lazy"}, headers=ADMIN_H).json()["events"]
+    events = wait_for(lambda: (e := timeline()) and any(x["kind"] == "unloading" for x in e) and e, 5,
+                      what="the load and the unload in the timeline")
+    by = {e["kind"]: e["by"] for e in events}
+    assert by["loading"] == by["loaded"] == "tenant team-a", events
+    assert by["unloading"] == "admin key", events
+    assert "sk-team-a-secret" not in str(events) and ADMIN not in str(events)
+    # the page's tenant filter lists the configured tenants (never their keys)
+    tenants = http.get("/admin/tenants", headers=ADMIN_H).json()["tenants"]
+    assert {t["name"] for t in tenants} == {"team-a", "default"}
+    assert "sk-team-a-secret" not in str(tenants) and "sk-default" not in str(tenants)

@@ -49,8 +49,9 @@ class Finished:
     output_tokens: int
     finish_reasons: tuple = ()  # per choice, when there are several
     result: dict | None = None  # a non-streamed answer (embeddings)
-    cached_tokens: int = 0  # of input_tokens, served from the runtime's prompt cache
+    cached_tokens: int | None = None  # of input_tokens, served from the runtime's prompt cache (None: not said)
     reasoning_tokens: int = 0  # of output_tokens, spent reasoning
+    timings: dict | None = None  # the runtime's own phase timings (protocol.runtime_timings), when it gives them
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +116,8 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def run(self, job: str, request: dict) -> AsyncIterator[Event]:
-        """Run one job (`job` is its id): stream TextDelta events, end with exactly one Finished."""
+        """Run one job (`job` is its id): stream TextDelta events, end with exactly one Finished.
+        An async generator (the worker closes it with aclose when the job ends, however)."""
 
     def complete(self, job: str, request: dict) -> AsyncIterator[Event]:
         """A legacy text completion (endpoint "completions")."""

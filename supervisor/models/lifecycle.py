@@ -25,7 +25,7 @@ from pathlib import Path
 
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ServerConfig
-from supervisor.events import EventKind, emit
+from supervisor.events import EventKind, emit, tenant_actor
 from supervisor.jobs import Job, JobState
 from supervisor.models.memory import Memory
 from supervisor.models.registry import ModelEntry, Registry
@@ -88,7 +88,7 @@ class Lifecycle:
                                 f"requests waiting for its next load (max_queue)", retry_after_s=1)
             entry.waiting.append(job)
         elif state in (ModelState.UNLOADED, ModelState.FAILED):
-            self.load_on_demand(entry).enqueue(job)
+            self.load_on_demand(entry, tenant_actor(job.tenant)).enqueue(job)
         else:
             entry.executor.enqueue(job)  # while loading, it waits in the queue for the replicas
 
@@ -145,16 +145,17 @@ class Lifecycle:
         except PoolError as exc:
             log.error("load of %s failed: %s", name, exc.message)
 
-    def load_on_demand(self, entry: ModelEntry) -> Executor:
+    def load_on_demand(self, entry: ModelEntry, by: str) -> Executor:
+        """Load for a request; `by`: whose (tenant_actor), for the timeline."""
         executor = self._prepare_load(entry)
         emit(EventKind.LOADING, f"model {entry.cfg.name}: loading (on demand: a request for it)",
-             model=entry.cfg.name, by="a request")
+             model=entry.cfg.name, by=by)
 
         async def run() -> None:
             async with entry.action:
                 if entry.executor is executor and entry.state is ModelState.LOADING:
                     try:
-                        await self._run_load(entry, "on_demand")
+                        await self._run_load(entry, "on_demand", by)
                     except PoolError as exc:
                         log.error("load of %s on demand failed: %s", entry.cfg.name, exc.message)
         self._spawn(run())
@@ -164,7 +165,9 @@ class Lifecycle:
                         by: str | None = None) -> None:  # holds entry.action, state LOADING
         name, executor = entry.cfg.name, entry.executor
         try:
-            await self.memory.make_room(entry, reason == "on_demand", self._evict, lambda: self.shutting_down)
+            await self.memory.make_room(entry, reason == "on_demand",
+                                        lambda victim, why: self._evict(victim, why, for_whom=by),
+                                        lambda: self.shutting_down)
         except PoolError as exc:
             if entry.state is ModelState.LOADING:  # else an unload took it over, and ends it
                 executor.fail_queued(exc)
@@ -270,14 +273,16 @@ class Lifecycle:
                 job.finish(error)
             return
         log.info("model %s: %d requests waited through its unload; loading it again", entry.cfg.name, len(waiting))
-        self.load_on_demand(entry).adopt(waiting)
+        self.load_on_demand(entry, tenant_actor(waiting[0].tenant)).adopt(waiting)
 
-    def _begin_auto_unload(self, entry: ModelEntry, reason: str) -> None:
+    def _begin_auto_unload(self, entry: ModelEntry, reason: str, for_whom: str | None = None) -> None:
         """Holds entry.action (taken with take_now). Intake stops in this loop turn;
-        a load_on_demand model's queued requests (and new ones) wait for its next load."""
+        a load_on_demand model's queued requests (and new ones) wait for its next load.
+        `for_whom`: who asked for the load that evicts this model (the timeline's actor)."""
         evicted = reason.startswith("evicted")
+        by = ("memory budget" + (f", for {for_whom}" if for_whom else "")) if evicted else "idle timer"
         emit(EventKind.EVICTED if evicted else EventKind.UNLOADING, f"model {entry.cfg.name}: unloading ({reason})",
-             model=entry.cfg.name, by="memory budget" if evicted else "idle timer")
+             model=entry.cfg.name, by=by)
         if entry.cfg.load_on_demand:
             entry.waiting = entry.executor.take_queued()
             entry.set_state(ModelState.AUTO_UNLOADING)
@@ -298,13 +303,13 @@ class Lifecycle:
         self._spawn(run())
         return True
 
-    async def _evict(self, victim: ModelEntry, reason: str) -> bool:
+    async def _evict(self, victim: ModelEntry, reason: str, for_whom: str | None = None) -> bool:
         """Called by a loader that holds its own lock: take the victim's only if that
         needs no wait (the lock order rule), and unload it here."""
         if victim.state not in RUNNING or not victim.action.take_now():
             return False
         try:
-            self._begin_auto_unload(victim, reason)
+            self._begin_auto_unload(victim, reason, for_whom)
             await self._unload_now(victim)
         finally:
             victim.action.release()

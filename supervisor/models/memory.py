@@ -33,7 +33,7 @@ def estimate_mb(cfg: ModelConfig) -> float | None:
         size = Path(cfg.options["model"]).expanduser().stat().st_size
     except (KeyError, OSError):
         return None
-    ctx = cfg.options.get("ctx_size") or 2048 * cfg.target_inflight
+    ctx = cfg.options.get("ctx_size") or 2048 * (cfg.target_inflight + cfg.newcomer_slots)  # llama-server's default
     return cfg.replicas * (size / 2**20 + ctx * KV_MB_PER_TOKEN)
 
 

@@ -121,6 +121,7 @@ function begin() {
   every(2000, refreshWorkers);
   every(2000, refreshRouting);
   every(1000, refreshActivity);
+  every(5000, refreshTenants);  // tenants change only with a config reload
   every(2000, refreshEvents);
   state.liveAbort = new AbortController();
   follow("/admin/live", onSample, state.liveAbort);
@@ -235,7 +236,7 @@ async function refreshModels() {
   const health = models.filter((m) => m.state === "degraded" || m.state === "failed");
   $("#health").textContent = health.length ? health.map((m) => `${m.name} ${m.state}`).join(", ") : "";
   $("#health").className = health.some((m) => m.state === "failed") ? "health bad" : "health warn";
-  fillFilter(models.map((m) => m.name));
+  fillFilter("#filter-model", models.map((m) => m.name));
   fill("#models", models.map((m) => el("tr", {"data-model": m.name, class: `model-${m.state}`},
     el("td", {class: "name clip", title: m.name}, m.name), el("td", {}, m.backend), stateCell(m.state),
     num(`${m.ready ?? m.replicas_ready}/${m.configured ?? m.replicas}`), num(m.queue_depth),
@@ -301,8 +302,8 @@ async function refreshRouting() {
 }
 
 // -- activity -----------------------------------------------------------------------------------
-function fillFilter(names) {
-  const select = $("#filter-model");
+function fillFilter(id, names) {
+  const select = $(id);
   const want = ["", ...names];
   if (want.join("\n") === [...select.options].map((o) => o.value).join("\n")) return;
   const chosen = select.value;
@@ -313,6 +314,26 @@ function fillFilter(names) {
 // filter (a tenant's, say) is one more select in index.html, nothing here.
 for (const select of document.querySelectorAll(".filters select[data-param]")) {
   select.addEventListener("change", () => refreshActivity().catch(() => {}));
+}
+
+async function refreshTenants() {
+  const {tenants} = await api("/admin/tenants");
+  fillFilter("#filter-tenant", tenants.map((t) => t.name));
+}
+
+// A phase speed: the runtime's own figure as is, one derived from the pool's times marked "~"
+function speedCell(r, value) {
+  if (value == null) return el("td", {class: "speed num"}, "-");
+  const derived = r.speeds_from !== "runtime";
+  return el("td", {class: "speed num" + (derived ? " derived" : ""),
+                   title: derived ? "derived from the pool's own times" : "timed by the runtime"},
+            (derived ? "~" : "") + value);
+}
+
+function speedsText(r) {
+  const from = r.speeds_from === "runtime" ? "timed by the runtime" : "derived from the pool's times";
+  return `prefill ${r.prefill_tokens_per_s ?? "-"} tok/s, decode ${r.decode_tokens_per_s ?? "-"} tok/s ` +
+    `(${r.speeds_from ? from : "no figures"}), overall ${r.tokens_per_s ?? "-"} tok/s`;
 }
 
 async function refreshActivity() {
@@ -335,11 +356,14 @@ async function refreshActivity() {
                                                 onclick: () => showRequest(r)},
     el("td", {}, new Date(r.ts * 1000).toLocaleTimeString()),
     el("td", {class: "model clip", title: r.model || ""}, r.model || "-"),
+    el("td", {class: "tenant clip", title: r.tenant || ""}, r.tenant || "-"),
     el("td", {}, r.endpoint), el("td", {class: "status num"}, r.status), el("td", {class: "code clip", title: r.error_message || ""}, r.error_code || ""),
     num(ms(r.queued_ms)), num(ms(r.ttft_ms)), num(ms(r.duration_ms)),
-    el("td", {class: "tokens-in num"}, r.tokens_in ?? "-"), el("td", {class: "tokens-out num"}, r.tokens_out ?? "-"),
-    el("td", {class: "num", title: `prefill ${r.prefill_tokens_per_s ?? "-"} tok/s, decode ${r.decode_tokens_per_s ?? "-"} tok/s`},
-       r.tokens_per_s ?? "-"))));
+    el("td", {class: "tokens-in num"}, r.tokens_in ?? "-"),
+    el("td", {class: "cached num"}, r.cached_tokens ?? ""),
+    el("td", {class: "tokens-out num"}, r.tokens_out ?? "-"),
+    el("td", {class: "num", title: speedsText(r)}, r.tokens_per_s ?? "-"),
+    speedCell(r, r.prefill_tokens_per_s), speedCell(r, r.decode_tokens_per_s))));
   if (state.selected !== null && !requests.some((r) => r.id === state.selected)) $("#request-detail").hidden = true;
 }
 
@@ -348,9 +372,9 @@ function showRequest(r) {
   state.selected = r.id;
   const parts = [`#${r.id} ${r.model || "-"} ${r.endpoint}: HTTP ${r.status}` + (r.error_code ? ` ${r.error_code}` : "")];
   if (r.error_message) parts.push(r.error_message);
-  if (r.tokens_out) parts.push(`tokens: ${r.tokens_in ?? "-"} in, ${r.tokens_out} out; ` +
-    `prefill ${r.prefill_tokens_per_s ?? "-"} tok/s, decode ${r.decode_tokens_per_s ?? "-"} tok/s, ` +
-    `overall ${r.tokens_per_s ?? "-"} tok/s`);
+  if (r.tenant) parts.push(`tenant: ${r.tenant}`);
+  if (r.tokens_out) parts.push(`tokens: ${r.tokens_in ?? "-"} in (cached: ` +
+    `${r.cached_tokens ?? "not reported by the runtime"}), ${r.tokens_out} out; ` + speedsText(r));
   if (r.prompt) parts.push("prompt: " + r.prompt);
   if (r.output) parts.push("output: " + r.output);
   detail.textContent = parts.join("\n\n");
