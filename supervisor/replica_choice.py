@@ -12,8 +12,9 @@ Per model, `routing` picks the policy:
   of the prompt (prefix_index), if that is at least CACHE_THRESHOLD of it. For
   a replica whose engine reports its cache (vLLM's KV events: kv_index) and a
   job whose token ids the pool has, the engine's own blocks are matched
-  instead (exact); any gap (no token ids, no events) falls back to the
-  approximate index, which is kept either way.
+  instead (exact); any gap falls back to the approximate index, which is kept
+  either way: no token ids (that job), lost events (that replica, where the
+  approximate index claims more).
 - session: the replica a session key (prompt_cache_key, else user) hashes to,
   by rendezvous hashing over the ready replicas: when one leaves, only its
   sessions move.
@@ -215,17 +216,24 @@ class PrefixAffinity(_Policy):
         matched = self._matched.setdefault(replica.index, {"exact": 0, "approximate": 0,
                                                            "approximate_fallback": 0})
         exact = self.exact(replica)
-        if exact is not None and job.prompt_tokens is not None:
-            matched["exact"] += 1
-            size = exact.block_size
-            if size is None:  # it has stored nothing yet
-                return 0.0
+        approximate = (lambda: self._lru(replica).match(keys) / len(keys) if keys else 0.0)
+        if exact is None or job.prompt_tokens is None:
+            matched["approximate_fallback" if exact is not None else "approximate"] += 1
+            return approximate()
+        share = 0.0
+        size = exact.block_size  # None: it has stored nothing yet
+        if size is not None:
             if size not in token_keys:
                 token_keys[size] = token_block_keys(job.prompt_tokens, size)
             total = len(token_keys[size])
-            return exact.match(token_keys[size]) / total if total else 0.0
-        matched["approximate_fallback" if exact is not None else "approximate"] += 1
-        return self._lru(replica).match(keys) / len(keys) if keys else 0.0
+            share = exact.match(token_keys[size]) / total if total else 0.0
+        if exact.resets:  # events were lost: what it held before the gap is known only approximately
+            guess = approximate()
+            if guess > share:
+                matched["approximate_fallback"] += 1
+                return guess
+        matched["exact"] += 1
+        return share
 
     def choose(self, replicas: Sequence[Replica], job: Job) -> Replica | None:
         least = self.least_loaded(replicas)

@@ -241,3 +241,18 @@ def test_policy_falls_back_without_token_ids_and_forgets_a_restart():
     before = policy.decisions[Decision.PREFIX_HIT]
     policy.choose(replicas, job(prompt))
     assert policy.decisions[Decision.PREFIX_HIT] == before
+
+
+def test_policy_after_lost_events_trusts_the_approximate_index_where_it_knows_more():
+    policy = make_replica_choice("prefix")
+    replicas = [FakeReplica(0), FakeReplica(1)]
+    prompt, text = list(range(40)), "y" * 2000
+    chosen = policy.choose(replicas, job(prompt, text))  # nothing known: least-inflight; recorded approximately
+    policy.kv_events(chosen, [chain(prompt)], False)
+    assert policy.choose(replicas, job(prompt, text)) is chosen
+    exact_before = policy.replica_view(chosen)["prefix_matches"]["exact"]
+    policy.kv_events(chosen, [], True)  # a gap: the exact index starts over, empty
+    assert policy.choose(replicas, job(prompt, text)) is chosen  # the approximate index still says so
+    view = policy.replica_view(chosen)
+    assert view["kv_index"]["resets"] == 1 and view["prefix_matches"]["exact"] == exact_before
+    assert view["prefix_matches"]["approximate_fallback"] >= 1
