@@ -171,7 +171,8 @@ class PrefixAffinity(_Policy):
         self._index: dict[int, tuple[str, BlockLRU]] = {}  # replica index -> (its worker's identity, keys)
         self._exact: dict[int, tuple[str, ExactIndex]] = {}  # replica index -> (identity, engine blocks)
         # per replica index: how its match was judged; "approximate_fallback": it reports its
-        # cache but the job had no token ids (the tokenize call failed or timed out)
+        # cache but the job had no token ids (the tokenize call failed or timed out), or its
+        # events had a gap and the approximate index claimed more
         self._matched: dict[int, dict[str, int]] = {}
 
     def _lru(self, replica: Replica) -> BlockLRU:
@@ -216,7 +217,10 @@ class PrefixAffinity(_Policy):
         matched = self._matched.setdefault(replica.index, {"exact": 0, "approximate": 0,
                                                            "approximate_fallback": 0})
         exact = self.exact(replica)
-        approximate = (lambda: self._lru(replica).match(keys) / len(keys) if keys else 0.0)
+
+        def approximate() -> float:
+            return self._lru(replica).match(keys) / len(keys) if keys else 0.0
+
         if exact is None or job.prompt_tokens is None:
             matched["approximate_fallback" if exact is not None else "approximate"] += 1
             return approximate()
