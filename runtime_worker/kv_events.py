@@ -15,17 +15,23 @@ tests/test_vllm_serve.py.)
 
 `decode_frame` turns one message into the compact events of protocol.KvEvents
 (pure, never raises); `KvEventRelay` subscribes, checks the sequence, and hands
-bounded batches to the worker's sender. A gap in the sequence, a malformed
-message or a backlog past MAX_PENDING_EVENTS is sent on as `reset`: the
-supervisor then knows its copy of this cache is no longer exact."""
+bounded batches to the worker's sender. A gap in the sequence is asked of the
+engine's replay socket (a ROUTER: the first missing number, 8 bytes big-endian,
+answered by the buffered messages from it, each as [b"", topic, seq, payload],
+then an end marker of sequence -1), live messages held meanwhile. A gap the
+replay cannot fill within REPLAY_TIMEOUT_S, a malformed message or a backlog
+past MAX_PENDING_EVENTS is sent on as `reset`: the supervisor then knows its
+copy of this cache is no longer exact."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 
 import msgpack
 import zmq
+import zmq.asyncio
 
 from protocol import MAX_KV_EVENTS
 from protocol.loop_socket import LoopSocket
@@ -34,6 +40,9 @@ MAX_BLOCKS_PER_EVENT = 256  # a longer BlockStored is split (each piece's parent
 MAX_HASH_BYTES = 64  # sha256 is 32
 MAX_PENDING_EVENTS = 16 * MAX_KV_EVENTS  # not yet handed to the sender: past this, drop them and reset
 MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+REPLAY_TIMEOUT_S = 2.0
+MAX_HELD_MESSAGES = 1024  # live messages held while a replay runs: past this, the replay is given up
+END_SEQ = -1  # the replay's end marker
 _CACHE_MEDIA = (None, "GPU")  # the engine's own cache; offloaded tiers are not what a request reuses first
 
 log = logging.getLogger("runtime_worker.kv_events")
@@ -117,23 +126,38 @@ def decode_frame(parts: list[bytes]) -> tuple[int, list[list]] | str:
 
 class KvEventRelay:
     """Subscribes to the engine's publisher and hands its events, in order and in
-    batches of at most MAX_KV_EVENTS, to `send(events, reset)`."""
+    batches of at most MAX_KV_EVENTS, to `send(events, reset)`; fills gaps from
+    `replay_endpoint` when there is one."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, send: Callable[[list, bool], None]) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, send: Callable[[list, bool], None],
+                 replay_endpoint: str | None = None) -> None:
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 1024)  # a stalled worker loses messages past this (a gap: reset), not memory
+        sock.setsockopt(zmq.RCVHWM, 1024)  # a stalled worker loses messages past this (a gap), not memory
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 4096)  # a bigger message drops the connection
         sock.connect(endpoint)  # before the engine binds: it then delivers from its first batch
+        self._ctx = ctx
         self._send = send
+        self._replay_endpoint = replay_endpoint
+        self._replay_sock: zmq.asyncio.Socket | None = None
+        self._replay_task: asyncio.Task | None = None
+        self._held: list[tuple[int, list]] | None = None  # live messages while a replay runs
         self._next_seq: int | None = 0
         self._pending: list = []
         self._reset = False
-        self.batches = self.events = self.gaps = self.malformed = 0
+        self.batches = self.events = self.gaps = self.malformed = self.replayed = 0
         self.sock = LoopSocket(sock, self.on_message)  # served from now on, by the running loop
 
+    @property
+    def replaying(self) -> bool:
+        return self._held is not None
+
     def close(self) -> None:
+        if self._replay_task is not None:
+            self._replay_task.cancel()
+        if self._replay_sock is not None:  # closed here: the context's term waits for every socket
+            self._replay_sock.close(linger=0)
         self.sock.close()
 
     def on_message(self, parts: list[bytes]) -> None:
@@ -145,19 +169,79 @@ class KvEventRelay:
             self._lost()
             self._next_seq = None  # its number is unknown: take the next one as it comes
         else:
-            seq, events = decoded
-            if self._next_seq is not None and seq != self._next_seq:
-                self.gaps += 1
-                log.warning("KV events %d..%d were lost: the supervisor's exact index of this replica resets",
-                            self._next_seq, seq - 1)
-                self._lost()
-            self._next_seq = seq + 1
-            self.batches += 1
-            self.events += len(events)
-            self._pending.extend(events)
-            if len(self._pending) > MAX_PENDING_EVENTS:
-                log.warning("%d KV events waiting to be sent: dropped, the exact index resets", len(self._pending))
-                self._lost()
+            self._accept(*decoded)
+        self.flush()
+
+    def _accept(self, seq: int, events: list) -> None:
+        if self._held is not None:  # a replay runs: this waits for it, in order
+            if len(self._held) < MAX_HELD_MESSAGES:
+                self._held.append((seq, events))
+                return
+            self._replay_task.cancel()  # too far behind: given up (its done-callback resets)
+            self._held.append((seq, events))
+            return
+        if self._next_seq is not None and seq != self._next_seq:
+            if self._replay_endpoint is not None and seq > self._next_seq:
+                self._held = [(seq, events)]
+                self._replay_task = asyncio.create_task(self._replay(self._next_seq, seq), name="kv-replay")
+                self._replay_task.add_done_callback(self._replayed)
+                return
+            self._gap(seq)
+        self._next_seq = seq + 1
+        self.batches += 1
+        self.events += len(events)
+        self._pending.extend(events)
+        if len(self._pending) > MAX_PENDING_EVENTS:
+            log.warning("%d KV events waiting to be sent: dropped, the exact index resets", len(self._pending))
+            self._lost()
+
+    def _gap(self, seq: int) -> None:
+        self.gaps += 1
+        log.warning("KV events %s..%d were lost: the supervisor's exact index of this replica resets",
+                    self._next_seq, seq - 1)
+        self._lost()
+
+    async def _replay(self, start: int, stop: int) -> list[tuple[int, list]] | None:
+        """Messages start..stop-1 from the engine's replay buffer; None if it has not them all."""
+        sock = self._replay_sock = zmq.asyncio.Socket.from_socket(self._ctx.socket(zmq.DEALER))
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_PAYLOAD_BYTES + 4096)
+        got: list[tuple[int, list]] = []
+        try:
+            sock.connect(self._replay_endpoint)
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            async with asyncio.timeout(REPLAY_TIMEOUT_S):
+                while True:
+                    parts = await sock.recv_multipart()
+                    if len(parts) == 4 and int.from_bytes(parts[2], "big", signed=True) == END_SEQ:
+                        break
+                    decoded = decode_frame(parts[1:])
+                    if isinstance(decoded, str):
+                        return None
+                    if decoded[0] == start + len(got) and decoded[0] < stop:
+                        got.append(decoded)
+        except TimeoutError:
+            return None
+        finally:
+            sock.close(linger=0)
+            self._replay_sock = None
+        return got if len(got) == stop - start else None
+
+    def _replayed(self, task: asyncio.Task) -> None:
+        """The replay ended: its messages, then the held ones, in order; or, if it
+        could not fill the gap, a reset and the held ones."""
+        if not task.cancelled() and task.exception() is not None:
+            log.error("replaying lost KV events failed: %r", task.exception())
+        filled = None if task.cancelled() or task.exception() is not None else task.result()
+        held, self._held, self._replay_task = self._held or [], None, None
+        if filled:
+            self.replayed += len(filled)
+            held = filled + held
+        else:
+            self._gap(held[0][0] if held else 0)
+            self._next_seq = None
+        for seq, events in held:
+            self._accept(seq, events)
         self.flush()
 
     def _lost(self) -> None:

@@ -14,6 +14,7 @@ import tempfile
 import msgpack
 import pytest
 import zmq
+import zmq.asyncio
 
 import protocol as p
 from runtime_worker.kv_events import MAX_BLOCKS_PER_EVENT, MAX_PENDING_EVENTS, KvEventRelay, decode_frame
@@ -256,3 +257,94 @@ def test_policy_after_lost_events_trusts_the_approximate_index_where_it_knows_mo
     view = policy.replica_view(chosen)
     assert view["kv_index"]["resets"] == 1 and view["prefix_matches"]["exact"] == exact_before
     assert view["prefix_matches"]["approximate_fallback"] >= 1
+
+
+class FakeEngine:
+    """vLLM's publisher as its source reads: a PUB of [topic, seq, payload] and a ROUTER
+    that answers [id, b"", start] with the buffered messages from `start`, then an end marker."""
+
+    def __init__(self, d: str) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.endpoint, self.replay_endpoint = f"ipc://{d}/events", f"ipc://{d}/replay"
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.bind(self.endpoint)
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.bind(self.replay_endpoint)
+        self.buffer: list[tuple[int, list[bytes]]] = []
+        self.seq = 0
+        self.replays = 0
+        self.task = asyncio.create_task(self.serve_replays())
+
+    async def publish(self, events: list, drop: bool = False, keep: bool = True) -> None:
+        """`drop`: lost on the way (not sent live); `keep`: in the replay buffer."""
+        message = frame(self.seq, events)
+        if keep:
+            self.buffer.append((self.seq, message))
+        if not drop:
+            await self.pub.send_multipart(message)
+        self.seq += 1
+
+    async def serve_replays(self) -> None:
+        while True:
+            client, _, start = await self.router.recv_multipart()
+            self.replays += 1
+            for seq, message in self.buffer:
+                if seq >= int.from_bytes(start, "big"):
+                    await self.router.send_multipart([client, b"", *message])
+            await self.router.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    def close(self) -> None:
+        self.task.cancel()
+        self.pub.close(0)
+        self.router.close(0)
+        self.ctx.term()
+
+
+async def _replay_run(script) -> tuple[list, KvEventRelay, FakeEngine]:
+    sent: list[tuple[list, bool]] = []
+    with tempfile.TemporaryDirectory() as d:
+        engine = FakeEngine(d)
+        ctx = zmq.Context()
+        relay = KvEventRelay(ctx, engine.endpoint, lambda events, reset: sent.append((events, reset)),
+                             engine.replay_endpoint)
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 10
+            while not sent:  # probes until the subscription is through (a lost probe is replayed too)
+                await engine.publish([removed([h(0)])])
+                await asyncio.sleep(0.05)
+                assert loop.time() < deadline, "the relay never heard the publisher"
+            while relay.replaying or sum(len(e) for e, _ in sent) < engine.seq:
+                await asyncio.sleep(0.02)
+                assert loop.time() < deadline, f"relay sent {sent}"
+            assert not any(reset for _, reset in sent)  # the probes came through, replayed or live
+            sent.clear()
+            want = await script(engine)
+            while sum(len(e) for e, _ in sent) + sum(r for _, r in sent) < want:
+                await asyncio.sleep(0.02)
+                assert loop.time() < deadline, f"relay sent {sent}"
+        finally:
+            relay.close()
+            ctx.term()
+            engine.close()
+    return sent, relay, engine
+
+
+def test_relay_fills_a_gap_from_the_replay_socket():
+    async def script(engine: FakeEngine) -> int:
+        await engine.publish([removed([h(1)])], drop=True)  # lost live, still in the engine's buffer
+        await engine.publish([removed([h(2)])])
+        return 2
+    sent, relay, engine = asyncio.run(_replay_run(script))
+    assert sent == [([["removed", [h(1)]], ["removed", [h(2)]]], False)]  # in order, no reset
+    assert relay.replayed >= 1 and engine.replays >= 1
+
+
+def test_relay_resets_when_the_replay_cannot_fill_the_gap():
+    async def script(engine: FakeEngine) -> int:
+        await engine.publish([removed([h(1)])], drop=True, keep=False)  # gone from the buffer too
+        await engine.publish([removed([h(2)])])
+        return 2
+    sent, relay, _ = asyncio.run(_replay_run(script))
+    assert sent == [([["removed", [h(2)]]], True)]
+    assert relay.gaps >= 1

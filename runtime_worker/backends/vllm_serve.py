@@ -30,6 +30,7 @@ from runtime_worker.kv_events import KvEventRelay
 from runtime_worker.native_server import NativeServer, OpenAIServerBackend, extra_body
 
 SERVED_NAME = "llm-pool-model"
+REPLAY_STEPS = 1024  # KV-event messages vLLM keeps for the relay to fill a gap from
 
 
 def vllm_command(options: dict) -> list[str]:
@@ -77,12 +78,13 @@ class VllmServeBackend(OpenAIServerBackend):
         """Subscribe to vLLM's KV events (before it binds: none is missed) and
         return the flags that make it publish them on that private socket."""
         self.events_dir = tempfile.mkdtemp(prefix="llm-pool-kv-")  # 0700: only this user reaches the socket
-        endpoint = f"ipc://{self.events_dir}/events"
+        endpoint, replay = f"ipc://{self.events_dir}/events", f"ipc://{self.events_dir}/replay"
         self.zmq_ctx = zmq.Context()
         sink = self.kv_events_sink or (lambda events, reset: None)
-        self.relay = KvEventRelay(self.zmq_ctx, endpoint, sink)
+        self.relay = KvEventRelay(self.zmq_ctx, endpoint, sink, replay)
+        # a gap is asked of the replay socket: vLLM keeps the last REPLAY_STEPS messages for it
         config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
-                  "buffer_steps": 0, "topic": ""}  # no replay: a gap resets the supervisor's index
+                  "replay_endpoint": replay, "buffer_steps": REPLAY_STEPS, "topic": ""}
         return ["--enable-prefix-caching", "--kv-events-config", json.dumps(config)]
 
     async def wait_dead(self) -> str:
