@@ -112,7 +112,8 @@ class Executor:
             self._idle.set()
         if self.queue and self._all_fatal() and not self.loading:  # nothing will ever run them
             self.fail_queued(self._no_replica_error())
-        self._wake.set()
+        if self.queue:  # else nothing waits for the slot: a job that comes takes it at once (enqueue)
+            self._wake.set()
 
     def job_finished(self, replica: Replica, job: Job) -> None:
         self.choice.finished(replica, job)
