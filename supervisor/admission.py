@@ -4,7 +4,9 @@
 
 `tenant()` runs first, at the HTTP edge, on the headers alone (a wrong key
 is refused before anything reads the body); `submit()` runs once the body
-names the model: scope, then limits, then the engine's queue, where the job
+names the model: scope, then limits, then the engine's queue (for a model
+routed by vLLM's own cache, `prompt_tokens()` asks a runtime for the prompt's
+token ids before, within the scope), where the job
 waits in its tenant's lane of the model's fair queue (supervisor/fair_queue.py).
 
 The tenants, their keys, scopes and limits are supervisor/tenants.py's table,
@@ -79,16 +81,28 @@ class Admission:
         return tenant
 
     # -- scope -> limits -> queue: once the body names the model -------------------------------------------
+    def check_scope(self, tenant: Tenant, model: str) -> None:
+        """404 for a model that does not exist, and the same answer for one out of the
+        tenant's scope: a tenant does not learn other tenants' models."""
+        entry = self.engine.entry(model)
+        if not tenant.spec.may_use((entry.cfg.name, *entry.cfg.aliases)):
+            raise PoolError(ErrorCode.MODEL_NOT_FOUND, f"model {model!r} does not exist", param="model")
+
+    async def prompt_tokens(self, tenant: Tenant, model: str, request: dict, endpoint: str) -> list[int] | None:
+        """The prompt's token ids for the exact prefix index (engine.prompt_tokens), asked of
+        a runtime only for a model in the tenant's scope; None where the model needs none."""
+        if not self.engine.wants_prompt_tokens(model):
+            return None
+        self.check_scope(tenant, model)
+        return await self.engine.prompt_tokens(model, request, endpoint)
+
     def submit(self, tenant: Tenant, model: str, request: dict, endpoint: str,
                prompt_tokens: list[int] | None = None) -> Job:
         """The job for this request, queued on its model; PoolError when it is refused.
         tpm: the request reserves its prompt's estimate and the most output it may produce
         (`output_reserve`) before it is queued, and settles to its real usage at its end.
-        `prompt_tokens`: its token ids, for the exact prefix index (engine.prompt_tokens)."""
-        entry = self.engine.entry(model)  # 404 for a model that does not exist...
-        if not tenant.spec.may_use((entry.cfg.name, *entry.cfg.aliases)):
-            # ...and the same answer for one out of scope: a tenant does not learn other tenants' models
-            raise PoolError(ErrorCode.MODEL_NOT_FOUND, f"model {model!r} does not exist", param="model")
+        `prompt_tokens`: its token ids, for the exact prefix index (`prompt_tokens` above)."""
+        self.check_scope(tenant, model)
         tenant.admit()  # 429 over rpm or max_inflight
         estimate = reserved = 0
 

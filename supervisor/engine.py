@@ -225,14 +225,21 @@ class ModelRouterEngine:
                 self.lifecycle.idle_unload(entry, f"idle for {self.lifecycle.idle_unload_s(entry):g}s")
 
     # -- jobs -------------------------------------------------------------------------------------
+    def wants_prompt_tokens(self, model: str) -> bool:
+        """Whether the model's routing is "prefix", where a request's token ids choose its
+        replica (the default only with several replicas; set by hand on one, the exact index
+        still shows what its cache holds)."""
+        entry = self.models.get(model) or self.models.get(self.aliases.get(model, ""))
+        executor = entry.executor if entry is not None else None
+        return executor is not None and executor.choice.routing == "prefix"
+
     async def prompt_tokens(self, model: str, request: dict, endpoint: str = "chat") -> list[int] | None:
         """The request's prompt as token ids, from a ready replica's tokenizer, when the
         model's replicas report their cache (KV events); else None, at no cost."""
-        entry = self.models.get(model) or self.models.get(self.aliases.get(model, ""))
-        executor = entry.executor if entry is not None else None
-        if executor is None or executor.choice.routing != "prefix":
+        if not self.wants_prompt_tokens(model):
             return None
-        url = next((r.info.get("tokenize_url") for r in executor.replicas
+        entry = self.models.get(model) or self.models.get(self.aliases.get(model, ""))
+        url = next((r.info.get("tokenize_url") for r in entry.executor.replicas
                     if r.state is ReplicaState.READY and isinstance(r.info, dict) and r.info.get("kv_events")), None)
         if not isinstance(url, str):
             return None

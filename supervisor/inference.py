@@ -139,9 +139,9 @@ def add_inference_routes(app: FastAPI, engine, admission, metrics, config) -> di
         if sse_shape is None and job_endpoint != "embeddings":
             job_request["stream"] = False  # wanted whole: a runtime that can answer whole does (its own bytes)
         tenant = request.scope.get(TENANT_KEY, DEFAULT_TENANT)
-        # routing "prefix" on replicas that report their cache: the prompt's token ids first
-        tokens = await engine.prompt_tokens(model, job_request, job_endpoint)
         try:
+            # routing "prefix" on replicas that report their cache: the prompt's token ids first
+            tokens = await admission.prompt_tokens(tenant, model, job_request, job_endpoint)
             job = admission.submit(tenant, model, job_request, job_endpoint, tokens)
         except PoolError as err:
             metrics.request(model, endpoint, err.status, error=err, tenant=tenant.name)
