@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from supervisor.prefix_index import leading_matches
+
 _ROOT = hash(("kv-root",))  # the parent key of a prompt's first block
 
 
@@ -108,10 +110,4 @@ class ExactIndex:
 
     def match(self, keys: Sequence[int]) -> int:
         """How many leading blocks of a prompt (token_block_keys) the engine holds."""
-        held = self._keys
-        n = 0
-        for key in keys:
-            if key not in held:
-                break
-            n += 1
-        return n
+        return leading_matches(keys, self._keys)

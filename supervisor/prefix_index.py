@@ -68,6 +68,17 @@ def prompt_blocks(text: str, seed: str | None = None, block_chars: int = BLOCK_C
     return keys
 
 
+
+def leading_matches(keys: Sequence[int], held) -> int:
+    """How many of `keys`, from the first, are in `held` (a prompt's chained block keys:
+    a match ends at the first block not held)."""
+    n = 0
+    for key in keys:
+        if key not in held:
+            break
+        n += 1
+    return n
+
 class BlockLRU:
     """The keys one replica's cache probably holds, at most `capacity` of them."""
 
@@ -83,13 +94,7 @@ class BlockLRU:
 
     def match(self, keys: Sequence[int]) -> int:
         """How many leading keys of a prompt this replica holds."""
-        held = self._keys
-        n = 0
-        for key in keys:
-            if key not in held:
-                break
-            n += 1
-        return n
+        return leading_matches(keys, self._keys)
 
     def record(self, keys: Sequence[int]) -> None:
         """The replica has just been given this prompt: its keys are the newest,
