@@ -43,6 +43,17 @@ def parse_tokens(answer) -> list[int] | None:
     return tokens
 
 
+async def read_bounded(content: aiohttp.StreamReader, limit: int) -> bytes | None:
+    """The whole body, or None once it passes `limit` bytes. (`content.read(n)` is not enough:
+    it returns what has arrived so far, which for a long answer is a part of it.)"""
+    raw = bytearray()
+    async for piece in content.iter_chunked(64 * 1024):
+        raw += piece
+        if len(raw) > limit:
+            return None
+    return bytes(raw)
+
+
 class PromptTokenizer:
     def __init__(self, timeout_s: float = TOKENIZE_TIMEOUT_S) -> None:
         self.timeout_s = timeout_s
@@ -61,10 +72,11 @@ class PromptTokenizer:
         tokens = None
         try:
             async with self._session.post(url, json=body, allow_redirects=False) as r:
-                raw = await r.content.read(MAX_ANSWER_BYTES + 1) if r.status == 200 else b""
-                if len(raw) <= MAX_ANSWER_BYTES and raw:
+                raw = await read_bounded(r.content, MAX_ANSWER_BYTES) if r.status == 200 else None
+                if raw:
                     tokens = parse_tokens(json.loads(raw))
-                why = f"HTTP {r.status}" if r.status != 200 else "an answer without token ids"
+                why = (f"HTTP {r.status}" if r.status != 200 else
+                       f"an answer over {MAX_ANSWER_BYTES} bytes" if raw is None else "an answer without token ids")
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             why = f"{type(exc).__name__}: {exc}"
         self.seconds += time.perf_counter() - start

@@ -9,6 +9,8 @@ by "type"); the vLLM tier (tests/test_vllm_serve.py) checks the same path on a r
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 import tempfile
 
 import msgpack
@@ -348,3 +350,57 @@ def test_relay_resets_when_the_replay_cannot_fill_the_gap():
     sent, relay, _ = asyncio.run(_replay_run(script))
     assert sent == [([["removed", [h(2)]]], True)]
     assert relay.gaps >= 1
+
+
+async def _tokenize_against(pieces: list[bytes], limit: int | None = None):
+    """PromptTokenizer against a real local HTTP server that sends its answer in `pieces`,
+    each flushed on its own with a loop turn between them (as a long answer arrives)."""
+    from aiohttp import web
+
+    from supervisor import prompt_tokens
+
+    async def tokenize(request):
+        assert (await request.json())["messages"]
+        answer = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await answer.prepare(request)
+        for piece in pieces:
+            await answer.write(piece)
+            await asyncio.sleep(0.01)
+        await answer.write_eof()
+        return answer
+
+    app = web.Application()
+    app.router.add_post("/tokenize", tokenize)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    await web.SockSite(runner, sock).start()
+    tokenizer = prompt_tokens.PromptTokenizer(timeout_s=10)
+    saved = prompt_tokens.MAX_ANSWER_BYTES
+    try:
+        if limit is not None:
+            prompt_tokens.MAX_ANSWER_BYTES = limit
+        tokens = await tokenizer.tokens(f"http://127.0.0.1:{port}/tokenize",
+                                        {"messages": [{"role": "user", "content": "hi"}]}, "chat")
+        return tokens, tokenizer.failures
+    finally:
+        prompt_tokens.MAX_ANSWER_BYTES = saved
+        await tokenizer.close()
+        await runner.cleanup()
+
+
+def test_tokenizer_reads_a_long_answer_that_arrives_in_pieces():
+    ids = list(range(40_000))  # ~230 KB of JSON: more than one read of the socket
+    body = json.dumps({"count": len(ids), "max_model_len": 4096, "tokens": ids}).encode()
+    pieces = [body[i:i + 50_000] for i in range(0, len(body), 50_000)]
+    assert len(pieces) > 3
+    tokens, failures = asyncio.run(_tokenize_against(pieces))
+    assert tokens == ids and failures == 0
+
+
+def test_tokenizer_refuses_an_answer_over_its_bound():
+    body = json.dumps({"tokens": list(range(1000))}).encode()
+    tokens, failures = asyncio.run(_tokenize_against([body[:3000], body[3000:]], limit=len(body) - 1))
+    assert tokens is None and failures == 1

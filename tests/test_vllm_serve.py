@@ -187,8 +187,13 @@ def test_cancel_stops_generation_in_vllm(pool, speed):
                 break  # leaving the block closes the connection: the client is gone
     left_at = time.monotonic()
     # the worker closed its stream to vLLM, and vLLM says it aborted the request
-    wait_for(lambda: sum("Aborted request" in line for line in replica_log(pool)) > aborted_before, 60,
-             what="vLLM logs the request as aborted")
+    try:
+        wait_for(lambda: sum("Aborted request" in line for line in replica_log(pool)) > aborted_before, 60,
+                 what="vLLM logs the request as aborted")
+    except AssertionError as exc:  # what the pool and vLLM say of that request, for whoever reads the failure
+        row = pool.http.get("/admin/requests", params={"limit": 1}).json()["requests"]
+        raise AssertionError(f"{exc}\npool's row: {row}\nmodel: {pool.model('tinyv')}\n"
+                             "replica log tail:\n" + "\n".join(replica_log(pool)[-25:])) from None
     print(f"vLLM logged the abort {time.monotonic() - left_at:.2f}s after the client left:",
           [line for line in replica_log(pool) if "Aborted request" in line][-1])
     wait_for(lambda: pool.model("tinyv")["runtime_inflight"] == 0, 30, what="slot freed")
