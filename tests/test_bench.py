@@ -100,12 +100,16 @@ def check_figures(found: dict[str, list[dict[str, str]]]) -> None:
     for r in capacity:
         pair(r["requests bare/pool"], "/", 1, 1e6)
         bare = number(r["bare FastAPI req/s"], 1, 1e6)
+        bare_zmq = number(r["bare+zmq req/s"], 1, 1e6)
         pool = number(r["pool req/s"], 1, 1e6)
         ratio_of(r["pool/bare"], pool, bare)
+        ratio_of(r["bare+zmq/bare"], bare_zmq, bare)
+        ratio_of(r["pool/(bare+zmq)"], pool, bare_zmq)
         for column in ("bare p50 / p99 ms", "pool p50 / p99 ms"):
             p50, p99 = pair(r[column], " / ", 0, MS)
             assert p50 <= p99, (column, r[column])
         number(r["bare CPU µs/req"], 0, CPU)
+        pair(r["bare+zmq CPU µs/req (app + echo)"], " + ", 0, CPU)
         pair(r["pool CPU µs/req (supervisor + worker)"], " + ", 0, CPU)
 
     relay = found["5"]

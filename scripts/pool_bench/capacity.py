@@ -1,6 +1,9 @@
 """2. Scheduler capacity: the synthetic backend (as fast as possible) through the whole HTTP
 stack vs a bare FastAPI endpoint on the same uvicorn settings that returns the same JSON
-(the stack's own ceiling): requests/s, latency and CPU per request."""
+(the stack's own ceiling): requests/s, latency and CPU per request. A third target, bare
+FastAPI + ZeroMQ, relays each request body over a pyzmq DEALER to a blocking ROUTER echo
+in another process, which answers the same JSON: the floor of any design that hands a
+request to a worker process over ZeroMQ, for the pool's figures to be read against."""
 
 from __future__ import annotations
 
@@ -34,6 +37,68 @@ async def health():
     return {"status": "ok"}
 '''
 
+# the same endpoint, its answer from another process over ZeroMQ (one DEALER, replies matched by a key)
+BARE_ZMQ_APP = '''
+import contextlib, itertools, os
+import zmq, zmq.asyncio
+from fastapi import FastAPI, Request, Response
+waiting, keys = {}, itertools.count()
+
+@contextlib.asynccontextmanager
+async def lifespan(app):
+    global sock
+    import asyncio
+    sock = zmq.asyncio.Context().socket(zmq.DEALER)
+    sock.connect(os.environ["BENCH_ZMQ_ADDR"])
+    async def replies():
+        while True:
+            key, body = await sock.recv_multipart()
+            waiting.pop(key).set_result(body)
+    task = asyncio.create_task(replies())
+    yield
+    task.cancel()
+
+app = FastAPI(lifespan=lifespan)
+
+@app.post("/v1/chat/completions")
+async def chat(request: Request):
+    import asyncio
+    await request.json()
+    key = b"%d" % next(keys)
+    waiting[key] = asyncio.get_running_loop().create_future()
+    await sock.send_multipart([key, await request.body()])
+    return Response(await waiting[key], media_type="application/json")
+
+@app.get("/health")
+async def health():
+    return {"status": "ok"}
+'''
+ZMQ_ECHO = '''
+import os, zmq
+sock = zmq.Context().socket(zmq.ROUTER)
+sock.bind(os.environ["BENCH_ZMQ_ADDR"])
+answer = open(os.environ["BENCH_BARE_BODY"], "rb").read()
+while True:
+    peer, key, _ = sock.recv_multipart()
+    sock.send_multipart([peer, key, answer])
+'''
+
+
+def start_bare_zmq(tmp: Path) -> tuple[Proc, Proc]:
+    """The bare app relaying over ZeroMQ, and its echo (start_bare_app wrote the body first)."""
+    (tmp / "bench_bare_zmq_app.py").write_text(BARE_ZMQ_APP)
+    (tmp / "bench_zmq_echo.py").write_text(ZMQ_ECHO)
+    env = {"BENCH_BARE_BODY": str(tmp / "bare_body.json"), "BENCH_ZMQ_ADDR": f"ipc://{tmp}/bench-echo.sock"}
+    echo = Proc("zmq-echo", [sys.executable, str(tmp / "bench_zmq_echo.py")], tmp / "zmq-echo.log", env=env)
+    port = free_port()
+    app = Proc("bare-fastapi-zmq", [sys.executable, "-m", "uvicorn", "bench_bare_zmq_app:app", "--app-dir", str(tmp),
+                                    "--host", "127.0.0.1", "--port", str(port), "--loop", "uvloop",
+                                    "--http", "httptools", "--no-access-log", "--log-level", "warning"],
+               tmp / "bare-zmq.log", env=env)
+    app.url = f"http://127.0.0.1:{port}"
+    wait_http(app, app.url + "/health", 60)
+    return app, echo
+
 
 def start_bare_app(tmp: Path, body: dict) -> Proc:
     (tmp / "bench_bare_app.py").write_text(BARE_APP)
@@ -56,18 +121,20 @@ def run(bench: Bench) -> None:
     load_before = loadavg()
     say("section 2: starting the synthetic pool and a bare FastAPI endpoint")
     pool = PoolProc(bench.tmp, "pool-synthetic", [synthetic_model("synth", 64, 16)])
-    bare = None
+    bare = bare_zmq = echo = None
     rows, data, notes = [], [], []
     try:
         pool.ready()
         body = httpx.post(pool.url + "/v1/chat/completions", timeout=30, json={
             "model": "synth", "max_tokens": 16, "messages": [{"role": "user", "content": "hello"}]}).json()
         bare = start_bare_app(bench.tmp, body)
-        targets = {"bare": bare.url, "pool": pool.url}
+        bare_zmq, echo = start_bare_zmq(bench.tmp)
+        targets = {"bare": bare.url, "bare+zmq": bare_zmq.url, "pool": pool.url}
         for url in targets.values():
             load(plain_call(url, "synth", 16), 50, 4, 20, raw_url=url)
         idle_rss = pool.rss()
         meters = {"bare": {"bare": CpuMeter([bare.pid])},
+                  "bare+zmq": {"app": CpuMeter([bare_zmq.pid]), "echo": CpuMeter([echo.pid])},
                   "pool": {"supervisor": CpuMeter([pool.pid]),
                            "worker": CpuMeter([w["pid"] for w in pool.workers() if w["pid"]])}}
 
@@ -79,29 +146,35 @@ def run(bench: Bench) -> None:
         memory.record(bench, "synthetic pool (c<=64)", pool, idle_rss, sampler.peak.get(pool.pid))
     finally:
         pool.stop()
-        if bare:
-            bare.stop()
+        for proc in (bare, bare_zmq, echo):
+            if proc:
+                proc.stop()
     for c in concs:
-        b, p = results[("bare", c)], results[("pool", c)]
+        b, z, p = results[("bare", c)], results[("bare+zmq", c)], results[("pool", c)]
         bq = b.done / b.wall if b.wall else None
+        zq = z.done / z.wall if z.wall else None
         pq = p.done / p.wall if p.wall else None
-        rows.append([c, f"{b.done}/{p.done}", num(bq), num(pq), ratio(pq, bq),
+        rows.append([c, f"{b.done}/{p.done}", num(bq), num(zq), num(pq), ratio(pq, bq), ratio(zq, bq), ratio(pq, zq),
                      f"{ms(pct(b.latencies, 50))} / {ms(pct(b.latencies, 99))}",
                      f"{ms(pct(p.latencies, 50))} / {ms(pct(p.latencies, 99))}",
-                     per_request_us(b), f"{per_request_us(p, 'supervisor')} + {per_request_us(p, 'worker')}"])
-        data.append({"concurrency": c, "bare_rps": bq, "pool_rps": pq,
-                     "cpu_s": {"bare": b.cpu_by, "pool": p.cpu_by},
+                     per_request_us(b), f"{per_request_us(z, 'app')} + {per_request_us(z, 'echo')}",
+                     f"{per_request_us(p, 'supervisor')} + {per_request_us(p, 'worker')}"])
+        data.append({"concurrency": c, "bare_rps": bq, "bare_zmq_rps": zq, "pool_rps": pq,
+                     "cpu_s": {"bare": b.cpu_by, "bare+zmq": z.cpu_by, "pool": p.cpu_by},
                      "bare_p50": pct(b.latencies, 50), "bare_p99": pct(b.latencies, 99),
                      "pool_p50": pct(p.latencies, 50), "pool_p99": pct(p.latencies, 99),
                      "requests": [b.done, p.done]})
-        notes += [n for n in (errors_note(f"c={c} bare", b), errors_note(f"c={c} pool", p)) if n]
+        notes += [n for n in (errors_note(f"c={c} bare", b), errors_note(f"c={c} bare+zmq", z),
+                              errors_note(f"c={c} pool", p)) if n]
     bench.out["sections"]["capacity"] = data
-    text = table(["conc", "requests bare/pool", "bare FastAPI req/s", "pool req/s", "pool/bare",
-                  "bare p50 / p99 ms", "pool p50 / p99 ms", "bare CPU µs/req",
-                  "pool CPU µs/req (supervisor + worker)"], rows)
+    text = table(["conc", "requests bare/pool", "bare FastAPI req/s", "bare+zmq req/s", "pool req/s", "pool/bare",
+                  "bare+zmq/bare", "pool/(bare+zmq)", "bare p50 / p99 ms", "pool p50 / p99 ms", "bare CPU µs/req",
+                  "bare+zmq CPU µs/req (app + echo)", "pool CPU µs/req (supervisor + worker)"], rows)
     text += ("\n\nNon-streaming POST /v1/chat/completions, 16 output tokens; synthetic backend with "
              "capacity 64 at tokens_per_second 0; bare FastAPI = same uvicorn settings (uvloop, httptools, "
-             "no access log), same JSON body. Load: one client process (uvloop, one raw keep-alive HTTP/1.1 "
+             "no access log), same JSON body; bare+zmq = the same app relaying each body over ZeroMQ (ipc) "
+             "to a blocking echo process that answers that JSON: what one hop to a worker process over "
+             "ZeroMQ costs at least. Load: one client process (uvloop, one raw keep-alive HTTP/1.1 "
              "connection per concurrent caller; httpx's pool would cap the ceiling near 500 req/s) on the "
              f"same machine as the servers. 1-min load average: {load_before} before, {loadavg()} after.")
     bench.emit("2. Scheduler capacity: synthetic backend vs bare FastAPI", text, notes)
