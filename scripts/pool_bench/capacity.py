@@ -39,7 +39,7 @@ async def health():
 
 # the same endpoint, its answer from another process over ZeroMQ (one DEALER, replies matched by a key)
 BARE_ZMQ_APP = '''
-import contextlib, itertools, os
+import asyncio, contextlib, itertools, os
 import zmq, zmq.asyncio
 from fastapi import FastAPI, Request, Response
 waiting, keys = {}, itertools.count()
@@ -47,7 +47,6 @@ waiting, keys = {}, itertools.count()
 @contextlib.asynccontextmanager
 async def lifespan(app):
     global sock
-    import asyncio
     sock = zmq.asyncio.Context().socket(zmq.DEALER)
     sock.connect(os.environ["BENCH_ZMQ_ADDR"])
     async def replies():
@@ -62,7 +61,6 @@ app = FastAPI(lifespan=lifespan)
 
 @app.post("/v1/chat/completions")
 async def chat(request: Request):
-    import asyncio
     await request.json()
     key = b"%d" % next(keys)
     waiting[key] = asyncio.get_running_loop().create_future()
@@ -163,7 +161,7 @@ def run(bench: Bench) -> None:
                      "cpu_s": {"bare": b.cpu_by, "bare+zmq": z.cpu_by, "pool": p.cpu_by},
                      "bare_p50": pct(b.latencies, 50), "bare_p99": pct(b.latencies, 99),
                      "pool_p50": pct(p.latencies, 50), "pool_p99": pct(p.latencies, 99),
-                     "requests": [b.done, p.done]})
+                     "requests": [b.done, z.done, p.done]})
         notes += [n for n in (errors_note(f"c={c} bare", b), errors_note(f"c={c} bare+zmq", z),
                               errors_note(f"c={c} pool", p)) if n]
     bench.out["sections"]["capacity"] = data
