@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import ipaddress
 import json
 import logging
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -404,12 +406,30 @@ def logs(target: Annotated[str, typer.Argument(
             typer.echo(line)
         return
     _call(url, "GET", path, params={**params, "lines": 1})  # a bad name or replica fails here, in one line
-    try:
+    with _until_ctrl_c():
         for _event, data in _sse(url, live, params):
             for line in data:
                 typer.echo(line)
-    except KeyboardInterrupt:
-        pass
+
+
+@contextlib.contextmanager
+def _until_ctrl_c():
+    """A follow (`-f`) runs until Ctrl-C, which ends the command at once with status 0, as
+    `tail -f` does. Not by KeyboardInterrupt, which lands wherever the HTTP client happens to
+    be and unwinds it from there (a follow in CI once hung after Ctrl-C). A follow holds
+    nothing to save: what it printed is flushed, and the process exits."""
+    def stop(signum, frame) -> None:
+        try:
+            sys.stdout.flush()
+        except Exception:  # interrupted inside a write of stdout: that line is lost
+            pass
+        os._exit(0)
+
+    previous = signal.signal(signal.SIGINT, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _sse(url: str, path: str, params: dict):
@@ -502,7 +522,7 @@ def requests(url: Url = DEFAULT_URL, as_json: AsJson = False,
     if not as_json:
         typer.echo("  ".join(h.ljust(w) for h, w in zip(REQUEST_HEADERS, widths)).rstrip())
     emit(rows)
-    try:
+    with _until_ctrl_c():
         while True:
             time.sleep(1.0)
             fresh = _call(url, "GET", "/admin/requests", params={**params, "after_id": last,
@@ -510,8 +530,6 @@ def requests(url: Url = DEFAULT_URL, as_json: AsJson = False,
             if fresh:
                 last = fresh[-1]["id"]
                 emit(fresh)
-    except KeyboardInterrupt:
-        pass
 
 
 def _event_line(e: dict) -> str:
@@ -547,15 +565,13 @@ def events(url: Url = DEFAULT_URL, as_json: AsJson = False,
     if not follow:
         return
     last = body.get("last_id") or 0
-    try:
+    with _until_ctrl_c():
         while True:
             time.sleep(1.0)
             got = _call(url, "GET", "/admin/events", params={**params, "after_id": last, "limit": 10_000})
             if got["events"]:
                 last = got["last_id"]
                 emit(got["events"])
-    except KeyboardInterrupt:
-        pass
 
 
 if __name__ == "__main__":

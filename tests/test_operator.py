@@ -240,15 +240,20 @@ def test_logs_follow_and_events_follow(make_pool):
 
     sup = follow("logs", "supervisor", "-f", url=pool.url)
     watch = follow("events", "-f", url=pool.url)
+    finished = follow("requests", "-f", "--json", url=pool.url)
     try:
         read_until(sup, "loaded in")
         read_until(watch, "syn loaded in")
+        assert pool.http.post("/v1/chat/completions", json={
+            "model": "gpt-x", "messages": [{"role": "user", "content": "followed"}]}).status_code == 200
+        row = json.loads(read_until(finished, '"model"')[-1])  # the request, once it finished
+        assert row["model"] == "syn" and row["status"] == 200
         assert pool.http.post("/admin/models/gpt-x/unload").status_code == 200  # by its alias
         read_until(watch, "model syn unloaded")  # named by the model's name, not the alias
         read_until(sup, "model syn unloaded")
         assert "gpt-x unloaded" not in pool.log()
     finally:
-        assert stop(sup) == 0 and stop(watch) == 0
+        assert stop(sup) == 0 and stop(watch) == 0 and stop(finished) == 0
     done = cli("logs", "supervisor", "-n", "3", url=pool.url)
     assert done.returncode == 0 and len(done.stdout.splitlines()) == 3
 
