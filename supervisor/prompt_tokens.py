@@ -55,8 +55,9 @@ async def read_bounded(content: aiohttp.StreamReader, limit: int) -> bytes | Non
 
 
 class PromptTokenizer:
-    def __init__(self, timeout_s: float = TOKENIZE_TIMEOUT_S) -> None:
+    def __init__(self, timeout_s: float = TOKENIZE_TIMEOUT_S, max_answer_bytes: int = MAX_ANSWER_BYTES) -> None:
         self.timeout_s = timeout_s
+        self.max_answer_bytes = max_answer_bytes
         self._session: aiohttp.ClientSession | None = None
         self.calls = self.failures = 0
         self.seconds = 0.0  # spent in calls, all together
@@ -72,11 +73,12 @@ class PromptTokenizer:
         tokens = None
         try:
             async with self._session.post(url, json=body, allow_redirects=False) as r:
-                raw = await read_bounded(r.content, MAX_ANSWER_BYTES) if r.status == 200 else None
+                raw = await read_bounded(r.content, self.max_answer_bytes) if r.status == 200 else None
                 if raw:
                     tokens = parse_tokens(json.loads(raw))
                 why = (f"HTTP {r.status}" if r.status != 200 else
-                       f"an answer over {MAX_ANSWER_BYTES} bytes" if raw is None else "an answer without token ids")
+                       f"an answer over {self.max_answer_bytes} bytes" if raw is None else
+                       "an answer without token ids")
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             why = f"{type(exc).__name__}: {exc}"
         self.seconds += time.perf_counter() - start

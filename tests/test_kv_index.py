@@ -357,7 +357,7 @@ async def _tokenize_against(pieces: list[bytes], limit: int | None = None):
     each flushed on its own with a loop turn between them (as a long answer arrives)."""
     from aiohttp import web
 
-    from supervisor import prompt_tokens
+    from supervisor.prompt_tokens import MAX_ANSWER_BYTES, PromptTokenizer
 
     async def tokenize(request):
         assert (await request.json())["messages"]
@@ -377,16 +377,12 @@ async def _tokenize_against(pieces: list[bytes], limit: int | None = None):
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     await web.SockSite(runner, sock).start()
-    tokenizer = prompt_tokens.PromptTokenizer(timeout_s=10)
-    saved = prompt_tokens.MAX_ANSWER_BYTES
+    tokenizer = PromptTokenizer(timeout_s=10, max_answer_bytes=limit or MAX_ANSWER_BYTES)
     try:
-        if limit is not None:
-            prompt_tokens.MAX_ANSWER_BYTES = limit
         tokens = await tokenizer.tokens(f"http://127.0.0.1:{port}/tokenize",
                                         {"messages": [{"role": "user", "content": "hi"}]}, "chat")
         return tokens, tokenizer.failures
     finally:
-        prompt_tokens.MAX_ANSWER_BYTES = saved
         await tokenizer.close()
         await runner.cleanup()
 

@@ -52,7 +52,8 @@ async def lifespan(app):
     async def replies():
         while True:
             key, body = await sock.recv_multipart()
-            waiting.pop(key).set_result(body)
+            if (answer := waiting.pop(key, None)) is not None:  # else a reply nobody waits for: dropped
+                answer.set_result(body)
     task = asyncio.create_task(replies())
     yield
     task.cancel()
