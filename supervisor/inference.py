@@ -17,6 +17,7 @@ from contextlib import aclosing
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from protocol import Delta, Done
 from protocol.errors import ErrorCode, PoolError
@@ -159,14 +160,22 @@ def add_inference_routes(app: FastAPI, engine, admission, metrics, config) -> di
             if result is None:
                 return client_gone(job, endpoint)
             choices, done = result
-            metrics.job_done(job, done, endpoint)
-            return AnswerJSON(to_json(choices, done))  # a Response skips FastAPI's generic encoder
+            # a Response skips FastAPI's generic encoder; the request is counted (metrics, request
+            # log) once its answer is written, not while the client waits for it
+            return AnswerJSON(to_json(choices, done),
+                              background=BackgroundTask(count_after_answer, job, done, endpoint))
         except PoolError as err:
             metrics.request(model, endpoint, err.status, job, error=err)
             raise
         finally:
             if streaming is None:  # else the stream owns the job until its last write
                 engine.cancel(job)  # a no-op once the job has finished
+
+    async def count_after_answer(job: Job, done: Done, endpoint: str) -> None:
+        """A Response's background, run once its body is handed to the server. The edge writes
+        what a loop turn wrote after that turn (http_guard.CoalescedWrites), so the count is
+        put behind that write: it runs in the same turn, before any later request is served."""
+        asyncio.get_running_loop().call_soon(metrics.job_done, job, done, endpoint)
 
     def client_gone(job: Job, endpoint: str) -> Response:
         metrics.client_gone(job, endpoint)

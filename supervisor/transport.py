@@ -1,7 +1,8 @@
 """The supervisor's one ZeroMQ ROUTER socket: binds it in a private directory,
 routes incoming frames to replicas by identity, sends to a replica by identity
-(what is sent during one loop turn goes out after it, as one batch frame per
-worker: one socket send, not one per job).
+(the first frame for a worker in a loop turn goes at once; what follows it in
+the same turn goes out after the turn, as one batch frame per worker: one
+socket send, not one per job).
 A malformed frame is logged and handed to its replica, which counts it; it
 never escapes."""
 
@@ -85,14 +86,23 @@ class Transport:
         self.send_frame(identity, p.encode(msg), on_failed)
 
     def send_frame(self, identity: str, frame: bytes, on_failed: Callable[[], None] | None = None) -> None:
-        """Queue an encoded frame for a worker. Frames queued during one loop turn go out
-        right after it (_flush), in order, batched per worker; if they cannot be sent (the
-        worker is gone or not reading), each one's `on_failed` is called then. Never raises."""
-        out = self._outgoing.get(identity_bytes := identity.encode())
+        """Send an encoded frame to a worker. The first frame for a worker in a loop turn
+        goes at once (a lone request waits for no batch); the frames that follow it in the
+        same turn go out right after the turn (_flush), in order, as one batch per worker.
+        If a frame cannot be sent (the worker is gone or not reading), its `on_failed` and
+        those of the frames queued after it are called after the turn. Never raises."""
+        identity_bytes = identity.encode()
+        out = self._outgoing.get(identity_bytes)
         if out is None:
             if not self._outgoing:
                 asyncio.get_running_loop().call_soon(self._flush)
             out = self._outgoing[identity_bytes] = []
+            if self._loop_sock is not None:
+                try:
+                    self._loop_sock.send_nowait([identity_bytes, frame])
+                    return  # sent: what follows this turn is batched behind it
+                except zmq.ZMQError:
+                    pass  # queued: _flush tries again and calls on_failed if that fails too
         out.append((frame, on_failed))
 
     def _flush(self) -> None:

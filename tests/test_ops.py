@@ -104,7 +104,12 @@ def test_process_sampler_samples_off_the_loop_and_keeps_only_live_processes():
 
     from supervisor.observe import ProcessSampler
 
-    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(3)]
+    # each child says when its interpreter is up: a sample taken while one still starts sees
+    # a fraction of the memory it settles at
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE) for _ in range(3)]
+    for proc in procs:
+        assert proc.stdout.readline() == b"up\n"
     sampler = ProcessSampler(period_s=60)  # passes on demand only, in this test
     passes = []
     take = sampler._take
@@ -130,6 +135,7 @@ def test_process_sampler_samples_off_the_loop_and_keeps_only_live_processes():
         for proc in procs:
             proc.kill()
             proc.wait()
+            proc.stdout.close()
 
 
 def test_process_sampler_passes_on_its_period_and_outlives_a_failed_pass():
