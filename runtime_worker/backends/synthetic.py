@@ -2,7 +2,9 @@
 
 Options: tokens_per_second (0 = as fast as possible), ttft_ms, capacity,
 output_tokens (length of a full answer), load_ms. The text is a fixed
-function of the last message, so tests can compare runs.
+function of the last message, so tests can compare runs. As fast as possible,
+a request wanted whole ("stream": false) gets its text in one piece, as a
+native server answers it; otherwise the text comes token by token.
 
 `grandchild` (for tests) starts a child process in its own session with no
 parent-death signal, the way vLLM's engine processes hang below its server:
