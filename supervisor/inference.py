@@ -16,7 +16,7 @@ from contextlib import aclosing
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.background import BackgroundTask
 
 from protocol import Delta, Done
@@ -29,6 +29,9 @@ from supervisor.jobs import Job
 from supervisor.metrics import CLIENT_CLOSED
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# an inference stream's headers, as Starlette's StreamingResponse would send them with SSE_HEADERS
+SSE_RAW_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
+                   (b"content-type", b"text/event-stream; charset=utf-8")]
 
 
 def sse_frame(event: dict) -> bytes:
@@ -50,22 +53,61 @@ class AnswerJSON(JSONResponse):
         return _encode_answer(content)
 
 
-class JobStream(StreamingResponse):
-    """An SSE response that owns its job: when the response ends for any
-    reason (done, client gone before or during the body, a failed write), the
-    job is cancelled unless it has finished. A generator's own `finally` is
-    not enough: a body that never starts never runs it."""
+class JobStream:
+    """An SSE answer that owns its job, as a plain ASGI app: when it ends for any
+    reason (done, the client gone before or during the body, a failed write), the
+    job is cancelled unless it has finished. A generator's own `finally` is not
+    enough: a body that never starts never runs it.
+
+    A client that leaves mid-stream cancels the stream's task, as a disconnect
+    listener would, but no task is made for it: the connection says when its
+    client goes (http_guard.Disconnect). Under another ASGI server, a task waits
+    for http.disconnect. (Starlette's StreamingResponse runs a task group per
+    response for this under ASGI 2.3, uvicorn's: about 0.2 ms of CPU per stream.)"""
 
     def __init__(self, job: Job, end, body) -> None:
-        super().__init__(body, media_type="text/event-stream", headers=SSE_HEADERS)
         self.job = job
         self.end = end  # cancels the job unless finished; counts a client that left
+        self.body = body  # async iterator of bytes: the SSE events, ready to write
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope, receive, send) -> None:
+        task = asyncio.current_task()
+        left = False
+
+        def client_left() -> None:
+            nonlocal left
+            if not left:
+                left = True
+                task.cancel()
+
+        disconnect = scope.get(DISCONNECT_KEY)
+        watcher = None
+        if disconnect is None:
+            watcher = asyncio.create_task(_until_disconnect(receive, client_left))
+        else:
+            disconnect.on_gone(client_left)
         try:
-            await super().__call__(scope, receive, send)
+            async with aclosing(self.body) as chunks:
+                await send({"type": "http.response.start", "status": 200, "headers": SSE_RAW_HEADERS})
+                async for chunk in chunks:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not left or task.uncancel():  # cancelled for another reason too: that one goes on
+                raise
         finally:
+            # no await before this: a cancel from client_left lands inside the try, or never
+            if disconnect is not None:
+                disconnect.callback = None
+            if watcher is not None:
+                watcher.cancel()
             self.end(self.job)
+
+
+async def _until_disconnect(receive, then) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    then()
 
 
 class InferenceEndpoint:

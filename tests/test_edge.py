@@ -214,3 +214,89 @@ def test_the_bodies_being_read_are_bounded_all_together(pool):
             s.close()
     r = httpx.post(pool.url + "/v1/chat/completions", json=big, timeout=10)
     assert r.status_code == 200, r.text
+
+
+async def _stream_until_client_leaves(scope: dict, leave) -> tuple[list, list]:
+    """Run a JobStream whose job would never end; once its first event is written, the
+    client leaves: `leave()` is called, and the server's receive() says http.disconnect.
+    Returns (what was sent, what end() got)."""
+    import asyncio
+
+    from supervisor.inference import JobStream
+    first_sent = asyncio.Event()
+    sent, ended = [], []
+
+    async def body():
+        yield b"data: 1\n\n"
+        await asyncio.Event().wait()  # a job that never ends: only the client's leaving stops this
+
+    async def send(message) -> None:
+        sent.append(message)
+        if message["type"] == "http.response.body" and not first_sent.is_set():
+            first_sent.set()
+            asyncio.get_running_loop().call_soon(leave)  # the connection drops after this write
+
+    async def receive() -> dict:  # the server's own notice (what a task must wait for without the edge)
+        await first_sent.wait()
+        return {"type": "http.disconnect"}
+
+    await asyncio.wait_for(JobStream("job", ended.append, body())(scope, receive, send), 10)
+    return sent, ended
+
+
+def test_a_stream_ends_when_its_client_leaves_under_any_asgi_server():
+    """Under another server than the edge's, a task waiting for http.disconnect ends the
+    stream; the stream's task itself is not left cancelled, and its job is ended once."""
+    import asyncio
+
+    async def go():
+        sent, ended = await _stream_until_client_leaves({"type": "http"}, lambda: None)
+        assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+        assert sent[1]["body"] == b"data: 1\n\n" and (b"content-type", b"text/event-stream; charset=utf-8") \
+            in sent[0]["headers"]
+        assert ended == ["job"]
+        assert not asyncio.current_task().cancelling()
+    asyncio.run(go())
+
+
+def test_a_stream_ends_when_the_connection_says_its_client_left():
+    """Behind the edge, the connection's Disconnect ends the stream (no task waits for it)."""
+    import asyncio
+
+    from supervisor.http_guard import DISCONNECT_KEY, Disconnect
+
+    async def go():
+        disconnect = Disconnect()
+        sent, ended = await _stream_until_client_leaves({"type": "http", DISCONNECT_KEY: disconnect},
+                                                        disconnect.fire)
+        assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+        assert ended == ["job"] and disconnect.callback is None
+    asyncio.run(go())
+
+
+def test_a_stream_cancelled_for_another_reason_stays_cancelled_and_ends_its_job():
+    import asyncio
+
+    from supervisor.inference import JobStream
+
+    async def go():
+        ended, started = [], asyncio.Event()
+
+        async def body():
+            started.set()
+            yield b"data: 1\n\n"
+            await asyncio.Event().wait()
+
+        async def send(message) -> None:
+            pass
+
+        async def receive() -> dict:
+            await asyncio.Event().wait()
+
+        task = asyncio.create_task(JobStream("job", ended.append, body())({"type": "http"}, receive, send))
+        await asyncio.wait_for(started.wait(), 10)
+        task.cancel()  # a server shutting down, say: not the client leaving
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+        assert ended == ["job"]
+    asyncio.run(go())
