@@ -134,15 +134,9 @@ def add_inference_routes(app: FastAPI, engine, admission, metrics, config) -> di
     # -- running a job for a client ------------------------------------------------------------------
     async def collect(job: Job) -> tuple[shapes.Choices, Done]:
         choices = shapes.Choices()
-        # closed here, not left to the garbage collector, whose finalizer would wake the loop
-        # from "another thread" and spend a task on closing it, per request
-        async with aclosing(job.stream(engine.cancel)) as events:
-            async for event in events:
-                if isinstance(event, Delta):
-                    choices.add(event)
-                else:
-                    return choices, event
-        raise PoolError(ErrorCode.RUNTIME_ERROR, "job ended without a result")
+        while isinstance(event := await job.next_event(engine.cancel), Delta):  # then its Done, or it raises
+            choices.add(event)
+        return choices, event
 
     async def unless_disconnected(request: Request, job: Job, waiting):
         """Await `waiting` (about `job`). If the client goes away first, the job

@@ -6,7 +6,6 @@ import asyncio
 import time
 from random import getrandbits
 from collections import deque
-from collections.abc import AsyncIterator
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -237,10 +236,3 @@ class Job:
                 event = p.merge_deltas(event, self.events.popleft())
         return event
 
-    async def stream(self, on_timeout) -> AsyncIterator[Delta | Done]:
-        """Yield deltas, then the Done (see next_event)."""
-        while True:
-            event = await self.next_event(on_timeout)
-            yield event
-            if isinstance(event, Done):
-                return
