@@ -5,6 +5,7 @@ bodies being read, against a real pool over raw sockets."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import select
@@ -19,7 +20,8 @@ from hypothesis import strategies as st
 from protocol.errors import ErrorCode, PoolError
 from supervisor import openai_shapes as shapes
 from supervisor import responses_shapes as rshapes
-from supervisor.inference import request_body
+from supervisor.http_guard import DISCONNECT_KEY, Disconnect
+from supervisor.inference import JobStream, request_body
 from tests.conftest import synthetic
 
 JSON = "application/json"
@@ -220,9 +222,6 @@ async def _stream_until_client_leaves(scope: dict, leave) -> tuple[list, list]:
     """Run a JobStream whose job would never end; once its first event is written, the
     client leaves: `leave()` is called, and the server's receive() says http.disconnect.
     Returns (what was sent, what end() got)."""
-    import asyncio
-
-    from supervisor.inference import JobStream
     first_sent = asyncio.Event()
     sent, ended = [], []
 
@@ -247,8 +246,6 @@ async def _stream_until_client_leaves(scope: dict, leave) -> tuple[list, list]:
 def test_a_stream_ends_when_its_client_leaves_under_any_asgi_server():
     """Under another server than the edge's, a task waiting for http.disconnect ends the
     stream; the stream's task itself is not left cancelled, and its job is ended once."""
-    import asyncio
-
     async def go():
         sent, ended = await _stream_until_client_leaves({"type": "http"}, lambda: None)
         assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
@@ -261,9 +258,6 @@ def test_a_stream_ends_when_its_client_leaves_under_any_asgi_server():
 
 def test_a_stream_ends_when_the_connection_says_its_client_left():
     """Behind the edge, the connection's Disconnect ends the stream (no task waits for it)."""
-    import asyncio
-
-    from supervisor.http_guard import DISCONNECT_KEY, Disconnect
 
     async def go():
         disconnect = Disconnect()
@@ -275,9 +269,6 @@ def test_a_stream_ends_when_the_connection_says_its_client_left():
 
 
 def test_a_stream_cancelled_for_another_reason_stays_cancelled_and_ends_its_job():
-    import asyncio
-
-    from supervisor.inference import JobStream
 
     async def go():
         ended, started = [], asyncio.Event()

@@ -98,6 +98,7 @@ def test_process_sampler_samples_off_the_loop_and_keeps_only_live_processes():
     thread, and keeps a psutil handle per child (for cpu_percent); the handles of
     exited ones must go, or the cache grows with every restart."""
     import asyncio
+    import select
     import subprocess
     import sys
     import threading
@@ -108,8 +109,6 @@ def test_process_sampler_samples_off_the_loop_and_keeps_only_live_processes():
     # a fraction of the memory it settles at
     procs = [subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE) for _ in range(3)]
-    for proc in procs:
-        assert proc.stdout.readline() == b"up\n"
     sampler = ProcessSampler(period_s=60)  # passes on demand only, in this test
     passes = []
     take = sampler._take
@@ -128,6 +127,9 @@ def test_process_sampler_samples_off_the_loop_and_keeps_only_live_processes():
         assert procs[0].pid in sampler._trees.procs and procs[0].pid in sampler.sample.views
         assert not {p.pid for p in procs[1:]} & (sampler._trees.procs.keys() | sampler.sample.views.keys())
     try:
+        for proc in procs:
+            assert select.select([proc.stdout], [], [], 30)[0], "a child did not start within 30 s"
+            assert proc.stdout.readline() == b"up\n"
         asyncio.run(go())
         assert passes and all(t is sampler._thread and t is not threading.main_thread() for t in passes)
     finally:

@@ -38,9 +38,12 @@ WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel
          "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa")
 
 
-@functools.lru_cache(maxsize=1024)  # benchmarks repeat prompts: the runtime's own cost stays near nothing
 def synthetic_tokens(prompt: str, count: int) -> tuple[str, ...]:
-    seed = zlib.crc32(prompt.encode())
+    return _tokens(zlib.crc32(prompt.encode()), count)
+
+
+@functools.lru_cache(maxsize=1024)  # keyed by the prompt's checksum: the client's text is never held
+def _tokens(seed: int, count: int) -> tuple[str, ...]:
     return tuple(" " + WORDS[(seed + 7 * i) % len(WORDS)] for i in range(count))
 
 
@@ -119,25 +122,17 @@ class SyntheticBackend(Backend):
         limit = request.get("max_completion_tokens") or request.get("max_tokens")
         count = full if limit is None else min(full, int(limit))
         tps = float(self.options.get("tokens_per_second", 0))
-        ttft_s = float(self.options.get("ttft_ms", 0)) / 1000
         tokens = synthetic_tokens(prompt, count)
-        if not tps:  # as fast as possible: every token at once, after the first token's time
-            if ttft_s:
-                await asyncio.sleep(ttft_s)
-            if request.get("stream") is False:  # wanted whole: one text, as a native server answers it
-                yield TextDelta("".join(tokens))
-            else:
-                for token in tokens:
-                    yield TextDelta(token)
-        else:
-            loop = asyncio.get_running_loop()
-            start = loop.time() + ttft_s
-            for i, token in enumerate(tokens):
-                # absolute schedule: no drift however late a wake-up is
-                delay = start + i / tps - loop.time()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                yield TextDelta(token)
+        if not tps and tokens and request.get("stream") is False:
+            tokens = ("".join(tokens),)  # wanted whole, as fast as possible: one text, as a native server answers it
+        loop = asyncio.get_running_loop()
+        start = loop.time() + float(self.options.get("ttft_ms", 0)) / 1000
+        for i, token in enumerate(tokens):
+            # absolute schedule: no drift however late a wake-up is
+            delay = start + (i / tps if tps else 0) - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            yield TextDelta(token)
         yield Finished("length" if count < full else "stop", input_tokens, count)
 
     async def stop(self) -> None:
