@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import re
 from contextlib import aclosing
 
@@ -28,10 +29,12 @@ from supervisor.http_guard import DISCONNECT_KEY, TENANT_KEY, Disconnect, error_
 from supervisor.jobs import Job
 from supervisor.metrics import CLIENT_CLOSED
 
+log = logging.getLogger("llm_pool.inference")
+
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # an inference stream's headers, as Starlette's StreamingResponse would send them with SSE_HEADERS
-SSE_RAW_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
-                   (b"content-type", b"text/event-stream; charset=utf-8")]
+SSE_RAW_HEADERS = [(name.lower().encode(), value.encode()) for name, value in SSE_HEADERS.items()] + [
+    (b"content-type", b"text/event-stream; charset=utf-8")]
 
 
 def sse_frame(event: dict) -> bytes:
@@ -83,9 +86,9 @@ class JobStream:
         disconnect = scope.get(DISCONNECT_KEY)
         watcher = None
         if disconnect is None:
-            watcher = asyncio.create_task(_until_disconnect(receive, client_left))
-        else:
-            disconnect.on_gone(client_left)
+            disconnect = Disconnect()
+            watcher = asyncio.create_task(watch_for_disconnect(receive, disconnect))
+        disconnect.on_gone(client_left)
         try:
             async with aclosing(self.body) as chunks:
                 await send({"type": "http.response.start", "status": 200, "headers": SSE_RAW_HEADERS})
@@ -97,17 +100,22 @@ class JobStream:
                 raise
         finally:
             # no await before this: a cancel from client_left lands inside the try, or never
-            if disconnect is not None:
-                disconnect.callback = None
+            disconnect.callback = None
             if watcher is not None:
                 watcher.cancel()
             self.end(self.job)
 
 
-async def _until_disconnect(receive, then) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    then()
+async def watch_for_disconnect(receive, disconnect: Disconnect) -> None:
+    """Under an ASGI server other than the edge's: fire `disconnect` once the server
+    says the client left. A receive that fails leaves the connection unusable, so
+    that counts as gone too, and is logged."""
+    try:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+    except Exception:
+        log.exception("waiting for the client to leave failed")
+    disconnect.fire()
 
 
 class InferenceEndpoint:
@@ -148,7 +156,7 @@ def add_inference_routes(app: FastAPI, engine, admission, metrics, config) -> di
         watcher = None
         if disconnect is None:
             disconnect = Disconnect()
-            watcher = asyncio.create_task(watch(request, disconnect))
+            watcher = asyncio.create_task(watch_for_disconnect(request.receive, disconnect))
         disconnect.on_gone(functools.partial(engine.cancel, job))
         try:
             result = await waiting
@@ -161,11 +169,6 @@ def add_inference_routes(app: FastAPI, engine, admission, metrics, config) -> di
             if watcher is not None:
                 watcher.cancel()
         return None if disconnect.gone else result
-
-    async def watch(request: Request, disconnect: Disconnect) -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        disconnect.fire()
 
     async def serve_job(request: Request, endpoint: str, model: str, job_request: dict, sse_shape, to_json,
                         job_endpoint: str = "chat"):

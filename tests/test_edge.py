@@ -291,3 +291,29 @@ def test_a_stream_cancelled_for_another_reason_stays_cancelled_and_ends_its_job(
             await asyncio.wait_for(task, 10)
         assert ended == ["job"]
     asyncio.run(go())
+
+
+def test_a_stream_whose_servers_receive_fails_ends_and_says_so(caplog):
+    """Under another ASGI server: a receive() that raises leaves the connection unusable.
+    The stream ends as if its client had left, its job is ended once, and the failure is
+    logged, not lost in a task nobody awaits."""
+    async def go():
+        ended = []
+
+        async def body():
+            yield b"data: 1\n\n"
+            await asyncio.Event().wait()  # a job that never ends
+
+        async def send(message) -> None:
+            pass
+
+        async def receive() -> dict:
+            await asyncio.sleep(0)
+            raise RuntimeError("the server lost the connection")
+
+        await asyncio.wait_for(JobStream("job", ended.append, body())({"type": "http"}, receive, send), 10)
+        assert ended == ["job"]
+        assert not asyncio.current_task().cancelling()
+    with caplog.at_level("ERROR", logger="llm_pool.inference"):
+        asyncio.run(go())
+    assert any("waiting for the client to leave failed" in r.getMessage() and r.exc_info for r in caplog.records)
