@@ -20,6 +20,7 @@ import hmac
 from protocol import Done
 from protocol.errors import ErrorCode, PoolError
 from supervisor.jobs import Job
+from supervisor.openai_shapes import MAX_OUTPUT_TOKENS
 from supervisor.tenants import DEFAULT, Tenant, Tenants, TenantSpec
 
 DEFAULT_TENANT = Tenant(TenantSpec(DEFAULT))  # who a request is when the edge did not say (no edge in front)
@@ -29,13 +30,30 @@ OUTPUT_LIMIT_KEYS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 DEFAULT_OUTPUT_RESERVE = 1024  # ...else this many tokens (the window's size when that is smaller)
 
 
-def output_reserve(request: dict) -> int:
-    """The output tokens a request may produce, as its tpm reserve counts them."""
+def output_reserve(request: dict, context: int | None = None) -> int:
+    """The output tokens a request may produce, as its tpm reserve counts them. 400 naming the
+    field for one over the model's `context` (where its runtime reports it) or MAX_OUTPUT_TOKENS:
+    the shapes bound the fields they declare, this also the kin a body passes through."""
+    limit, what = ((context, "the model's context") if context and context < MAX_OUTPUT_TOKENS
+                   else (MAX_OUTPUT_TOKENS, "the most output tokens a request may ask for"))
+    reserve = None
     for name in OUTPUT_LIMIT_KEYS:
         value = request.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            return value
-    return DEFAULT_OUTPUT_RESERVE
+            if value > limit:
+                shown = value if value < 10**12 else "that"  # an echo of the client's input stays short
+                raise PoolError(ErrorCode.INVALID_REQUEST, f"{name}: {shown} is over {what} ({limit} tokens)",
+                                param=name)
+            reserve = value if reserve is None else reserve
+    return DEFAULT_OUTPUT_RESERVE if reserve is None else reserve
+
+
+def context_tokens(entry) -> int | None:
+    """The most tokens one request may hold on a model, where its runtime reports it (llama-server:
+    `n_ctx_per_slot` in a replica's info; the smallest of its replicas'); None where none does."""
+    replicas = entry.executor.replicas if entry.executor is not None else ()
+    sizes = [r.info.get("n_ctx_per_slot") for r in replicas if isinstance(r.info, dict)]
+    return min((n for n in sizes if isinstance(n, int) and not isinstance(n, bool) and n > 0), default=None)
 
 
 def presented_key(headers) -> bytes:
@@ -81,12 +99,13 @@ class Admission:
         return tenant
 
     # -- scope -> limits -> queue: once the body names the model -------------------------------------------
-    def check_scope(self, tenant: Tenant, model: str) -> None:
-        """404 for a model that does not exist, and the same answer for one out of the
-        tenant's scope: a tenant does not learn other tenants' models."""
+    def check_scope(self, tenant: Tenant, model: str):
+        """The model's entry: 404 for a model that does not exist, and the same answer for one
+        out of the tenant's scope: a tenant does not learn other tenants' models."""
         entry = self.engine.entry(model)
         if not tenant.spec.may_use((entry.cfg.name, *entry.cfg.aliases)):
             raise PoolError(ErrorCode.MODEL_NOT_FOUND, f"model {model!r} does not exist", param="model")
+        return entry
 
     async def prompt_tokens(self, tenant: Tenant, model: str, request: dict, endpoint: str) -> list[int] | None:
         """The prompt's token ids for the exact prefix index (engine.prompt_tokens), asked of
@@ -102,16 +121,15 @@ class Admission:
         tpm: the request reserves its prompt's estimate and the most output it may produce
         (`output_reserve`) before it is queued, and settles to its real usage at its end.
         `prompt_tokens`: its token ids, for the exact prefix index (`prompt_tokens` above)."""
-        self.check_scope(tenant, model)
+        entry = self.check_scope(tenant, model)
+        output = output_reserve(request, context_tokens(entry))  # 400 before it counts against any limit
         tenant.admit()  # 429 over rpm or max_inflight
         estimate = reserved = 0
 
         def reserve(job: Job) -> None:  # 429 when the prompt and the most output do not fit in tpm
             nonlocal estimate, reserved
             estimate = len(job.frame) // PROMPT_BYTES_PER_TOKEN
-            want = estimate + output_reserve(request)
-            tenant.reserve_tokens(want)
-            reserved = want
+            reserved = tenant.reserve_tokens(estimate + output)
 
         try:
             job = self.engine.submit(model, request, endpoint, tenant.name, before_queue=reserve,

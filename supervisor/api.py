@@ -1,6 +1,6 @@
-"""HTTP API: the app, its middleware and error handlers, health, and the admin
-surface. The inference routes are in supervisor/inference.py, the admin feeds
-and the page in admin_feeds.py and ui.py. Queueing and scheduling live in the
+"""HTTP API: the app is wired here: its error handlers, health and /v1/models. The
+inference routes are in supervisor/inference.py, the admin actions in edge/admin.py,
+the admin feeds and the page in admin_feeds.py and ui.py. Queueing and scheduling live in the
 engine and its executors."""
 
 from __future__ import annotations
@@ -16,16 +16,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from protocol.errors import ERROR_TYPE, ErrorCode, PoolError
 from supervisor import admin_feeds, ui
+from supervisor.edge import admin
 from supervisor.admission import DEFAULT_TENANT, Admission
 from supervisor.config import PoolConfig
 from supervisor.engine import ModelRouterEngine
-from supervisor.http_guard import TENANT_KEY, HttpEdge, error_response
+from supervisor.edge.guard import TENANT_KEY, HttpEdge, error_response
 from supervisor.inference import add_inference_routes
 from supervisor.live import Activity
 from supervisor.loop_lag import LoopLag
 from supervisor.metrics import Metrics
-from supervisor.model_health import pool_health, shown_replicas
-from supervisor.observe import SAMPLE_EVERY_S, worker_views
+from supervisor.model_health import pool_health
+from supervisor.observe import SAMPLE_EVERY_S
+from supervisor.printable import LOG_FORMAT, PrintableFormatter
 from supervisor.request_bounds import clip
 from supervisor.states import ModelState
 from supervisor.tenants import Tenants
@@ -56,16 +58,17 @@ def create_app(config: PoolConfig) -> HttpEdge:
                   telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False})
     app.state.engine = engine
     app.state.activity = activity = Activity(engine)  # the request log and the live samples
+    activity.supervisor_log.setFormatter(PrintableFormatter(LOG_FORMAT))  # the page's log lines: one line a record
     metrics = Metrics(engine, on_finished=activity.finished)
     lag = LoopLag(metrics.lag)
     admission = Admission(engine, engine.tenants)
     inference = add_inference_routes(app, engine, admission, metrics, config)
+    app.include_router(admin.router)
     app.include_router(admin_feeds.router)
     app.include_router(ui.router)
     edge = HttpEdge(app, server=config.server, admission=admission, api_key=api_key, admin_key=admin_key,
                     inference=inference,
-                    on_key_refused=lambda path, err, tenant: metrics.request(None, path, err.status, error=err,
-                                                                             tenant=tenant))
+                    on_key_refused=metrics.key_refused)  # counted; logged at a bounded rate
 
     # -- errors -------------------------------------------------------------------------------
     @app.exception_handler(PoolError)
@@ -122,70 +125,4 @@ def create_app(config: PoolConfig) -> HttpEdge:
                    if e.cfg.load_on_start and engine.model_state(e) not in (ModelState.LOADED, ModelState.DEGRADED)]
         return JSONResponse({"status": "not_ready", "waiting_for": waiting}, status_code=503)
 
-    # -- admin ----------------------------------------------------------------------------------------
-    @app.get("/admin/models")
-    async def admin_models():
-        return {"models": [engine.model_view(e) for e in engine.models.values()]}
-
-    @app.get("/admin/tenants")
-    async def admin_tenants():
-        """The configured tenants (never their keys): the page's tenant filter, and their limits."""
-        return {"tenants": [{"name": t.name, "weight": t.spec.weight, "priority": t.spec.priority,
-                             "models": list(t.spec.models), "rpm": t.spec.rpm, "tpm": t.spec.tpm,
-                             "max_inflight": t.spec.max_inflight, "inflight": t.inflight}
-                            for t in engine.tenants.by_name.values()]}
-
-    @app.post("/admin/models/{name}/load")
-    async def admin_load(request: Request, name: str):
-        return engine.model_view(await engine.load(name, by=admin_feeds.asked_by(request)))
-
-    @app.post("/admin/models/{name}/unload")
-    async def admin_unload(request: Request, name: str):
-        return engine.model_view(await engine.unload(name, by=admin_feeds.asked_by(request)))
-
-    @app.post("/admin/models/{name}/restart")
-    async def admin_restart(request: Request, name: str, replica: int | None = None, now: bool = False):
-        """Drain (up to the model's drain_timeout_s), then restart; `now=true` cuts running jobs."""
-        if replica is not None:
-            check_replica(name, replica)
-        return engine.model_view(await engine.restart(name, replica, now=now, by=admin_feeds.asked_by(request)))
-
-    @app.post("/admin/reload")
-    async def admin_reload():
-        """Re-read the config file and apply the difference (400 and no change for a bad one)."""
-        return await engine.reload()
-
-    @app.get("/admin/workers")
-    async def admin_workers():
-        replicas = [r for e in engine.models.values() for r in shown_replicas(e)]  # a failed load's too
-        return {"workers": await worker_views(replicas, engine.sampler)}
-
-    @app.get("/admin/models/{name}/logs")
-    async def admin_logs(name: str, replica: int = 0, lines: int = 200):
-        """The tail of one replica's log (the worker's and its backend's output)."""
-        check_replica(name, replica)
-        name = engine.entry(name).cfg.name  # an alias names the model's log too
-        path = engine.log_dir / f"{name}-{replica}.log"
-        if not path.is_file():
-            raise PoolError(ErrorCode.INVALID_REQUEST, f"no log for {name}/{replica} yet", param="replica")
-        return {"model": name, "replica": replica, "path": str(path),
-                "lines": tail_lines(path, max(1, min(lines, 10000)))}
-
-    def check_replica(name: str, replica: int) -> None:
-        count = engine.entry(name).cfg.replicas
-        if not 0 <= replica < count:
-            shown = str(replica) if abs(replica) < 10**12 else "that big"
-            raise PoolError(ErrorCode.INVALID_REQUEST, f"model {name!r} has no replica {shown} "
-                            f"(it has 0 to {count - 1})", param="replica")
-
     return edge
-
-
-def tail_lines(path, count: int) -> list[str]:
-    """The last `count` lines of a file, reading only its end."""
-    with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        size = f.tell()
-        block = min(size, 256 * count)
-        f.seek(size - block)
-        return f.read().decode(errors="replace").splitlines()[-count:]

@@ -25,6 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from supervisor.config import ConfigError, load_config
+from supervisor.printable import LOG_FORMAT, PrintableFormatter, printable
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Serve several local LLMs behind one OpenAI-compatible API.")
@@ -67,13 +68,16 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="TOML config f
         typer.echo(f"llm-pool: refusing to bind {cfg.server.host} without api_key and admin_key "
                    "(set them, or LLM_POOL_ALLOW_INSECURE=1 to override)", err=True)
         raise typer.Exit(2)
-    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(PrintableFormatter(LOG_FORMAT))  # a client's text in a message stays on its line
+    logging.basicConfig(level=log_level.upper(), handlers=[handler])
     from supervisor.server import run
     run(cfg, log_level)
 
 
 # -- the operator client: a thin layer over the HTTP admin API --------------------------------
+# What it prints of the server's answers goes through printable(): a client's text (a model
+# name, an error) shows its control characters escaped, never sends them to the terminal.
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 Url = Annotated[str, typer.Option("--url", envvar="LLM_POOL_URL", help="the pool's base URL")]
@@ -92,7 +96,7 @@ def _client(command):
         try:
             return command(*args, **kwargs)
         except Failure as exc:
-            typer.echo(f"llm-pool: {exc}", err=True)
+            typer.echo(f"llm-pool: {printable(str(exc))}", err=True)
             raise typer.Exit(1) from None
     return app.command()(run)
 
@@ -232,7 +236,7 @@ def _table(headers: list[str], rows: list[tuple[str, ...]]) -> None:
         console.width = 10_000  # piped: one line per row, never wrapped, for grep and awk
     table = Table(*headers, box=None, pad_edge=False, header_style="bold")
     for row in rows:
-        table.add_row(*(Text(cell) for cell in row))  # Text: names and errors are not markup
+        table.add_row(*(Text(printable(cell)) for cell in row))  # Text: names and errors are not markup
     console.print(table)
 
 
@@ -270,6 +274,7 @@ CELL_CHARS = 60  # a client's or runtime's text in a table cell: never wider (--
 def _clip(text: str | None, limit: int = CELL_CHARS) -> str:
     if not text:
         return "-"
+    text = printable(text)
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
@@ -403,13 +408,13 @@ def logs(target: Annotated[str, typer.Argument(
         params = {"replica": replica or 0, "lines": lines}
     if not follow:
         for line in _call(url, "GET", path, params=params)["lines"]:
-            typer.echo(line)
+            typer.echo(printable(line, keep="\t"))
         return
     _call(url, "GET", path, params={**params, "lines": 1})  # a bad name or replica fails here, in one line
     with _until_ctrl_c():
         for _event, data in _sse(url, live, params):
             for line in data:
-                typer.echo(line)
+                typer.echo(printable(line, keep="\t"))
 
 
 @contextlib.contextmanager
@@ -476,8 +481,8 @@ def _ms(value: float | None) -> str:
 
 def _request_rows(rows: list[dict]) -> list[tuple[str, ...]]:
     return [(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["ts"])), _clip(r["model"], 40),
-             _clip(r.get("tenant"), 40), r["endpoint"],
-             str(r["status"]), r["error_code"] or "-", _ms(r["queued_ms"]), _ms(r["ttft_ms"]),
+             _clip(r.get("tenant"), 40), _clip(r["endpoint"]),
+             str(r["status"]), _clip(r["error_code"]), _ms(r["queued_ms"]), _ms(r["ttft_ms"]),
              _ms(r["duration_ms"]), _dash(r["tokens_in"]), _dash(r.get("cached_tokens")), _dash(r["tokens_out"]),
              _dash(r["tokens_per_s"]), _dash(r.get("prefill_tokens_per_s")), _dash(r.get("decode_tokens_per_s")),
              _dash(r.get("speeds_from")))
@@ -538,8 +543,8 @@ def _event_line(e: dict) -> str:
         where += f"/{e['replica']}"
     by = f" (asked by {e['by']})" if e.get("by") else ""
     message = e["message"].replace("\n", " | ")
-    return (f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(e['ts']))}  {e['level']:<7}  {e['kind']:<14}  "
-            f"{_clip(where, 40):<12}  {message}{by}")
+    return printable(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(e['ts']))}  {e['level']:<7}  "
+                     f"{e['kind']:<14}  {_clip(where, 40):<12}  {message}{by}")
 
 
 @_client

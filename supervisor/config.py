@@ -61,11 +61,23 @@ class ServerConfig(_Strict):
     # What one job may make the supervisor hold or send: its output in all (text, logprobs,
     # tool calls). Past it the job ends with 502 runtime_error and its worker stops it.
     max_job_output_bytes: int = Field(64 * 2**20, ge=64 * 1024)
-    # The HTTP edge (supervisor/http_guard.py): bounds on what a client may send before a route runs.
+    # What one job may hold that its client has not taken yet (a stream it does not read), as the
+    # supervisor holds it (a queued token costs some 250 bytes, not its text's). Past it the job
+    # ends with 504 runtime_timeout, its worker stops it, and what it held is dropped.
+    max_unsent_output_bytes: int = Field(8 * 2**20, ge=64 * 1024)
+    # The HTTP edge (supervisor/edge/): bounds on what a client may send before a route runs.
     # the request bodies being read, all together (each at most max_body_bytes); more: 429, retry
     max_buffered_body_bytes: int = Field(256 * 1024 * 1024, ge=1024)
     allowed_hosts: list[str] = Field(default_factory=list)  # more Host names for /admin ("name" or "name:port")
-    max_connections: int = Field(1000, ge=1, le=1_000_000)  # more are closed at once
+    # at the cap, idle connections (and ones with no whole request yet) are closed, oldest first;
+    # a new one is refused only when every open one is busy
+    max_connections: int = Field(1000, ge=1, le=1_000_000)
+    # per client address, the same way; behind a reverse proxy every client is the proxy: raise it
+    max_connections_per_client: int = Field(512, ge=1, le=1_000_000)
+    max_pipelined_requests: int = Field(8, ge=1, le=1024)  # read but unanswered, per connection; then reading waits
+    # a response (a stream above all) that the client has not read for this long: the connection
+    # is closed and its job cancelled (nginx's send_timeout)
+    write_timeout_s: float = Field(60.0, gt=0)
     max_header_bytes: int = Field(64 * 1024, ge=1024, le=16 * 1024 * 1024)  # request line + headers; else 431
     max_headers: int = Field(100, ge=8, le=10_000)  # header lines per request; else 431
     header_timeout_s: float = Field(15.0, gt=0)  # headers complete this long after their first byte

@@ -11,13 +11,13 @@ CURVE at all (its handshake fails; seen through the socket's monitor)."""
 from __future__ import annotations
 
 import logging
-import time
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
 from protocol.loop_socket import LoopSocket
+from supervisor.log_throttle import ThrottledLog
 
 log = logging.getLogger("llm_pool.curve")
 
@@ -29,25 +29,6 @@ _HANDSHAKE_FAILURES = {
 }
 
 
-class _Throttled:
-    """Log a refusal the first time, then at most once per REPEAT_LOG_S per key,
-    with how many were not logged in between."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, tuple[float, int]] = {}
-
-    def warning(self, key: str, message: str, *args) -> None:
-        now = time.monotonic()
-        last, skipped = self._last.get(key, (None, 0))
-        if last is not None and now - last < REPEAT_LOG_S:
-            self._last[key] = (last, skipped + 1)
-            return
-        if len(self._last) > 1000:  # a scan with random keys must not grow this without bound
-            self._last.clear()
-        self._last[key] = (now, 0)
-        log.warning(message + (f" ({skipped} more like it since)" if skipped else ""), *args)
-
-
 class WorkerKeys(ThreadAuthenticator):
     """ZAP handler (in its own thread): a CURVE client gets in only with a public
     key in `allowed`. The set is changed from the loop's thread; a membership
@@ -57,7 +38,7 @@ class WorkerKeys(ThreadAuthenticator):
         super().__init__(ctx, log=logging.getLogger("llm_pool.curve.zap"))  # pyzmq's own lines: debug
         self.allowed: set[bytes] = set()  # Z85 public keys
         self._peer = "?"
-        self._refusals = _Throttled()
+        self._refusals = ThrottledLog(log, REPEAT_LOG_S)
 
     async def handle_zap_message(self, msg: list[bytes]) -> None:
         # requests are handled one at a time: the address is the current request's
@@ -95,7 +76,7 @@ class CurveListener:
             raise
         self.port = int(sock.last_endpoint.decode().rsplit(":", 1)[1])
         self._sock = sock
-        self._failures = _Throttled()
+        self._failures = ThrottledLog(log, REPEAT_LOG_S)
         self._monitor = LoopSocket(sock.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL), self._on_event)
 

@@ -261,7 +261,8 @@ class ModelRouterEngine:
             raise refused
         check_prompt_bounds(entry.cfg, request)
         job = Job(entry.cfg.name, request, entry.cfg.request_timeout_s, entry.cfg.queue_timeout_s, endpoint,
-                  self.config.server.max_job_output_bytes, tenant=tenant)
+                  self.config.server.max_job_output_bytes, tenant=tenant,
+                  max_unsent_bytes=self.config.server.max_unsent_output_bytes)
         if before_queue is not None:
             before_queue(job)
         if entry.cfg.log_bodies:

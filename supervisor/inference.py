@@ -25,7 +25,8 @@ from protocol.errors import ErrorCode, PoolError
 from supervisor import openai_shapes as shapes
 from supervisor import responses_shapes as rshapes
 from supervisor.admission import DEFAULT_TENANT
-from supervisor.http_guard import DISCONNECT_KEY, TENANT_KEY, Disconnect, error_response
+from supervisor.edge.guard import TENANT_KEY, error_response
+from supervisor.edge.listener import DISCONNECT_KEY, Disconnect
 from supervisor.jobs import Job
 from supervisor.metrics import CLIENT_CLOSED
 
@@ -64,7 +65,7 @@ class JobStream:
 
     A client that leaves mid-stream cancels the stream's task, as a disconnect
     listener would, but no task is made for it: the connection says when its
-    client goes (http_guard.Disconnect). Under another ASGI server, a task waits
+    client goes (edge.listener.Disconnect). Under another ASGI server, a task waits
     for http.disconnect. (Starlette's StreamingResponse runs a task group per
     response for this under ASGI 2.3, uvicorn's: about 0.2 ms of CPU per stream.)"""
 
@@ -150,7 +151,7 @@ def add_inference_routes(app: FastAPI, engine, admission, metrics, config) -> di
         """Await `waiting` (about `job`). If the client goes away first, the job
         is cancelled (a queued one dropped, a submitted one stopped by its
         worker, which frees the slot) and None is returned once it has ended.
-        The connection says when its client goes (http_guard.Disconnect); under
+        The connection says when its client goes (edge.listener.Disconnect); under
         another ASGI server, a task waits for http.disconnect instead."""
         disconnect = request.scope.get(DISCONNECT_KEY)
         watcher = None
@@ -212,7 +213,7 @@ def add_inference_routes(app: FastAPI, engine, admission, metrics, config) -> di
 
     async def count_after_answer(job: Job, done: Done, endpoint: str) -> None:
         """A Response's background, run once its body is handed to the server. The edge writes
-        what a loop turn wrote after that turn (http_guard.CoalescedWrites), so the count is
+        what a loop turn wrote after that turn (edge.listener.CoalescedWrites), so the count is
         put behind that write: it runs in the same turn, before any later request is served."""
         asyncio.get_running_loop().call_soon(metrics.job_done, job, done, endpoint)
 

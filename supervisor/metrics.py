@@ -15,6 +15,7 @@ from protocol.errors import PoolError
 from supervisor.engine import LOAD_BUCKETS
 from supervisor.jobs import Job
 from supervisor.observe import replica_view
+from supervisor.request_log import REFUSED_ROWS_PER_S, RowRate
 from supervisor.states import ModelState, ReplicaState
 from supervisor.tenants import UNKNOWN_KEY
 
@@ -28,6 +29,7 @@ OTHER_ENDPOINT = "other"  # a request refused before it reached an inference rou
 CLIENT_CLOSED = 499  # status counted for a request whose client left before its answer was complete
 UNKNOWN_MODEL = "unknown"  # a model name that is not configured
 OTHER_TENANT = "other"  # a tenant removed from the config by a reload while its request ran
+REFUSED_REASONS = ("no_key", "unknown_key")  # llm_pool_refused_keys' label values
 _ENDPOINT_LABELS = frozenset(ENDPOINTS.values())
 SHOWN_STATES = tuple(dict.fromkeys(s.public.value for s in ModelState))  # the names ops see
 
@@ -57,6 +59,13 @@ class Metrics:
                               "last measure (supervisor/loop_lag.py)", registry=self.registry)
         self.loop_lags = Histogram("llm_pool_event_loop_lag_distribution_seconds", "How late the supervisor's "
                                    "event loop woke, every measure", buckets=LAG_BUCKETS, registry=self.registry)
+        self.refused_keys = Counter("llm_pool_refused_keys", "/v1/ requests refused for their API key (401), by "
+                                    "reason (no_key, unknown_key); the request log holds at most "
+                                    f"{REFUSED_ROWS_PER_S} of them a second", ["reason"], registry=self.registry)
+        for reason in REFUSED_REASONS:  # both shown from the start, at 0
+            self._child(self.refused_keys, reason)
+        self._refused_rows = RowRate(REFUSED_ROWS_PER_S)
+        self._refused_unlogged = 0  # refusals left out of the request log since the last one in it
         self.registry.register(_EngineCollector(engine))
 
     def lag(self, seconds: float) -> None:
@@ -64,10 +73,27 @@ class Metrics:
         self.loop_lag.set(seconds)
         self.loop_lags.observe(seconds)
 
+    def key_refused(self, path: str, error: PoolError, tenant: str | None) -> None:
+        """A /v1/ request refused for its key (the HTTP edge's on_key_refused; `tenant` is
+        UNKNOWN_KEY for a key no tenant holds, None with no key): counted, every one, and
+        logged at most REFUSED_ROWS_PER_S a second. The next row logged says how many
+        were left out before it."""
+        self._child(self.refused_keys, "no_key" if tenant is None else "unknown_key").inc()
+        logged = self._refused_rows.take()
+        if logged and self._refused_unlogged:
+            error = PoolError(error.code, f"{error.message} (and {self._refused_unlogged} more refused for their "
+                              "key since the last such row, not logged: see llm_pool_refused_keys_total)")
+            self._refused_unlogged = 0
+        elif not logged:
+            self._refused_unlogged += 1
+        self.request(None, path, error.status, error=error, tenant=tenant, logged=logged)
+
     def request(self, model: str | None, endpoint: str, status: int, job: Job | None = None,
-                done: Done | None = None, error: PoolError | None = None, tenant: str | None = None) -> None:
+                done: Done | None = None, error: PoolError | None = None, tenant: str | None = None,
+                logged: bool = True) -> None:
         """Count one request; `endpoint` is a label from ENDPOINTS or an inference path.
-        `tenant`: who asked, when the request was refused before it had a job."""
+        `tenant`: who asked, when the request was refused before it had a job. `logged`:
+        whether it goes to the request log too (on_finished)."""
         if endpoint not in _ENDPOINT_LABELS:
             endpoint = ENDPOINTS.get(endpoint, OTHER_ENDPOINT)
         model = self.engine.aliases.get(model, model)  # an alias counts, and is logged, as its model
@@ -81,7 +107,7 @@ class Metrics:
                     job.submitted_at - job.created_at)
         if tenant is not None and tenant != UNKNOWN_KEY:  # labels: configured names only
             self._child(self.tenant_requests, self._tenant(tenant), label, str(status)).inc()
-        if self.on_finished is not None:
+        if logged and self.on_finished is not None:
             self.on_finished(model, endpoint, status, job, done, error, tenant)
 
     def client_gone(self, job: Job, endpoint: str) -> None:

@@ -54,7 +54,11 @@ Temperature = Annotated[float, Meta(ge=0, le=2)]
 TopP = Annotated[float, Meta(ge=0, le=1)]
 Penalty = Annotated[float, Meta(ge=-2, le=2)]
 ChoiceCount = Annotated[int, Meta(ge=1, le=128)]
-PositiveInt = Annotated[int, Meta(ge=1)]
+# The most output one request may ask for (2**20 tokens), whatever its model: above any context a
+# runtime serves today, and a bound on what a tpm reserve starts from. Admission also checks the
+# model's own context, where its runtime reports one (admission.output_reserve).
+MAX_OUTPUT_TOKENS = 1_048_576
+OutputTokens = Annotated[int, Meta(ge=1, le=MAX_OUTPUT_TOKENS)]
 
 
 class _Sampling(_PassThrough, kw_only=True):
@@ -69,14 +73,14 @@ class _Sampling(_PassThrough, kw_only=True):
 
 class ChatRequest(_Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-    max_tokens: PositiveInt | None = None
-    max_completion_tokens: PositiveInt | None = None
+    max_tokens: OutputTokens | None = None
+    max_completion_tokens: OutputTokens | None = None
     stream_options: StreamOptions | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list
-    max_tokens: PositiveInt | None = None
+    max_tokens: OutputTokens | None = None
     stream_options: StreamOptions | None = None
 
 

@@ -14,7 +14,10 @@ Per model, `routing` picks the policy:
   job whose token ids the pool has, the engine's own blocks are matched
   instead (exact); any gap falls back to the approximate index, which is kept
   either way: no token ids (that job), lost events (that replica, where the
-  approximate index claims more).
+  approximate index claims more). A KvEvents message is applied a bounded piece
+  a loop turn (kv_index.APPLY_*_PER_STEP), in order with the messages after it;
+  a prompt is matched by its first blocks (kv_index.MAX_MATCH_*), and its share
+  is of those.
 - session: the replica a session key (prompt_cache_key, else user) hashes to,
   by rendezvous hashing over the ready replicas: when one leaves, only its
   sessions move.
@@ -29,6 +32,7 @@ runtime's usage) are counted, for the hit ratio operators see."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Sequence
 from enum import StrEnum
@@ -36,7 +40,7 @@ from typing import Protocol
 
 from protocol import Done
 from supervisor.jobs import Job
-from supervisor.kv_index import ExactIndex, token_block_keys
+from supervisor.kv_index import APPLY_BLOCKS_PER_STEP, APPLY_TOKENS_PER_STEP, ExactIndex, token_block_keys
 from supervisor.prefix_index import BLOCK_CHARS, CHARS_PER_TOKEN, BlockLRU, canonical_prompt, prompt_blocks
 from supervisor.replica import Replica
 from supervisor.states import ReplicaState
@@ -194,9 +198,30 @@ class PrefixAffinity(_Policy):
         return entry[1]
 
     def kv_events(self, replica: Replica, events: list, reset: bool) -> None:
+        """Queued behind those not yet applied; the first piece now, unless a later
+        loop turn already takes the next."""
         index = self.exact(replica)
         if index is not None:
-            index.apply(events, reset)
+            index.feed(events, reset)
+            if not index.draining:
+                self._drain(replica.index, index)
+
+    def _drain(self, slot: int, index: ExactIndex) -> None:
+        """One bounded step of the index's queue; the next in the next loop turn."""
+        index.draining = False
+        entry = self._exact.get(slot)
+        if entry is None or entry[1] is not index:  # the worker restarted: its events are moot
+            return
+        if not index.step(APPLY_BLOCKS_PER_STEP, APPLY_TOKENS_PER_STEP):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a tool, a test): no turn to hold
+            while index.step():
+                pass
+            return
+        index.draining = True
+        loop.call_soon(self._drain, slot, index)
 
     def _capacity(self, replica: Replica) -> int:
         """Blocks in the replica's cache: the configured tokens, else the runtime's
@@ -227,7 +252,7 @@ class PrefixAffinity(_Policy):
         share = 0.0
         size = exact.block_size  # None: it has stored nothing yet
         if size is not None:
-            if size not in token_keys:
+            if size not in token_keys:  # of the prompt's first blocks only: a longer prefix counts as those
                 token_keys[size] = token_block_keys(job.prompt_tokens, size)
             total = len(token_keys[size])
             share = exact.match(token_keys[size]) / total if total else 0.0
@@ -284,7 +309,7 @@ class PrefixAffinity(_Policy):
             x = exact[1]
             view["kv_index"] = {"blocks": len(x), "block_size": x.block_size, "stored": x.stored,
                                 "removed": x.removed, "cleared": x.cleared, "resets": x.resets,
-                                "malformed": x.malformed}
+                                "malformed": x.malformed, "queued": x.queued}  # queued: events not yet applied
         return view
 
 

@@ -2,7 +2,7 @@
 state dir, so that it survives a restart of the supervisor.
 
 The event loop never touches the database for a write: `record()` queues a
-tuple (its text columns cut to TEXT_LIMITS) for the shared batched writer
+tuple (its text columns printable, as printable.py says, and cut to TEXT_LIMITS) for the shared batched writer
 (sqlite_writer.BatchWriter), which every `flush_s` inserts what has piled up
 in one transaction, trims the table to `max_rows` rows, `days` days and about
 `max_bytes` bytes of data, and gives freed pages back to the file system
@@ -18,6 +18,7 @@ import time
 from contextlib import closing
 from pathlib import Path
 
+from supervisor.printable import printable
 from supervisor.sqlite_writer import BatchWriter, insert_rows
 
 log = logging.getLogger("llm_pool.request_log")
@@ -28,6 +29,9 @@ FLUSH_S = 0.1  # how often the writer looks for rows: one commit per burst, visi
 DEFAULT_MAX_BYTES = 64 * 2**20  # [server] request_log_max_bytes
 QUERY_MAX_BYTES = 4 * 2**20  # the rows of one /admin/requests answer, about (the page polls it every second)
 WAL_MAX_BYTES = 4 * 2**20  # the write-ahead log is cut back to this after a checkpoint
+# requests refused for their API key (401) get rows at most this many a second (a burst of as many),
+# so that a flood of bad keys cannot push the operator's history out; metrics count every one
+REFUSED_ROWS_PER_S = 10
 
 COLUMNS = ("ts", "model", "endpoint", "status", "error_code", "error_message", "queued_ms", "ttft_ms",
            "duration_ms", "tokens_in", "tokens_out", "prompt", "output", "tenant", "cached_tokens",
@@ -56,9 +60,10 @@ CREATE TABLE IF NOT EXISTS requests (
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 """
 # Each stored text column is cut to this many characters (what runs past says how much more)
-TEXT_LIMITS = {"model": 200, "endpoint": 64, "error_code": 64, "error_message": 1024,
+TEXT_LIMITS = {"model": 200, "endpoint": 64, "error_code": 64, "error_message": 1024, "tenant": 200,
                "prompt": BODY_CHARS + 64, "output": BODY_CHARS + 64}  # room for truncate()'s note
-_TEXT_COLUMNS = tuple((COLUMNS.index(name), limit) for name, limit in TEXT_LIMITS.items())
+_LIMITS = tuple(TEXT_LIMITS.get(name) for name in COLUMNS)  # None: not a text column
+_KEEP = tuple("\n\t" if name in ("prompt", "output") else "" for name in COLUMNS)
 # columns added since the first schema: a log written by an older version gets them on open
 # tenant: also "(unknown key)" (tenants.UNKNOWN_KEY) for a 401 whose key no tenant holds; NULL with no key
 ADDED_COLUMNS = {"tenant": "TEXT", "cached_tokens": "INTEGER", "runtime_prefill_tps": "REAL",
@@ -101,15 +106,30 @@ def speeds(r: dict) -> dict:
     return {**derived, "speeds_from": SpeedSource.POOL if has else None}
 
 
-def _cut(row: tuple) -> tuple:
-    """The row with every text column within TEXT_LIMITS."""
-    if all(not isinstance(row[i], str) or len(row[i]) <= limit for i, limit in _TEXT_COLUMNS):
-        return row  # the usual case: nothing to copy
-    row = list(row)
-    for i, limit in _TEXT_COLUMNS:
-        if isinstance(row[i], str):
-            row[i] = truncate(row[i], limit)
-    return tuple(row)
+def _clean(row: tuple) -> tuple:
+    """The row with every text column printable (a client's control characters escaped;
+    bodies keep their newlines and tabs) and within TEXT_LIMITS."""
+    return tuple(truncate(printable(v, keep), limit) if limit and isinstance(v, str) else v
+                 for v, limit, keep in zip(row, _LIMITS, _KEEP))
+
+
+class RowRate:
+    """A token bucket: rows at most `per_s` a second, after a burst of as many."""
+
+    def __init__(self, per_s: float) -> None:
+        self.per_s = per_s
+        self.tokens = per_s
+        self.at = time.monotonic()
+
+    def take(self) -> bool:
+        """Whether one more row may be written now."""
+        now = time.monotonic()
+        self.tokens = min(self.per_s, self.tokens + (now - self.at) * self.per_s)
+        self.at = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
 
 
 def _row_bytes(row: dict) -> int:
@@ -163,7 +183,7 @@ class RequestLog:
 
     def append(self, row: tuple) -> None:
         """Queue one finished request: a tuple in COLUMNS order (the disk stuck: dropped, counted)."""
-        self._writer.put(_cut(row))
+        self._writer.put(_clean(row))
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Write what is queued, then stop the writer."""

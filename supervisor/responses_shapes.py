@@ -16,7 +16,7 @@ from msgspec import Meta
 import protocol as p
 from protocol import Delta, Done
 from protocol.errors import ErrorCode, PoolError
-from supervisor.openai_shapes import Choices, ModelName, PositiveInt, Temperature, new_id
+from supervisor.openai_shapes import Choices, ModelName, OutputTokens, Temperature, new_id
 from supervisor.request_bounds import echo
 
 # Responses fields about the Responses API's own storage and delivery: the pool stores
@@ -32,7 +32,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     model: ModelName
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    max_output_tokens: PositiveInt | None = None
+    max_output_tokens: OutputTokens | None = None
     temperature: Temperature | None = None
     top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
     stream: bool = False

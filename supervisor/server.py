@@ -13,7 +13,7 @@ import uvicorn
 from protocol.errors import PoolError
 from supervisor.api import create_app
 from supervisor.config import PoolConfig
-from supervisor.http_guard import bounded_protocol
+from supervisor.edge.listener import bounded_protocol
 
 log = logging.getLogger("llm_pool.server")
 

@@ -57,8 +57,8 @@ class TenantSpec:
 
 class Window:
     """A per-minute allowance as a token bucket: full at `per_minute`, refilled
-    evenly over a minute. It may go below zero (tokens counted after the fact):
-    then nothing more is admitted until it is back above zero."""
+    evenly over a minute. Tokens counted after the fact (`charge`) may empty it,
+    no further: then nothing more is admitted until it refills."""
 
     __slots__ = ("per_minute", "level", "at")
 
@@ -80,6 +80,12 @@ class Window:
     def reset_s(self, now: float) -> float:
         """Seconds until the bucket is full again."""
         return (self.per_minute - self.refill(now)) * 60 / self.per_minute
+
+    def charge(self, count: float, now: float) -> None:
+        """Count `count` after the fact (negative: give it back). What can be owed is one window:
+        the level stops at empty, so no wait (Retry-After, x-ratelimit-reset-*) is ever longer than
+        the window, however far a request's usage ran past its reserve (else hours of lockout)."""
+        self.level = max(0.0, self.refill(now) - count)
 
 
 class Tenant:
@@ -126,24 +132,25 @@ class Tenant:
         """An admitted request ended."""
         self.inflight -= 1
 
-    def reserve_tokens(self, count: int) -> None:
+    def reserve_tokens(self, count: int) -> int:
         """Hold `count` tokens of the tpm window for an admitted request (its prompt's estimate and
-        the most output it may ask for), or raise 429 saying when they fit. A request larger than
-        the whole window is let in once the window is full (else it could never run). What the
-        request did not use is given back at its end (`charge_tokens` with the difference)."""
+        the most output it may ask for), or raise 429 saying when they fit; returns what it holds.
+        A reserve never exceeds the window: a request larger than it holds the whole window, once
+        the window is full (else it could never run). What the request did not use is given back
+        at its end (`charge_tokens` with the difference from what was held)."""
         if self.tokens is None:
-            return
-        now = time.monotonic()
-        wait = self.tokens.wait_s(min(count, self.tokens.per_minute), now)
+            return 0
+        count = min(count, self.tokens.per_minute)
+        wait = self.tokens.wait_s(count, time.monotonic())
         if wait:
             raise _limited(f"tenant {self.name!r} is over its {self.spec.tpm} tokens per minute (tpm): this "
                            f"request reserves {count} tokens (prompt + max output tokens)", wait)
         self.tokens.level -= count
+        return count
 
     def charge_tokens(self, count: int) -> None:
         if self.tokens is not None and count:
-            self.tokens.refill(time.monotonic())
-            self.tokens.level -= count
+            self.tokens.charge(count, time.monotonic())
 
     def limit_headers(self) -> list[tuple[bytes, bytes]]:
         """OpenAI's x-ratelimit-* headers for the limits this tenant has (rpm: -requests, tpm: -tokens)."""
@@ -163,9 +170,9 @@ def _window(old: Window | None, per_minute: int, now: float) -> Window | None:
         return None
     if old is None:
         return Window(per_minute, now)
-    old.refill(now)  # a changed limit keeps what was used
+    old.refill(now)  # a changed limit keeps what was used (at most the new window: see Window.charge)
     used = old.per_minute - old.level
-    old.per_minute, old.level = per_minute, per_minute - used
+    old.per_minute, old.level = per_minute, max(0.0, per_minute - used)
     return old
 
 

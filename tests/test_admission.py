@@ -7,11 +7,14 @@ unit tests of its own."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from protocol.errors import ErrorCode, PoolError
-from supervisor.admission import Admission, key_matches, presented_key
-from supervisor.config import PoolConfig
+from supervisor.admission import Admission, key_matches, output_reserve, presented_key
+from supervisor.config import PoolConfig, parse_config
+from supervisor.openai_shapes import MAX_OUTPUT_TOKENS
 from supervisor.tenants import Tenants
 from tests.conftest import synthetic
 
@@ -72,6 +75,53 @@ def test_with_an_inference_key_it_or_the_admin_key_is_needed(given, admitted):
         with pytest.raises(PoolError) as refused:
             keyed.tenant(headers(**given))
         assert refused.value.code is ErrorCode.UNAUTHORIZED and refused.value.status == 401
+
+
+def test_an_output_limit_over_the_cap_or_the_models_context_is_a_400_naming_it():
+    """max_tokens and its kin, those a body passes through too: over MAX_OUTPUT_TOKENS, or over the
+    model's context where it is known, is the client's 400 (issue 33: 10**18 was a tpm reserve)."""
+    assert output_reserve({"max_tokens": MAX_OUTPUT_TOKENS}) == MAX_OUTPUT_TOKENS
+    assert output_reserve({"max_tokens": 4096}, context=4096) == 4096
+    assert output_reserve({"max_completion_tokens": 10**6}, context=2 * MAX_OUTPUT_TOKENS) == 10**6
+    for request, context in (({"max_tokens": 10**18}, None), ({"max_output_tokens": MAX_OUTPUT_TOKENS + 1}, None),
+                             ({"max_completion_tokens": 4097}, 4096),
+                             ({"max_tokens": 100, "max_completion_tokens": 10**30}, None)):
+        with pytest.raises(PoolError) as refused:
+            output_reserve(request, context)
+        field = next(k for k, v in request.items() if v > (context or MAX_OUTPUT_TOKENS))
+        assert refused.value.code is ErrorCode.INVALID_REQUEST and refused.value.param == field
+        assert refused.value.message.startswith(f"{field}: ") and len(refused.value.message) < 200
+
+
+class ContextEngine:
+    """A model whose replicas report their context (llama-server's n_ctx per slot)."""
+
+    def __init__(self, *contexts) -> None:
+        replicas = [SimpleNamespace(info={"n_ctx_per_slot": n}) for n in contexts] + [SimpleNamespace(info={})]
+        self.model = SimpleNamespace(cfg=SimpleNamespace(name="m", aliases=()),
+                                     executor=SimpleNamespace(replicas=replicas))
+
+    def entry(self, name):
+        return self.model
+
+    def submit(self, *args, **kwargs):
+        raise AssertionError("submit reached the engine")
+
+
+def test_submit_checks_the_output_limit_against_the_smallest_replica_context_before_any_limit():
+    cfg = parse_config({"tenants": [{"name": "a", "keys": ["k"], "rpm": 1}]})
+    pool = Admission(ContextEngine(8192, 4096), Tenants(cfg))
+    tenant = pool.tenants.by_name["a"]
+    with pytest.raises(PoolError) as refused:
+        pool.submit(tenant, "m", {"messages": [], "max_tokens": 5000}, "chat")
+    assert refused.value.param == "max_tokens" and "context (4096 tokens)" in refused.value.message
+    assert tenant.inflight == 0 and tenant.requests.level == 1  # refused before it counted against rpm
+    with pytest.raises(AssertionError, match="submit reached the engine"):  # within the context: on it goes
+        pool.submit(tenant, "m", {"messages": [], "max_tokens": 4096}, "chat")
+    not_loaded = ContextEngine()
+    not_loaded.model.executor = None  # no context known: the cap alone
+    with pytest.raises(AssertionError, match="submit reached the engine"):
+        Admission(not_loaded, pool.tenants).submit(tenant, "m", {"max_tokens": 5000}, "chat")
 
 
 def test_the_order_on_a_real_pool(make_pool):

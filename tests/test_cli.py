@@ -20,11 +20,12 @@ from tests.pool import ROOT, free_port, wait_for
 
 
 def cli(*args: str, url: str | None = None, env: dict | None = None,
-        timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run `llm-pool ARGS` (python -m supervisor.cli) and return the finished process."""
+        timeout: float = 120, text: bool = True) -> subprocess.CompletedProcess:
+    """Run `llm-pool ARGS` (python -m supervisor.cli) and return the finished process
+    (its output as bytes with text=False: every byte it wrote, a lone \r too)."""
     base = {k: v for k, v in os.environ.items() if k not in ("LLM_POOL_URL", "LLM_POOL_ADMIN_KEY")}
     cmd = [sys.executable, "-m", "supervisor.cli", *args] + (["--url", url] if url else [])
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=text, timeout=timeout,
                           env={**base, **(env or {})})
 
 

@@ -1,4 +1,4 @@
-"""The HTTP edge on documented APIs (supervisor/http_guard.py, supervisor/inference.py):
+"""The HTTP edge on documented APIs (supervisor/edge/, supervisor/inference.py):
 request bodies decoded and validated by msgspec (pure tests of `request_body`), the
 OpenAPI document made from the same Structs, and the global bound on the request
 bodies being read, against a real pool over raw sockets."""
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from protocol.errors import ErrorCode, PoolError
 from supervisor import openai_shapes as shapes
 from supervisor import responses_shapes as rshapes
-from supervisor.http_guard import DISCONNECT_KEY, Disconnect
+from supervisor.edge.listener import DISCONNECT_KEY, Disconnect
 from supervisor.inference import JobStream, request_body
 from tests.conftest import synthetic
 

@@ -21,7 +21,8 @@ import zmq.asyncio
 import protocol as p
 from runtime_worker.kv_events import MAX_BLOCKS_PER_EVENT, MAX_PENDING_EVENTS, KvEventRelay, decode_frame
 from supervisor.jobs import Job
-from supervisor.kv_index import ExactIndex, token_block_keys
+from supervisor.kv_index import (APPLY_BLOCKS_PER_STEP, MAX_MATCH_BLOCKS, MAX_MATCH_TOKENS, MAX_QUEUED_EVENTS,
+                                 ExactIndex, token_block_keys)
 from supervisor.replica_choice import Decision, make_replica_choice
 from supervisor.states import ReplicaState
 
@@ -107,7 +108,9 @@ async def _relay_run(messages: list, want: int):
                 probes += 1
                 await asyncio.sleep(0.05)
                 assert asyncio.get_running_loop().time() < deadline, "the relay never heard the publisher"
-            await asyncio.sleep(0.1)  # the probes in flight arrive
+            while relay._next_seq != probes:  # the probes in flight arrive: the relay has taken the last one sent
+                await asyncio.sleep(0.02)
+                assert asyncio.get_running_loop().time() < deadline, "the last probe never arrived"
             sent.clear()
             probe_gaps = relay.gaps  # a probe sent before the subscription arrived is a gap too
             for m in messages:
@@ -193,6 +196,62 @@ def test_index_reset_bound_and_malformed_events():
     assert (len(index), index.resets) == (2, 1) and index.match(token_block_keys(prompt, BS)) == 2
 
 
+def state(index: ExactIndex) -> tuple:
+    """All an index holds and counts, its blocks in their eviction order."""
+    return (list(index._blocks.items()), dict(index._keys), index.block_size, index.stored, index.removed,
+            index.cleared, index.resets, index.malformed)
+
+
+def test_index_steps_are_bounded_and_end_where_applying_at_once_does():
+    prompt = list(range(48))  # 12 blocks, more than the index holds: its parents are evicted as it is stored
+    messages = [([chain(prompt), ["bogus"], ["removed", [h(11), h(3), h(404), h(10)]], chain(prompt[:8], first=30),
+                  ["cleared"], chain(prompt[:12], first=40)], False),
+                ([chain(prompt[:16], first=50)], True)]
+    at_once = ExactIndex(5)
+    for events, reset in messages:
+        at_once.apply(events, reset)
+    assert at_once.match(token_block_keys(prompt, BS)) == 4 and at_once.resets == 1
+    for max_blocks in (1, 2, 3, 5, 7):
+        index = ExactIndex(5)
+        for events, reset in messages:
+            index.feed(events, reset)
+        steps, more = 0, True
+        while more:
+            done = index.stored + index.removed
+            more = index.step(max_blocks)
+            steps += 1
+            assert index.stored + index.removed - done <= max_blocks  # a stored event is cut between blocks
+            assert steps < 100
+        assert steps > 1 and index.queued == 0
+        assert state(index) == state(at_once), max_blocks
+    index = ExactIndex(100)
+    index.feed([chain(prompt)])
+    assert index.step(max_blocks=100, max_tokens=2 * BS) and index.stored == 2  # tokens bound a step too
+    assert index.step(max_blocks=100, max_tokens=1) and index.stored == 3  # at least one block a step
+    assert not index.step() and index.match(token_block_keys(prompt, BS)) == 12
+
+
+def test_index_queue_is_bounded():
+    index = ExactIndex(100)
+    index.feed([chain(list(range(8)))] * (MAX_QUEUED_EVENTS + 1))
+    index.step(max_blocks=1)  # part of the first event applied
+    index.feed([chain(list(range(12)), first=10)])  # more than the steps keep up with: as if lost
+    assert index.queued == 2  # the reset, then this
+    assert not index.step() and index.resets == 1 and len(index) == 3 and index.stored == 1 + 3
+
+
+def test_a_match_stops_at_the_cap():
+    prompt = list(range(2 * MAX_MATCH_BLOCKS))  # at 1 token a block, the block cap is reached first
+    index = ExactIndex(len(prompt))
+    index.apply([["stored", [h(i) for i in range(len(prompt))], None, prompt, 1, False]])
+    assert len(index) == len(prompt)
+    assert len(token_block_keys(prompt, 1)) == MAX_MATCH_BLOCKS
+    assert index.match(token_block_keys(prompt, 1)) == MAX_MATCH_BLOCKS  # the engine holds twice as many
+    size = 2 * MAX_MATCH_TOKENS // MAX_MATCH_BLOCKS  # at this size, the token cap is reached first
+    long = list(range(MAX_MATCH_TOKENS + 10 * size))
+    assert len(token_block_keys(long, size)) == MAX_MATCH_TOKENS // size < MAX_MATCH_BLOCKS
+
+
 # -- the policy ---------------------------------------------------------------------------------------
 class FakeReplica:
     def __init__(self, index: int, kv_events: bool = True) -> None:
@@ -259,6 +318,99 @@ def test_policy_after_lost_events_trusts_the_approximate_index_where_it_knows_mo
     view = policy.replica_view(chosen)
     assert view["kv_index"]["resets"] == 1 and view["prefix_matches"]["exact"] == exact_before
     assert view["prefix_matches"]["approximate_fallback"] >= 1
+
+
+def test_policy_routes_a_prompt_past_the_cap_as_if_it_matched_the_cap():
+    """A replica that holds the cap's worth of a prompt four times as long is its prefix hit:
+    the share is of the blocks matched (those under the cap), not of the whole prompt."""
+    policy = make_replica_choice("prefix")
+    replicas = [FakeReplica(0), FakeReplica(1)]
+    prompt = list(range(4 * MAX_MATCH_BLOCKS))
+    for r in replicas:
+        policy.exact(r)
+    held = prompt[:MAX_MATCH_BLOCKS]
+    policy.kv_events(replicas[0], [["stored", [h(1_000_000 + i) for i in range(4)], None, [9, 9, 9, 9], 1, False]],
+                     False)  # holds another prompt: the same block size, none of this one
+    policy.kv_events(replicas[1], [["stored", [h(i) for i in range(len(held))], None, held, 1, False]], False)
+    for _ in range(2):  # whatever the round-robin cursor says
+        assert policy.choose(replicas, job(prompt)) is replicas[1]
+    assert policy.decisions[Decision.PREFIX_HIT] == 2
+
+
+def one_turn() -> asyncio.Future:
+    """Resolved in the next loop turn: what call_soon scheduled before it has run."""
+    loop = asyncio.get_running_loop()
+    turn = loop.create_future()
+    loop.call_soon(turn.set_result, None)
+    return turn
+
+
+def big_message(n: int) -> list:
+    """`n` blocks stored as the relay sends them (256 a stored event, each chained on the last)."""
+    prompt = list(range(n * BS))
+    return [chain(prompt[i * BS:(i + 256) * BS], first=i, parent=h(i - 1) if i else None) for i in range(0, n, 256)]
+
+
+def test_a_huge_kv_events_message_is_applied_over_several_loop_turns_in_order():
+    n = 4 * APPLY_BLOCKS_PER_STEP + 300
+    first = [*big_message(n), ["bogus"]]
+    later = [["removed", [h(5), h(n - 1)]]]  # one from the first piece, one from the last: only in order do both go
+    last = [chain(list(range(40)), first=n + 10, parent=h(n - 2))]
+    at_once = ExactIndex(100_000)
+    for events in (first, later, last):
+        at_once.apply(events)
+    prompt = list(range(n * BS))
+    assert at_once.match(token_block_keys(prompt, BS)) == 5
+
+    async def main() -> None:
+        policy = make_replica_choice("prefix")
+        replica = FakeReplica(0)
+        index = policy.exact(replica)
+        index.max_blocks = at_once.max_blocks
+        for events in (first, later, last):  # one loop turn: the messages of one frame
+            policy.kv_events(replica, events, False)
+        assert (index.stored, index.removed) == (APPLY_BLOCKS_PER_STEP, 0)  # the first piece only
+        assert index.draining and index.queued
+        steps = [APPLY_BLOCKS_PER_STEP]  # blocks each step applied
+        step = index.step
+
+        def counted(*args):
+            done = index.stored + index.removed + index.malformed
+            more = step(*args)
+            steps.append(index.stored + index.removed + index.malformed - done)
+            return more
+        index.step = counted
+        policy.choose([replica], job(prompt))  # a match meanwhile sees what is applied so far
+        turns = 0
+        while index.queued:
+            await one_turn()
+            turns += 1
+            assert turns < 100, "the queue never drained"
+        assert turns >= 2  # this coroutine ran between the steps: they did not hold the loop in one turn
+        assert max(steps) <= APPLY_BLOCKS_PER_STEP
+        assert sum(steps) == at_once.stored + at_once.removed + at_once.malformed
+        assert not index.draining and policy.replica_view(replica)["kv_index"]["queued"] == 0
+        assert state(index) == state(at_once)
+
+    asyncio.run(main())
+
+
+def test_a_restart_drops_the_kv_events_not_yet_applied():
+    async def main() -> None:
+        policy = make_replica_choice("prefix")
+        replica = FakeReplica(0)
+        policy.kv_events(replica, big_message(3 * APPLY_BLOCKS_PER_STEP), False)
+        old = policy.exact(replica)
+        assert old.stored == APPLY_BLOCKS_PER_STEP and old.queued
+        replica.identity = "m/0#2"  # a new worker: the new index starts empty, the old one is no longer fed
+        policy.kv_events(replica, [chain([1, 2, 3, 4])], False)
+        new = policy.exact(replica)
+        assert new is not old and len(new) == 1 and not new.queued
+        for _ in range(3):
+            await one_turn()
+        assert old.stored == APPLY_BLOCKS_PER_STEP and not old.draining
+
+    asyncio.run(main())
 
 
 class FakeEngine:

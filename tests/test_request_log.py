@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -16,7 +17,7 @@ from contextlib import closing
 import httpx
 import pytest
 
-from supervisor.request_log import BODY_CHARS, RequestLog
+from supervisor.request_log import BODY_CHARS, REFUSED_ROWS_PER_S, RequestLog
 from tests.conftest import synthetic
 from tests.pool import ROOT, Pool, wait_for
 from tests.test_cli import cli, table_rows
@@ -217,6 +218,93 @@ def test_cli_requests(make_pool):
     finally:
         follower.terminate()
         follower.wait(10)
+
+
+# a model name that, printed raw, sets the terminal's title, clears the screen and forges a line
+HOSTILE = "\x1b]0;PWNED\x07\x1b[2J\x9b31m\r\nfake-line"
+ESCAPED = "\\x1b]0;PWNED\\x07\\x1b[2J\\x9b31m\\x0d\\x0afake-line"
+RAW_CONTROLS = (b"\x1b", b"\x07", b"\r", "\x9b".encode())
+
+
+def assert_no_controls(output: bytes) -> None:
+    assert not any(c in output for c in RAW_CONTROLS), output
+
+
+def test_a_clients_control_characters_never_reach_the_operators_terminal(make_pool):
+    pool = make_pool([synthetic("c", tokens=2)])
+    assert chat(pool, HOSTILE).status_code == 404  # no key needed: anyone can send this name
+    row = wait_for(lambda: logged(pool), 5, what="a row")[0]
+    assert row["model"] == ESCAPED  # stored escaped
+    # a row stored raw (by an older version): the CLI escapes it too
+    path = pool.config_path.parent / "state" / "llm-pool" / "requests.sqlite3"
+    with closing(sqlite3.connect(path, timeout=10)) as db, db:
+        db.execute("INSERT INTO requests (ts, model, endpoint, status, error_code, tenant) VALUES (?, ?, ?, ?, ?, ?)",
+                   (time.time(), HOSTILE, "chat_completions", 404, "\x1b[2J", "\x1b]0;x\x07"))
+    wait_for(lambda: len(logged(pool)) == 2, 5, what="the raw row")
+
+    done = cli("requests", url=pool.url, text=False)
+    assert done.returncode == 0, done.stderr
+    assert_no_controls(done.stdout)
+    new, old = table_rows(done.stdout.decode())
+    assert new["MODEL"].startswith(ESCAPED[:38]) and old["MODEL"].startswith(ESCAPED[:38])
+    assert (old["ERROR"], old["TENANT"]) == ("\\x1b[2J", "\\x1b]0;x\\x07")
+
+    # --follow: the rows it starts with and those that come after
+    env = {k: v for k, v in os.environ.items() if k != "LLM_POOL_ADMIN_KEY"}
+    follower = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "requests", "--follow", "--url", pool.url,
+                                 "-n", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE)
+    try:
+        header, first = follower.stdout.readline(), follower.stdout.readline()
+        assert chat(pool, HOSTILE).status_code == 404
+        fresh = follower.stdout.readline()
+    finally:
+        follower.terminate()
+        follower.wait(10)
+    for line in (header, first, fresh):
+        assert_no_controls(line)
+        assert line.endswith(b"\n") and b"\n" not in line[:-1]
+    assert all(line.decode().split("  ")[1].startswith(ESCAPED[:20]) for line in (first, fresh)), (first, fresh)
+
+
+def test_the_supervisors_log_lines_escape_a_clients_text():
+    from supervisor.printable import LOG_FORMAT, PrintableFormatter
+    record = logging.LogRecord("llm_pool.x", logging.WARNING, __file__, 1, "refused %s", (HOSTILE,), None)
+    line = PrintableFormatter(LOG_FORMAT).format(record)
+    assert line.endswith("refused " + ESCAPED) and "\n" not in line
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        record.exc_info = sys.exc_info()
+    record.exc_text = None
+    assert "\nTraceback" in PrintableFormatter(LOG_FORMAT).format(record)  # a traceback keeps its lines
+
+
+def test_a_flood_of_bad_keys_is_counted_but_cannot_push_the_history_out(make_pool):
+    pool = make_pool([synthetic("c", tokens=2)],
+                     server={"api_key": "infer", "admin_key": "admin", "request_log_max_rows": 1000})
+    pool.http.headers["Authorization"] = "Bearer admin"  # the admin's reads; /v1/ takes the admin key too
+    for _ in range(3):
+        assert chat(pool, "c").status_code == 200
+    earlier = wait_for(lambda: (rows := logged(pool)) and len(rows) == 3 and rows, 5, what="three rows")
+    flood = {"model": "c", "messages": [{"role": "user", "content": "hi"}]}
+    started = time.monotonic()
+    for _ in range(2000):
+        r = pool.http.post(CHAT, json=flood, headers={"Authorization": f"Bearer {os.urandom(8).hex()}"})
+        assert r.status_code == 401
+    took = time.monotonic() - started
+    # the rows are written in order: once this one shows, every refused one logged before it has
+    assert chat(pool, "missing").status_code == 404
+    rows = wait_for(lambda: (rows := logged(pool, limit=10_000)) and rows[0]["status"] == 404 and rows, 10,
+                    what="the last row")
+    refused = [r for r in rows if r["status"] == 401]
+    assert 1 <= len(refused) <= REFUSED_ROWS_PER_S * (1 + took) + 1, (len(refused), took)
+    assert all(r["tenant"] == "(unknown key)" and r["model"] == "" for r in refused)
+    assert any("more refused for their key" in r["error_message"] for r in refused)  # the rest, summed
+    assert {r["id"] for r in earlier} <= {r["id"] for r in rows}  # the history is still there
+    metrics = pool.http.get("/metrics").text
+    assert 'llm_pool_refused_keys_total{reason="unknown_key"} 2000.0' in metrics
+    assert 'llm_pool_refused_keys_total{reason="no_key"} 0.0' in metrics
+    assert 'llm_pool_requests_total{endpoint="chat_completions",model="unknown",status="401"} 2000.0' in metrics
 
 
 def test_log_tail_reads_appends_and_starts_over_when_the_file_is_replaced(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -79,3 +80,23 @@ def test_loop_lag_is_measured_against_the_asked_wake_time_and_warned_past_a_seco
     asyncio.run(main())
     assert 0 in seen and 2.49 < max(seen) < 2.51 and min(seen) >= 0
     assert "the event loop was blocked for 2.50s" in caplog.text
+
+
+# -- output limits (issue 33): bounded where the fields are declared, named in the 400 ----------------
+
+def test_output_limits_over_the_cap_are_a_400_naming_the_field():
+    from protocol.errors import PoolError
+    from supervisor.inference import request_body
+    from supervisor.openai_shapes import MAX_OUTPUT_TOKENS, ChatRequest, CompletionRequest
+    from supervisor.responses_shapes import ResponsesRequest
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    cases = [(ChatRequest, chat, "max_tokens"), (ChatRequest, chat, "max_completion_tokens"),
+             (CompletionRequest, {"model": "m", "prompt": "hi"}, "max_tokens"),
+             (ResponsesRequest, {"model": "m", "input": "hi"}, "max_output_tokens")]
+    for shape, body, field in cases:
+        body, data = request_body(json.dumps({**body, field: MAX_OUTPUT_TOKENS}).encode(), "application/json", shape)
+        assert getattr(body, field) == MAX_OUTPUT_TOKENS
+        for value in (MAX_OUTPUT_TOKENS + 1, 10**18, 10**30):
+            with pytest.raises(PoolError) as refused:
+                request_body(json.dumps({**data, field: value}).encode(), "application/json", shape)
+            assert refused.value.code.value == "invalid_request" and refused.value.param == field

@@ -19,6 +19,7 @@ import tomli_w
 from protocol.errors import ErrorCode, PoolError
 from supervisor.admission import DEFAULT_OUTPUT_RESERVE, output_reserve
 from supervisor.config import ConfigError, parse_config
+from supervisor.openai_shapes import MAX_OUTPUT_TOKENS
 from supervisor.tenants import Tenants, Window, duration
 from tests.conftest import synthetic
 from tests.test_cli import cli, table_rows
@@ -82,7 +83,7 @@ def test_scope_globs_names_and_aliases():
     assert tenants.by_name["default"].spec.may_use(("anything",))
 
 
-def test_window_refills_over_a_minute_and_may_go_into_debt():
+def test_window_refills_over_a_minute_and_is_charged_after_the_fact():
     w = Window(60, now=0.0)
     for _ in range(60):
         assert w.wait_s(1, now=0.0) == 0
@@ -90,10 +91,51 @@ def test_window_refills_over_a_minute_and_may_go_into_debt():
     assert w.wait_s(1, now=0.0) == pytest.approx(1.0)
     assert w.wait_s(1, now=0.5) == pytest.approx(0.5)
     assert w.wait_s(1, now=1.0) == 0
-    w.level -= 100  # tokens counted after the fact
-    assert w.wait_s(1, now=1.0) == pytest.approx(100.0)
-    assert w.reset_s(now=1.0) == pytest.approx(159.0)  # full again: 60 - (-99)
+    w = Window(60, now=0.0)
+    w.charge(30, now=0.0)  # tokens counted after the fact
+    assert w.wait_s(40, now=0.0) == pytest.approx(10.0)
+    w.charge(-10, now=0.0)  # given back
+    assert w.reset_s(now=0.0) == pytest.approx(20.0)  # full again: 60 - 40
     assert [duration(s) for s in (0.12, 1.5, 360)] == ["120ms", "1.5s", "6m0s"]
+
+
+def test_what_can_be_owed_is_one_window_so_no_wait_is_longer_than_a_minute():
+    """Usage counted after the fact far past a reserve empties the window, no further: the
+    waits (Retry-After, x-ratelimit-reset-*) stay within its 60 s (issue 33: 11999999999999938 s)."""
+    w = Window(5000, now=0.0)
+    w.charge(10**18, now=0.0)
+    assert w.level == 0
+    assert w.wait_s(5000, now=0.0) == pytest.approx(60.0) and w.reset_s(now=0.0) == pytest.approx(60.0)
+    assert w.wait_s(1, now=30.0) == 0  # half a minute on: half the window back
+    # through a tenant: a runaway request's usage, then a reload that lowers tpm below what was used
+    tenants = Tenants(parse_config({"tenants": [{"name": "a", "keys": ["k"], "tpm": 5000, "rpm": 10}]}))
+    a = tenants.by_name["a"]
+    held = a.reserve_tokens(100)
+    a.charge_tokens(10**18 - held)
+    with pytest.raises(PoolError) as refused:
+        a.reserve_tokens(5000)
+    assert refused.value.retry_after_s == 60
+    assert dict(a.limit_headers())[b"x-ratelimit-reset-tokens"] in (b"1m0s", b"60s")
+    a.charge_tokens(-5000)  # given back: full again
+    a.reserve_tokens(4000)
+    tenants.apply(parse_config({"tenants": [{"name": "a", "keys": ["k"], "tpm": 100, "rpm": 10}]}))
+    assert 59 < a.tokens.reset_s(time.monotonic()) <= 60  # 4000 used of 100 a minute: owes the 100
+
+
+def test_a_reserve_never_exceeds_the_window():
+    """tpm 5000 and max_tokens 10**18: the reserve holds the whole window, not 10**18 of it, and
+    settles against what it held."""
+    a = Tenants(parse_config({"tenants": [{"name": "a", "keys": ["k"], "tpm": 5000}]})).by_name["a"]
+    assert a.reserve_tokens(10**18) == 5000
+    headers = dict(a.limit_headers())
+    assert headers[b"x-ratelimit-remaining-tokens"] == b"0"
+    assert headers[b"x-ratelimit-reset-tokens"] in (b"1m0s", b"60s")
+    with pytest.raises(PoolError) as refused:
+        a.reserve_tokens(10)
+    assert refused.value.retry_after_s == 1  # 10 tokens at 5000 a minute
+    a.charge_tokens(12 - 5000)  # it used 12: the rest of what it held comes back
+    assert a.reserve_tokens(4900) == 4900
+    assert Tenants(parse_config({})).default().reserve_tokens(10**18) == 0  # no tpm: nothing held
 
 
 def test_limits_refuse_with_retry_after_and_a_reload_keeps_what_was_used():
@@ -254,6 +296,33 @@ def test_tpm_and_max_inflight(make_pool):
             pass
     wait_for(lambda: pool.http.post("/v1/chat/completions", json=chat("syn", max_tokens=1),
                                     headers=key("sk-n")).status_code == 200, 10, what="the place freed")
+
+
+def reset_seconds(text: str) -> float:
+    """x-ratelimit-reset-* ('120ms', '1.5s', '6m0s') in seconds."""
+    if text.endswith("ms"):
+        return float(text[:-2]) / 1000
+    minutes, _, rest = text.rpartition("m")
+    return int(minutes or 0) * 60 + float(rest[:-1])
+
+
+def test_absurd_output_limits_are_refused_and_a_huge_reserve_waits_a_minute_at_most(make_pool):
+    """Issue 33: tpm 5000 and max_tokens 10**18 was admitted, and the next request was told to
+    retry in 11999999999999938 s. Now it is a 400 naming the field; a huge max_tokens under the cap
+    holds the whole window, no more, and the next request waits a minute at most."""
+    pool = tenants_pool(make_pool, [synthetic("syn", tokens=2000, tps=100)],
+                        [{"name": "t", "keys": ["sk-t"], "tpm": 5000}])
+    r = pool.http.post("/v1/chat/completions", json=chat("syn", max_tokens=10**18), headers=key("sk-t"))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", r.text
+    assert r.json()["error"]["param"] == "max_tokens", r.text
+    assert r.headers["x-ratelimit-remaining-tokens"] == "5000"  # refused before it reserved anything
+    with httpx.stream("POST", pool.url + "/v1/chat/completions", headers=key("sk-t"), timeout=30,
+                      json=chat("syn", max_tokens=MAX_OUTPUT_TOKENS, stream=True)) as running:
+        assert running.status_code == 200  # admitted: it holds the whole window while it runs
+        r = pool.http.post("/v1/chat/completions", json=chat("syn", max_tokens=10), headers=key("sk-t"))
+        assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded", r.text
+        assert 1 <= int(r.headers["retry-after"]) <= 60, r.headers
+        assert reset_seconds(r.headers["x-ratelimit-reset-tokens"]) <= 60, r.headers
 
 
 def flood(pool, k: str, count: int, max_tokens: int) -> list[threading.Thread]:

@@ -229,7 +229,8 @@ def run(cases: list[tuple[int, float]], seconds: float, tmp: Path, rounds: int =
     models = [{"name": model_name(rate), "backend": "synthetic", "target_inflight": most, "max_queue": 4 * most,
                "options": {"capacity": most, "tokens_per_second": rate, "output_tokens": 1_000_000}}
               for rate in rates]
-    pool = Pool(tmp, models, server={"max_connections": 4 * most + 64})
+    room = 4 * most + 64  # every stream comes from this one address
+    pool = Pool(tmp, models, server={"max_connections": room, "max_connections_per_client": room})
     bare = Bare(tmp)
     out = []
     try:

@@ -186,6 +186,10 @@ function setConn(text, ok) {
 }
 
 // -- building rows ---------------------------------------------------------------------------
+// A client's control characters shown escaped, as the pool stores them (older rows may hold them raw)
+const printable = (text) => String(text).replace(/[\x00-\x08\x0b-\x1f\x7f-\x9f]/g,
+  (c) => "\\x" + c.charCodeAt(0).toString(16).padStart(2, "0"));
+
 function el(tag, attrs = {}, ...children) {
   const node = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs)) {
@@ -193,7 +197,7 @@ function el(tag, attrs = {}, ...children) {
     else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
     else node.setAttribute(k, v);
   }
-  for (const child of children) node.append(child instanceof Node ? child : String(child ?? "-"));
+  for (const child of children) node.append(child instanceof Node ? child : printable(child ?? "-"));
   return node;
 }
 
@@ -377,7 +381,7 @@ function showRequest(r) {
     `${r.cached_tokens ?? "not reported by the runtime"}), ${r.tokens_out} out; ` + speedsText(r));
   if (r.prompt) parts.push("prompt: " + r.prompt);
   if (r.output) parts.push("output: " + r.output);
-  detail.textContent = parts.join("\n\n");
+  detail.textContent = printable(parts.join("\n\n"));
   detail.hidden = false;
 }
 

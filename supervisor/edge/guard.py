@@ -1,0 +1,282 @@
+"""The second room: who may call what, and how much of a body is read, before
+a route runs. One pure ASGI layer (`HttpEdge`; each layer costs on every request):
+keys (for /v1/*, through `admission`), the browser rules for the admin surface
+(Host, Origin, Sec-Fetch-Site) against cross-site and DNS-rebinding requests,
+unknown paths answered before their body is read, and the request body bounds,
+each request's and all together. The bytes came through supervisor/edge/listener.py.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from urllib.parse import urlsplit
+
+from fastapi.responses import JSONResponse
+from starlette.routing import Match
+
+from protocol.errors import ErrorCode, PoolError
+from supervisor.admission import Admission, key_matches, presented_key
+from supervisor.config import ServerConfig
+from supervisor.edge.listener import DISCONNECT_KEY, current_connection, warnings
+from supervisor.tenants import UNKNOWN_KEY
+
+# an unknown path: the app's own 404, given before the body is read
+NOT_FOUND = {"error": {"message": "Not Found", "type": "not_found_error", "param": None, "code": None}}
+TENANT_KEY = "llm_pool.tenant"  # in the ASGI scope of each /v1/ request: admission.Tenant
+
+# The admin surface: operator actions, and the documents that describe them.
+ADMIN_PATHS = frozenset({"/admin", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+NO_RETRY = frozenset({ErrorCode.INVALID_REQUEST, ErrorCode.LOAD_FAILED, ErrorCode.MODEL_NOT_LOADED,
+                      ErrorCode.RUNTIME_TIMEOUT})  # the openai SDK retries 409 and 5xx unless told not to
+
+
+def is_admin_path(path: str) -> bool:
+    return path in ADMIN_PATHS or path.startswith("/admin/")
+
+
+def error_response(err: PoolError) -> JSONResponse:
+    headers = {}
+    if err.retry_after_s is not None:
+        headers["Retry-After"] = str(int(err.retry_after_s))
+    if err.code in NO_RETRY:
+        headers["x-should-retry"] = "false"
+    return JSONResponse(err.envelope(), status_code=err.status, headers=headers)
+
+
+class HttpEdge:
+    """Every request's first layer: who may call what, checked before anything
+    reads the request, then the body bounds. One pure ASGI layer (each layer
+    costs on every request).
+
+    Keys: /v1/* goes through `Admission.tenant` (the inference key or the admin
+    key when an inference key is set); the tenant goes in `scope[TENANT_KEY]`. The admin surface (/admin/*, /docs, /redoc, /openapi.json) needs the
+    admin key when any key is set; with only an inference key it is refused.
+
+    Browser rules for the admin surface, keys or not (a web page must not drive
+    it, whether cross-site or by DNS rebinding): the Host must be localhost,
+    the configured host or an IP address (each with the pool's port), or one
+    of `allowed_hosts`; an Origin must be that same host and port;
+    Sec-Fetch-Site, when sent, must be same-origin or none.
+
+    Body: over `max_body_bytes` is refused with 413, at once when the
+    Content-Length says so, else while reading. The bodies being read are held
+    here, all of them together at most `max_buffered_body_bytes`; a request
+    that would go over is refused with 429 and Retry-After. The request goes
+    on to `app` with its body in one message.
+
+    The connection (BoundedConnection) tells the request's handler when its
+    client goes: `scope[DISCONNECT_KEY]`.
+
+    Inference POSTs go straight to their endpoint in `inference`, every other
+    request to `app`."""
+
+    def __init__(self, app, server: ServerConfig, admission: Admission, api_key: str | None,
+                 admin_key: str | None, inference: dict | None = None, on_key_refused=None) -> None:
+        self.app = app
+        self.inference = inference or {}  # path -> the ASGI endpoint of its POST
+        # on_key_refused(path, error, tenant): a /v1/ request refused for its key (401); tenant is
+        # UNKNOWN_KEY when a key was given that no tenant holds, None when none was given
+        self.on_key_refused = on_key_refused
+        self.limit = server.max_body_bytes
+        self.budget = server.max_buffered_body_bytes
+        self.buffered = 0  # bytes of the bodies being read now
+        self.admission = admission
+        self.admin = [admin_key.encode()] if admin_key else []
+        self._static: set[str] | None = None  # the app's paths, known at its first request
+        self._dynamic: list = []
+        self.allowed_hosts = frozenset(h.lower() for h in server.allowed_hosts)
+        host = server.host.lower()
+        wildcard = host in ("0.0.0.0", "::", "")
+        self.local_names = {"localhost"} | (set() if wildcard else {f"[{host}]" if ":" in host else host})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        connection = current_connection.get()
+        if connection is None:  # another server than BoundedConnection's: no disconnect notice
+            return await self._serve(scope, receive, send)
+        scope[DISCONNECT_KEY] = request = connection.begin_request()
+        try:
+            return await self._serve(scope, receive, send)
+        finally:
+            connection.end_request(request)
+
+    async def _serve(self, scope, receive, send):
+        """Key and browser rules, the route, then the body; every refusal before the body is read."""
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            return await error_response(refusal)(scope, receive, send)
+        tenant = scope.get(TENANT_KEY)
+        if tenant is not None:  # every answer to a tenant says where it stands with its limits
+            send = self.admission.with_limit_headers(tenant, send)
+        app = (self.inference.get(scope["path"]) if scope["method"] == "POST" else None)
+        if app is None:
+            if not self._routed(scope):  # its body is not worth reading
+                return await JSONResponse(NOT_FOUND, status_code=404)(scope, receive, send)
+            app = self.app
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
+                return await self._too_large()(scope, receive, send)
+        body = await self._read_body(receive)
+        if isinstance(body, PoolError):
+            return await error_response(body)(scope, receive, send)
+        if body is None:  # the client left while sending
+            return
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: disconnect notices pass through
+
+        return await app(scope, replay, send)
+
+    def _routed(self, scope) -> bool:
+        """Whether a route of the app takes this path (any method: a wrong one is the app's 405).
+        A path with a trailing slash counts as without (the app redirects it)."""
+        if self._static is None:
+            self._static = set()
+            self._dynamic = []
+            for route in self.app.routes:
+                path = getattr(route, "path", None)
+                if path is not None and "{" not in path and type(route).__name__ != "Mount":
+                    self._static.add(path)
+                else:
+                    self._dynamic.append(route)
+        path = scope["path"]
+        if path in self._static or (path.endswith("/") and path[:-1] in self._static):
+            return True
+        return any(route.matches(scope)[0] is not Match.NONE for route in self._dynamic)
+
+    async def _read_body(self, receive) -> bytes | PoolError | None:
+        """The whole body; a PoolError when it is over a bound; None when the client left."""
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunk = message.get("body", b"")
+        if not message.get("more_body"):  # the usual case: the body came whole
+            return self._too_large_error() if len(chunk) > self.limit else chunk
+        chunks, size = [], 0
+        try:
+            while True:
+                if size + len(chunk) > self.limit:
+                    return self._too_large_error()
+                if self.buffered + len(chunk) > self.budget:
+                    warnings.warning("buffered", "refused a request: %d bytes of bodies being read "
+                                   "(server.max_buffered_body_bytes)", self.buffered)
+                    return PoolError(ErrorCode.QUEUE_FULL, "the pool is reading too many request bodies at once; "
+                                     "retry shortly", retry_after_s=1)
+                chunks.append(chunk)
+                size += len(chunk)
+                self.buffered += len(chunk)
+                if not message.get("more_body"):
+                    return b"".join(chunks)
+                message = await receive()
+                if message["type"] != "http.request":
+                    return None
+                chunk = message.get("body", b"")
+        finally:
+            self.buffered -= size
+
+    def _too_large(self) -> JSONResponse:
+        return error_response(self._too_large_error())
+
+    def _too_large_error(self) -> PoolError:
+        return PoolError(ErrorCode.REQUEST_TOO_LARGE, f"request body over {self.limit} bytes")
+
+    def _refusal(self, scope) -> PoolError | None:
+        path = scope["path"]
+        if path.startswith("/v1/"):
+            try:
+                scope[TENANT_KEY] = self.admission.tenant(scope["headers"])
+            except PoolError as refusal:
+                if self.on_key_refused is not None:  # a row in the request log: the key's owner, never the key
+                    given = presented_key(scope["headers"])
+                    self.on_key_refused(path, refusal, UNKNOWN_KEY if given else None)
+                return refusal
+            return None
+        if not is_admin_path(path):
+            return None
+        why = self._browser_refusal(scope)
+        if why:
+            return PoolError(ErrorCode.FORBIDDEN, why)
+        if not self.admin and not self.admission.tenants.open:
+            # inference keys (api_key or [[tenants]]) and no admin key: none of them opens /admin
+            return PoolError(ErrorCode.UNAUTHORIZED, "the admin endpoints are closed: inference keys are set "
+                                                     "and server.admin_key is not (or LLM_POOL_ADMIN_KEY); "
+                                                     "set it to use them")
+        if self.admin and not key_matches(presented_key(scope["headers"]), self.admin):
+            return PoolError(ErrorCode.UNAUTHORIZED, "missing or wrong admin key")
+        return None
+
+    def _browser_refusal(self, scope) -> str | None:
+        host = origin = site = None
+        for name, value in scope["headers"]:
+            if name == b"host":
+                host = value.decode("latin-1").lower()
+            elif name == b"origin":
+                origin = value.decode("latin-1").lower()
+            elif name == b"sec-fetch-site":
+                site = value.lower()
+        if host is not None and not self._host_allowed(host, scope.get("server")):
+            return (f"Host {host[:100]!r} is not a name this pool answers to on its admin endpoints "
+                    "(add it to server.allowed_hosts)")
+        if site is not None and site not in (b"same-origin", b"none"):
+            return "cross-site requests to the admin endpoints are refused"
+        if origin is not None and (host is None or not _same_origin(origin, host)):
+            return f"cross-origin requests to the admin endpoints are refused (Origin {origin[:100]!r})"
+        return None
+
+    def _host_allowed(self, host: str, server) -> bool:
+        if "*" in self.allowed_hosts or host in self.allowed_hosts:
+            return True
+        name, port = _split_host(host)
+        if name is None:
+            return False
+        if name in self.allowed_hosts:  # an entry without a port allows any port
+            return True
+        if server is None or (port or 80) != server[1]:
+            return False
+        return name in self.local_names or _is_ip_literal(name)  # a page at an IP has no name to rebind
+
+
+def _is_ip_literal(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name[1:-1] if name.startswith("[") else name)
+    except ValueError:
+        return False
+    return True
+
+
+def _split_host(host: str) -> tuple[str | None, int | None]:
+    """'name', 'name:port', '[v6]' or '[v6]:port' -> (name, port or None); (None, None) if malformed."""
+    if host.startswith("["):
+        end = host.find("]")
+        name, rest = host[:end + 1], host[end + 1:]
+        if end < 0 or (rest and not rest.startswith(":")):
+            return None, None
+        port = rest[1:] if rest else None
+    else:
+        name, colon, port = host.partition(":")
+        port = port if colon else None
+    if not name or (port is not None and not (port.isdigit() and len(port) <= 5)):
+        return None, None
+    return name, int(port) if port is not None else None
+
+
+def _same_origin(origin: str, host: str) -> bool:
+    """Whether an Origin ('scheme://name[:port]') names the host and port of the Host header.
+    A Host without a port (behind a proxy) takes the Origin scheme's default."""
+    try:
+        parts = urlsplit(origin)
+        origin_port = parts.port
+    except ValueError:
+        return False
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query:
+        return False
+    default = 443 if parts.scheme == "https" else 80
+    name, port = _split_host(host)
+    origin_name = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return name == origin_name and (port or default) == (origin_port or default)

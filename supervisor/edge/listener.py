@@ -1,0 +1,439 @@
+"""The first room a request enters: each HTTP connection, bounded, around
+uvicorn's own protocol object, which it feeds through the asyncio.Protocol
+methods only (composition, no subclass).
+
+llhttp bounds no header size, and uvicorn has no header, body or write
+timeout, no connection cap and no bound on pipelined requests (it parses all
+that one read holds); this layer adds them:
+- connections: at most `max_connections`, and `max_connections_per_client`
+  per client address. At either cap the oldest idle connection (keep-alive
+  between requests, or no whole request yet) is closed to make room; a new
+  one is refused only when every open one is busy;
+- a request's line and headers: `max_header_bytes` and `max_headers` lines
+  (else 431 and close), complete within `header_timeout_s` (else closed);
+- its body complete within `body_timeout_s` of its headers (else closed);
+- pipelining: at most about `max_pipelined_requests` read but unanswered;
+  past it the rest is held (at most about `max_header_bytes` plus one read)
+  and reading stops until answers go out;
+- a response the client does not read for `write_timeout_s` (the socket's
+  send buffer stays full): the connection is closed, which ends the request's
+  job (its handler hears it through `Disconnect`);
+- an Upgrade (h2c, anything: the pool speaks no other protocol) is answered
+  as plain HTTP/1.1, and every bound stays on for the connection's life;
+- a request HTTP cannot parse gets the error envelope (400) and a close.
+It also tells a request's handler when its client goes (`Disconnect`), and
+joins what one loop turn writes into one write (`CoalescedWrites`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+from asyncio import TimerHandle
+from contextvars import ContextVar
+
+import httptools
+from uvicorn.config import HTTP_PROTOCOLS
+from uvicorn.importer import import_from_string
+
+from protocol.errors import ErrorCode, PoolError
+from supervisor.config import ServerConfig
+from supervisor.edge.writes import CoalescedWrites
+from supervisor.log_throttle import ThrottledLog
+
+log = logging.getLogger("llm_pool.http")
+warnings = ThrottledLog(log, every_s=10.0)  # a client can make any of these at will
+
+DISCONNECT_KEY = "llm_pool.disconnect"  # in the ASGI scope of each request read by a BoundedConnection
+HEAD_END = b"\r\n\r\n"  # where a request's head ends (and a chunked body)
+
+# The connection whose bytes are being handed to the server's protocol. The request task that
+# the server starts then inherits it (asyncio copies the context into a new task), so that the
+# guard finds the connection of the request it serves.
+current_connection: ContextVar[BoundedConnection | None] = ContextVar("llm_pool.connection", default=None)
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"  # between requests (or before the first): the next bytes start a request
+    HEADERS = "headers"  # a request line has begun; its headers are not complete
+    BODY = "body"  # headers complete, body not yet
+
+
+class Disconnect:
+    """Whether a request's client has gone, and what to do when it goes: set by
+    the connection (`BoundedConnection.connection_lost`), read by the
+    handler. A callback costs nothing until it fires, where a task that waits
+    on receive() for http.disconnect costs a task per request."""
+
+    __slots__ = ("gone", "callback", "_listen")
+
+    def __init__(self, listen=None) -> None:
+        self.gone = False
+        self.callback = None
+        self._listen = listen  # reads on, so that a close is seen
+
+    def fire(self) -> None:
+        self.gone = True
+        callback, self.callback = self.callback, None
+        if callback is not None:
+            callback()
+
+    def on_gone(self, callback) -> None:
+        """Call `callback` once when the client goes, at once if it has gone already."""
+        if self.gone:
+            return callback()
+        self.callback = callback
+        if self._listen is not None:
+            # the server pauses reading past a large body or at a pipelined request: a close
+            # is only seen while reading
+            self._listen()
+
+
+class Connections:
+    """The open connections of one server, least recently active first, all of them
+    and per client address: who gets closed to make room at a cap."""
+
+    def __init__(self, bounds: ServerConfig) -> None:
+        self.bounds = bounds
+        self.open: dict[BoundedConnection, None] = {}
+        self.by_client: dict[str, dict[BoundedConnection, None]] = {}
+
+    def admit(self, connection: BoundedConnection) -> bool:
+        """Count `connection` in, closing the oldest idle one at a full cap; False: no room."""
+        mine = self.by_client.get(connection.client)
+        if mine is not None and len(mine) >= self.bounds.max_connections_per_client:
+            if not self._close_oldest_idle(mine, "max_connections_per_client"):
+                return False
+        if len(self.open) >= self.bounds.max_connections and not self._close_oldest_idle(self.open,
+                                                                                          "max_connections"):
+            return False
+        self.open[connection] = None
+        self.by_client.setdefault(connection.client, {})[connection] = None
+        return True
+
+    def active(self, connection: BoundedConnection) -> None:
+        """It began a request: last in line to be closed."""
+        for table in (self.open, self.by_client.get(connection.client)):
+            if table is not None and table.pop(connection, 0) is None:
+                table[connection] = None
+
+    def remove(self, connection: BoundedConnection) -> None:
+        self.open.pop(connection, None)
+        mine = self.by_client.get(connection.client)
+        if mine is not None:
+            mine.pop(connection, None)
+            if not mine:
+                del self.by_client[connection.client]
+
+    def _close_oldest_idle(self, table: dict[BoundedConnection, None], cap: str) -> bool:
+        oldest = next((c for c in table if c.idle()), None)
+        if oldest is None:
+            return False
+        warnings.warning(f"evict {cap}", "closed an idle connection from %s to make room (server.%s)",
+                         oldest.client, cap)
+        self.remove(oldest)
+        oldest.transport.abort()
+        return True
+
+
+class BoundedConnection(asyncio.Protocol):
+    """One HTTP connection, bounded (see the module's docstring), around the ASGI
+    server's own protocol object (`inner`). The bytes are read by a parser of its own
+    (httptools, with no per-header callback but a count) before the server's protocol
+    gets them. A request read whole in one read costs no timer and no cut. Header
+    bytes are counted as they arrive; a read that holds the end of one request and
+    the start of the next counts from the next read on (so a request's headers can
+    exceed the cap by one read)."""
+
+    connections: Connections  # set by bounded_protocol()
+    inner_class: type[asyncio.Protocol]
+
+    def __init__(self, *args, **kwargs) -> None:
+        # whatever the server passes to its protocol factory goes to its protocol, untouched
+        self.inner = self.inner_class(*args, **kwargs)
+        self.bounds = self.connections.bounds
+        self.transport: CoalescedWrites | None = None
+        self.client = "?"
+        self._started = False  # counted in and handed to the server (not refused at the cap)
+        self._parser = httptools.HttpRequestParser(self)
+        try:  # as uvicorn's: a request after one that asked to close is left to the server
+            self._parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        except AttributeError:  # httptools < 0.6.3
+            pass
+        self._phase = Phase.IDLE
+        self._header_bytes = 0
+        self._header_lines = 0
+        self._body_left: int | None = None  # of the body being read, when its length is known
+        self._completed = 0  # requests read whole
+        self._unanswered = 0  # requests handed to the server whose handler has not ended
+        self._backlog = b""  # read, not yet handed on: the pipelining bound was reached
+        self._server_reading = True  # what the server's flow control asked for
+        self._listening = False  # a handler waits for its client to go: read on to see a close
+        self._reading = True
+        self._timer: TimerHandle | None = None  # the header or body deadline
+        self._write_timer: TimerHandle | None = None
+        self.request: Disconnect | None = None  # of the newest request whose handler runs
+
+    # -- asyncio.Protocol --------------------------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = CoalescedWrites(transport, self)  # this side's writes too: one order
+        peer = transport.get_extra_info("peername")
+        self.client = str(peer[0]) if isinstance(peer, tuple) else "local"
+        if not self.connections.admit(self):
+            warnings.warning("refused", "refused a connection from %s: every open one is busy "
+                             "(server.max_connections %d, per client %d)", self.client,
+                             self.bounds.max_connections, self.bounds.max_connections_per_client)
+            self.transport.abort()
+            return
+        self._started = True
+        self.inner.connection_made(self.transport)
+        self._arm(self.bounds.header_timeout_s, self._header_timeout)
+
+    def connection_lost(self, exc) -> None:
+        if not self._started:
+            return
+        self.connections.remove(self)
+        self._disarm()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+        self._backlog = b""
+        self.inner.connection_lost(exc)
+        if self.request is not None:  # a handler still runs: its client has gone
+            self.request.fire()
+
+    def pause_writing(self) -> None:
+        # the client reads slower than the answer comes: it has write_timeout_s to read on
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+        self._write_timer = asyncio.get_running_loop().call_later(self.bounds.write_timeout_s, self._write_timeout)
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+        self.inner.resume_writing()
+
+    def eof_received(self):
+        return self.inner.eof_received()
+
+    def data_received(self, data: bytes) -> None:
+        if not self._started or self.transport.is_closing():
+            return
+        if self._backlog:  # held at the pipelining bound: kept, within bounds, to see a close
+            self._backlog += data
+            return self._set_reading()
+        self._consume(data)
+
+    # -- reading ------------------------------------------------------------------------------------------
+    def _consume(self, data: bytes) -> None:
+        """Hand `data` on, a request at a time once the pipelining bound is near; what is
+        left at the bound waits in the backlog."""
+        limit = self.bounds.max_pipelined_requests
+        while data:
+            if self._unanswered >= limit and self._phase is not Phase.BODY:
+                self._backlog = data
+                return self._set_reading()
+            if self._unanswered + data.count(HEAD_END) < limit:
+                piece, data = data, b""  # the usual case: all of it at once
+            else:
+                cut = self._body_left if self._phase is Phase.BODY and self._body_left else None
+                if cut is None:
+                    end = data.find(HEAD_END)
+                    cut = len(data) if end < 0 else end + len(HEAD_END)
+                piece, data = data[:cut], data[cut:]
+            data = self._take(piece) + data
+            if self.transport.is_closing():
+                return
+
+    def _take(self, data: bytes) -> bytes:
+        """Bound the header bytes, then feed; returns what was not fed (after an upgrade)."""
+        if self._phase is Phase.BODY:
+            return self._feed(data)
+        room = self.bounds.max_header_bytes - self._header_bytes
+        if len(data) <= room:
+            self._header_bytes += len(data)
+            return self._feed(data)
+        # Feed what fits: if the headers end in it, the rest is body or the next request.
+        self._header_bytes += room
+        rest = self._feed(data[:room])
+        if self.transport.is_closing():
+            return b""
+        if rest:
+            return rest + data[room:]
+        if self._phase is not Phase.BODY and self._header_bytes >= self.bounds.max_header_bytes:
+            self._refuse_headers(f"request headers over {self.bounds.max_header_bytes} bytes")
+            return b""
+        return data[room:]
+
+    def _feed(self, data: bytes) -> bytes:
+        """Parse, hand the bytes on, then start the deadline for what is left half-read.
+        Returns the bytes after an upgrade request, not yet fed."""
+        completed = self._completed
+        rest = b""
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade as upgrade:
+            # No protocol but HTTP/1.1 is spoken here: the server answers the request as such and
+            # parses on as HTTP/1.1, as this parser does. Both get what follows as a new read.
+            offset = upgrade.args[0]
+            data, rest = data[:offset], data[offset:]
+        except httptools.HttpParserError as exc:
+            if self._header_lines > self.bounds.max_headers:
+                self._refuse_headers(f"more than {self.bounds.max_headers} request header lines")
+            else:
+                self._answer_and_close(PoolError(ErrorCode.INVALID_REQUEST,
+                                                 f"invalid HTTP request: {str(exc).rstrip('.')}"))
+            return b""
+        token = current_connection.set(self)
+        try:
+            self.inner.data_received(data)
+        finally:
+            current_connection.reset(token)
+        if rest or self._timer is not None or self.transport.is_closing():
+            return rest
+        if self._phase is Phase.BODY:
+            self._arm(self.bounds.body_timeout_s, self._body_timeout)
+        elif self._phase is Phase.HEADERS or (self._completed == completed and self._phase is Phase.IDLE):
+            self._arm(self.bounds.header_timeout_s, self._header_timeout)  # a partial request, or blank lines
+        return b""
+
+    def server_reading(self, wanted: bool) -> None:
+        """The server's protocol pauses or resumes reading (its own flow control)."""
+        self._server_reading = wanted
+        self._set_reading()
+
+    def _set_reading(self) -> None:
+        """Read when the server wants to or a handler listens for a close, and the
+        backlog is under its bound."""
+        want = (self._server_reading or self._listening) and len(self._backlog) < self.bounds.max_header_bytes
+        if want != self._reading and not self.transport.is_closing():
+            self._reading = want
+            self.transport.read(want)
+
+    def _release(self) -> None:
+        """Answers went out: hand on what waits, as far as the bound allows."""
+        if self._backlog and self._unanswered < self.bounds.max_pipelined_requests and not self.transport.is_closing():
+            data, self._backlog = self._backlog, b""
+            self._consume(data)
+            self._set_reading()
+
+    # -- our parser's callbacks ----------------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._phase = Phase.HEADERS
+        self._header_lines = 0
+        self._body_left = None
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_lines += 1
+        if self._header_lines > self.bounds.max_headers:
+            raise _TooManyHeaders  # stops the parser: feed_data raises HttpParserCallbackError
+        if len(name) == 14 and name.lower() == b"content-length" and value.isdigit():
+            self._body_left = int(value)
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        self._phase = Phase.BODY
+        self._header_bytes = 0
+        self._unanswered += 1
+
+    def on_body(self, body: bytes) -> None:
+        if self._body_left is not None:
+            self._body_left -= len(body)
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        self._phase = Phase.IDLE
+        self._completed += 1
+
+    # -- the handler of a request (the guard) ---------------------------------------------------------------
+    def begin_request(self) -> Disconnect:
+        """A request's handler starts: the Disconnect that tells it when its client goes."""
+        self.connections.active(self)
+        self.request = Disconnect(self._listen)
+        return self.request
+
+    def end_request(self, request: Disconnect) -> None:
+        self._unanswered = max(0, self._unanswered - 1)
+        if self.request is request:
+            self.request = None
+            self._listening = False
+        if self.transport.is_closing():
+            return
+        self._set_reading()
+        if self._backlog:  # from the loop, not from inside the handler's task
+            asyncio.get_running_loop().call_soon(self._release)
+
+    def _listen(self) -> None:
+        self._listening = True
+        self._set_reading()
+
+    def idle(self) -> bool:
+        """Nothing to answer and no body coming: between requests, or a request's head unfinished."""
+        return not self._unanswered and self._phase is not Phase.BODY and not self._backlog
+
+    # -- bounds -------------------------------------------------------------------------------------------
+    def _refuse_headers(self, why: str) -> None:
+        warnings.warning("headers", "refused a request from %s: %s", self.client, why)
+        self._answer_and_close(PoolError(ErrorCode.HEADERS_TOO_LARGE, why))
+
+    def _header_timeout(self) -> None:
+        self._timer = None
+        if self._unanswered:
+            # A pipelined request waits while the one before it is answered.
+            return self._arm(self.bounds.header_timeout_s, self._header_timeout)
+        if self._phase is Phase.HEADERS:
+            warnings.warning("header_timeout", "closed a connection from %s: headers not complete within %gs",
+                             self.client, self.bounds.header_timeout_s)
+        self.transport.abort()  # abort, not close: a client that does not read would keep it open
+
+    def _body_timeout(self) -> None:
+        self._timer = None
+        if self._unanswered > 1:  # this body's request waits behind another: its body is not read yet
+            return self._arm(self.bounds.body_timeout_s, self._body_timeout)
+        warnings.warning("body_timeout", "closed a connection from %s: body not complete within %gs",
+                         self.client, self.bounds.body_timeout_s)
+        self.transport.abort()
+
+    def _write_timeout(self) -> None:
+        self._write_timer = None
+        warnings.warning("write_timeout", "closed a connection from %s: its client read nothing for %gs "
+                         "(server.write_timeout_s)", self.client, self.bounds.write_timeout_s)
+        self.transport.abort()
+
+    def _answer_and_close(self, err: PoolError) -> None:
+        self._disarm()
+        if self._unanswered:  # a request before this one is being answered: no room for a reply
+            return self.transport.abort()
+        body = json.dumps(err.envelope()).encode()
+        head = (f"HTTP/1.1 {err.status} {_REASONS.get(err.status, '')}\r\n"
+                f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
+                "connection: close\r\n\r\n").encode()
+        self.transport.write(head + body)
+        self.transport.close()
+
+    def _arm(self, delay: float, callback) -> None:
+        self._disarm()
+        self._timer = asyncio.get_running_loop().call_later(delay, callback)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+class _TooManyHeaders(Exception):
+    pass
+
+
+_REASONS = {400: "Bad Request", 431: "Request Header Fields Too Large"}
+
+
+def bounded_protocol(server: ServerConfig, http: str = "httptools") -> type[BoundedConnection]:
+    """The protocol factory for uvicorn.Config(http=...): uvicorn's protocol `http` (its
+    --http choice), each connection bounded by these limits."""
+    inner = import_from_string(HTTP_PROTOCOLS[http])
+    return type("BoundedConnection", (BoundedConnection,),
+                {"connections": Connections(server), "inner_class": inner})

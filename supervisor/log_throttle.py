@@ -1,0 +1,28 @@
+"""One owner of "say it once, then count": a warning that a client can trigger at will
+(a refused connection, a bad handshake) is logged at most once per `every_s` per kind,
+with how many were not logged in between."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+MAX_KINDS = 1000  # kinds made of client-given text (a peer, a key) must not grow this without bound
+
+
+class ThrottledLog:
+    def __init__(self, log: logging.Logger, every_s: float) -> None:
+        self.log = log
+        self.every_s = every_s
+        self._last: dict[str, tuple[float, int]] = {}  # kind -> (when last logged, skipped since)
+
+    def warning(self, kind: str, message: str, *args) -> None:
+        now = time.monotonic()
+        last, skipped = self._last.get(kind, (None, 0))
+        if last is not None and now - last < self.every_s:
+            self._last[kind] = (last, skipped + 1)
+            return
+        if len(self._last) >= MAX_KINDS:
+            self._last.clear()
+        self._last[kind] = (now, 0)
+        self.log.warning(message + (f" ({skipped} more like it since)" if skipped else ""), *args)
