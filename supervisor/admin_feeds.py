@@ -16,7 +16,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
 from protocol.errors import ErrorCode, PoolError
-from supervisor.inference import SSE_HEADERS
+from supervisor.edge.streams import SSE_HEADERS
 
 router = APIRouter()
 

@@ -1,5 +1,5 @@
 """HTTP API: the app is wired here: its error handlers, health and /v1/models. The
-inference routes are in supervisor/inference.py, the admin actions in edge/admin.py,
+inference surface is supervisor/edge/inference.py, the admin actions edge/admin.py,
 the admin feeds and the page in admin_feeds.py and ui.py. Queueing and scheduling live in the
 engine and its executors."""
 
@@ -21,7 +21,7 @@ from supervisor.admission import DEFAULT_TENANT, Admission
 from supervisor.config import PoolConfig
 from supervisor.engine import ModelRouterEngine
 from supervisor.edge.guard import TENANT_KEY, HttpEdge, error_response
-from supervisor.inference import add_inference_routes
+from supervisor.edge.inference import InferenceSurface
 from supervisor.live import Activity
 from supervisor.loop_lag import LoopLag
 from supervisor.metrics import Metrics
@@ -62,7 +62,7 @@ def create_app(config: PoolConfig) -> HttpEdge:
     metrics = Metrics(engine, on_finished=activity.finished)
     lag = LoopLag(metrics.lag)
     admission = Admission(engine, engine.tenants)
-    inference = add_inference_routes(app, engine, admission, metrics, config)
+    inference = InferenceSurface(app, engine, admission, metrics, config).endpoints
     app.include_router(admin.router)
     app.include_router(admin_feeds.router)
     app.include_router(ui.router)

@@ -7,7 +7,6 @@ import sys
 import time
 from random import getrandbits
 from collections import deque
-from enum import StrEnum
 from typing import TYPE_CHECKING
 
 import protocol as p
@@ -15,15 +14,10 @@ from protocol import Delta, Done
 from protocol.errors import ErrorCode, PoolError
 from protocol.choices import choice_limit
 from supervisor.request_bounds import clip
+from supervisor.states import JOB_TRANSITIONS, JobState, transition
 
 if TYPE_CHECKING:
     from supervisor.replica import Replica
-
-
-class JobState(StrEnum):
-    QUEUED = "queued"  # in the executor's queue; the scheduler may still drop it
-    SUBMITTED = "submitted"  # handed to a worker: past the cancel boundary, counts as inflight
-    FINISHED = "finished"
 
 
 def encode_submit(job_id: str, request: dict, endpoint: str = "chat") -> bytes:
@@ -205,11 +199,15 @@ class Job:
         if replica is not None:
             replica.cancel(self)
 
+    def move_to(self, new: JobState) -> None:
+        """The one way a job's state changes (states.JOB_TRANSITIONS)."""
+        self.state = transition(JOB_TRANSITIONS, self.state, new)
+
     def finish(self, outcome: Done | PoolError) -> None:
         if isinstance(outcome, Done) and len(outcome.finish_reasons) > self.max_choices:
             outcome = self._bad_index(len(outcome.finish_reasons) - 1)
         if self.state is not JobState.FINISHED:
-            self.state = JobState.FINISHED
+            self.move_to(JobState.FINISHED)
             if self.meter is not None and isinstance(outcome, Done):
                 self.meter.done(outcome.usage)
             if self.on_end is not None:

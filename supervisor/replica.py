@@ -19,10 +19,10 @@ from protocol.errors import ErrorCode, PoolError, exit_text
 from protocol.redact import POOL_SECRET_ENV, mask_values
 from supervisor.config import ModelConfig, ServerConfig
 from supervisor.events import EventKind, emit
-from supervisor.jobs import Job, JobState
+from supervisor.jobs import Job
 from supervisor.process import WorkerProcess, spawn_worker
 from supervisor.restart_policy import CrashHistory, RestartPolicy, restart_delay
-from supervisor.states import REPLICA_TRANSITIONS, ReplicaState, transition
+from supervisor.states import REPLICA_TRANSITIONS, JobState, ReplicaState, transition
 from supervisor.transport import Transport
 
 log = logging.getLogger("llm_pool.replica")
@@ -150,6 +150,11 @@ class Replica:
         if self.state is not ReplicaState.READY or not self.newcomer_slots:
             return 0
         return min(self.newcomer_slots, self.capacity + self.newcomer_slots - len(self.inflight))
+
+    @property
+    def restart_pending(self) -> bool:
+        """A restart of this replica is scheduled (backing off after a crash)."""
+        return self._restart_task is not None and not self._restart_task.done()
 
     def _task(self, coro, name: str) -> asyncio.Task:
         task = asyncio.create_task(coro, name=name)
@@ -404,7 +409,7 @@ class Replica:
         gone or not reading), the job goes back to the head of the queue and this
         replica takes no more work until its worker is replaced: one unreachable
         worker must not fail a whole queue."""
-        job.state = JobState.SUBMITTED
+        job.move_to(JobState.SUBMITTED)
         job.replica = self
         job.submitted_at = job.submitted_at or time.monotonic()
         job.attempts += 1

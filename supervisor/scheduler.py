@@ -21,10 +21,10 @@ from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ModelConfig
 from supervisor.fair_queue import FairQueue
 from supervisor.job_queue import JobQueue
-from supervisor.jobs import Job, JobState
+from supervisor.jobs import Job
 from supervisor.replica import Replica
 from supervisor.replica_choice import ReplicaChoice, make_replica_choice
-from supervisor.states import ReplicaState
+from supervisor.states import JobState, ReplicaState
 
 log = logging.getLogger("llm_pool.scheduler")
 
@@ -136,7 +136,7 @@ class Executor:
         if not self.accepting_new_requests:  # unload or shutdown: the queue was failed, so is this
             job.finish(self._unloading_error())
             return
-        job.state = JobState.QUEUED
+        job.move_to(JobState.QUEUED)
         job.replica = None
         self.queue.push_front(job)
         self._wake.set()

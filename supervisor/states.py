@@ -90,6 +90,22 @@ REPLICA_TRANSITIONS: dict[ReplicaState, set[ReplicaState]] = {
 }
 
 
+class JobState(StrEnum):
+    QUEUED = "queued"  # in the executor's queue; the scheduler may still drop it
+    SUBMITTED = "submitted"  # handed to a worker: past the cancel boundary, counts as inflight
+    FINISHED = "finished"
+
+
+#   QUEUED    -> SUBMITTED   the driver loop hands it to a replica with a free slot
+#   SUBMITTED -> QUEUED      its worker was lost before it produced anything: back to the queue's head
+#   QUEUED, SUBMITTED -> FINISHED   its outcome (Done or an error), however it came
+JOB_TRANSITIONS: dict[JobState, set[JobState]] = {
+    JobState.QUEUED: {JobState.SUBMITTED, JobState.FINISHED},
+    JobState.SUBMITTED: {JobState.QUEUED, JobState.FINISHED},
+    JobState.FINISHED: set(),
+}
+
+
 class IllegalTransition(RuntimeError):
     pass
 

@@ -1,4 +1,4 @@
-"""The HTTP edge on documented APIs (supervisor/edge/, supervisor/inference.py):
+"""The HTTP edge on documented APIs (supervisor/edge/):
 request bodies decoded and validated by msgspec (pure tests of `request_body`), the
 OpenAPI document made from the same Structs, and the global bound on the request
 bodies being read, against a real pool over raw sockets."""
@@ -10,7 +10,6 @@ import json
 import math
 import select
 import socket
-import time
 
 import httpx
 import pytest
@@ -21,8 +20,10 @@ from protocol.errors import ErrorCode, PoolError
 from supervisor import openai_shapes as shapes
 from supervisor import responses_shapes as rshapes
 from supervisor.edge.listener import DISCONNECT_KEY, Disconnect
-from supervisor.inference import JobStream, request_body
+from supervisor.edge.schemas import request_body
+from supervisor.edge.streams import JobStream
 from tests.conftest import synthetic
+from tests.pool import wait_for
 
 JSON = "application/json"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -147,7 +148,8 @@ def test_a_request_pipelined_behind_a_waiting_one_is_answered_after_it(pool):
     with socket.create_connection(("127.0.0.1", pool.port), timeout=10) as s:
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n%s" % (len(chat), chat))
-        time.sleep(0.3)  # the scenario: the next request comes while the first one waits for its model
+        # the scenario: the next request comes while the first one waits for its first token
+        wait_for(lambda: pool.model("slow")["runtime_inflight"] == 1, 10, what="the first request running")
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /nope HTTP/1.1\r\nHost: x\r\n"
                   b"Connection: close\r\n\r\n")
         answer = b""

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from supervisor.inference import sse_frame
+from supervisor.edge.streams import sse_frame
 from supervisor.openai_shapes import ChatStream, CompletionStream
 
 
@@ -86,7 +86,7 @@ def test_loop_lag_is_measured_against_the_asked_wake_time_and_warned_past_a_seco
 
 def test_output_limits_over_the_cap_are_a_400_naming_the_field():
     from protocol.errors import PoolError
-    from supervisor.inference import request_body
+    from supervisor.edge.schemas import request_body
     from supervisor.openai_shapes import MAX_OUTPUT_TOKENS, ChatRequest, CompletionRequest
     from supervisor.responses_shapes import ResponsesRequest
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

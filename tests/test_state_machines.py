@@ -169,6 +169,14 @@ async def settle(condition, what: str = "condition", timeout: float = 2.0) -> No
         await asyncio.sleep(0.001)
 
 
+async def nothing_more_happens(rig) -> None:
+    """What was already scheduled runs (the loop turned over, no wall-clock window), and no
+    restart is pending: so nothing more will be spawned."""
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not rig.replica.restart_pending
+
+
 def outcome(job: Job):
     assert job.state is JobState.FINISHED, job.state
     return job.events[-1]
@@ -204,7 +212,7 @@ async def test_crash_in_starting_fails_the_start_and_is_not_restarted():
     proc.exit(3)
     with pytest.raises(LoadFailed, match="no such model file"):
         await task
-    await asyncio.sleep(0.05)
+    await nothing_more_happens(rig)
     assert rig.replica.state is ReplicaState.STOPPED and len(rig.launcher.procs) == 1
 
 
@@ -288,7 +296,7 @@ async def test_crash_in_draining_is_final():
     await settle(lambda: rig.replica.state is ReplicaState.STOPPED, "stopped")
     assert outcome(started).code is ErrorCode.RUNTIME_CRASHED
     assert rig.owner.requeued == [unstarted]  # the executor answers it (503 when unloading)
-    await asyncio.sleep(0.05)
+    await nothing_more_happens(rig)
     assert len(rig.launcher.procs) == 1  # never restarted
     await rig.replica.stop()
     assert rig.replica.state is ReplicaState.STOPPED
@@ -314,7 +322,7 @@ async def test_crash_in_stopping_ends_stopped():
     await settle(lambda: rig.replica.state is ReplicaState.STOPPING, "stopping")
     proc.exit(-11)
     await stop
-    await asyncio.sleep(0.05)
+    await nothing_more_happens(rig)
     assert rig.replica.state is ReplicaState.STOPPED and len(rig.launcher.procs) == 1
 
 
@@ -393,7 +401,7 @@ async def test_stop_during_a_crash_restart_leaves_no_worker():
     restarting = await rig.spawned(2)  # the restart waits for Ready
     await rig.replica.stop()
     assert restarting.returncode is not None and rig.replica.state is ReplicaState.STOPPED
-    await asyncio.sleep(0.05)
+    await nothing_more_happens(rig)
     assert not rig.launcher.alive() and len(rig.launcher.procs) == 2
 
 
@@ -437,7 +445,7 @@ async def test_liveness_kill_while_draining_is_final():
     rig.replica.heartbeat(rig.now)
     assert proc.tree_killed
     await settle(lambda: rig.replica.state is ReplicaState.STOPPED, "stopped")
-    await asyncio.sleep(0.05)
+    await nothing_more_happens(rig)
     assert len(rig.launcher.procs) == 1
 
 
@@ -614,3 +622,25 @@ def test_load_durations_are_cumulative_buckets_not_a_list():
     counts = dict(zip(LOAD_BUCKETS, d.bucket_counts))
     assert (counts[0.1], counts[0.25], counts[0.5], counts[600]) == (1, 1, 3, 3)  # 700 s only in +Inf
     assert d.count == 4 and abs(d.total_s - 700.65) < 1e-9
+
+
+def test_a_job_changes_state_only_along_its_table():
+    """Every edge of JOB_TRANSITIONS is taken through Job.move_to; every other is refused,
+    and a finished job stays finished."""
+    from supervisor.states import JOB_TRANSITIONS, IllegalTransition
+
+    for start, allowed in JOB_TRANSITIONS.items():
+        for new in JobState:
+            job = Job("m", {"messages": []}, timeout_s=10)
+            job.state = start  # the starting point under test (a new job is QUEUED)
+            if new is start or new in allowed:
+                job.move_to(new)
+                assert job.state is new
+            else:
+                with pytest.raises(IllegalTransition):
+                    job.move_to(new)
+                assert job.state is start
+    job = Job("m", {"messages": []}, timeout_s=10)
+    job.finish(PoolError(ErrorCode.QUEUE_TIMEOUT, "x"))
+    job.finish(PoolError(ErrorCode.RUNTIME_ERROR, "y"))  # a second outcome is ignored, not a transition
+    assert job.state is JobState.FINISHED and len(job.events) == 1

@@ -26,14 +26,14 @@ from pathlib import Path
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ServerConfig
 from supervisor.events import EventKind, emit, tenant_actor
-from supervisor.jobs import Job, JobState
+from supervisor.jobs import Job
 from supervisor.models.memory import Memory
 from supervisor.models.registry import ModelEntry, Registry
 from supervisor.process import spawn_worker
 from supervisor.ray_placement import RayCluster
 from supervisor.replica import Launcher, Replica
 from supervisor.scheduler import Executor
-from supervisor.states import RUNNING, ModelState
+from supervisor.states import RUNNING, JobState, ModelState
 from supervisor.transport import Transport
 
 log = logging.getLogger("llm_pool.engine")
