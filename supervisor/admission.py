@@ -1,13 +1,13 @@
 """Admission: the one place an inference request passes, in this order:
 
-    key -> tenant -> model scope -> limits -> queue
+    key -> tenant -> scope -> limits -> bounds -> job -> token reserve -> queue
 
-`tenant()` runs first, at the HTTP edge, on the headers alone (a wrong key
-is refused before anything reads the body); `submit()` runs once the body
-names the model: scope, then limits, then the engine's queue (for a model
-routed by vLLM's own cache, `prompt_tokens()` asks a runtime for the prompt's
-token ids before, within the scope), where the job
-waits in its tenant's lane of the model's fair queue (supervisor/fair_queue.py).
+`tenant()` runs first, at the HTTP edge's guard, on the headers alone (a wrong
+key is refused before anything reads the body); `admit()` runs once the body
+names the model, as one call with no callback: the rest, in that order (for a
+model routed by vLLM's own cache, the prompt's token ids are asked of a
+runtime just before the queue), the job then waiting in its tenant's lane of
+the model's fair queue (supervisor/fair_queue.py).
 
 The tenants, their keys, scopes and limits are supervisor/tenants.py's table,
 which a reload replaces; with no [[tenants]] there is one tenant, "default".
@@ -15,6 +15,7 @@ which a reload replaces; with no [[tenants]] there is one tenant, "default".
 
 from __future__ import annotations
 
+import functools
 import hmac
 
 from protocol import Done
@@ -107,47 +108,29 @@ class Admission:
             raise PoolError(ErrorCode.MODEL_NOT_FOUND, f"model {model!r} does not exist", param="model")
         return entry
 
-    async def prompt_tokens(self, tenant: Tenant, model: str, request: dict, endpoint: str) -> list[int] | None:
-        """The prompt's token ids for the exact prefix index (engine.prompt_tokens), asked of
-        a runtime only for a model in the tenant's scope; None where the model needs none."""
-        if not self.engine.wants_prompt_tokens(model):
-            return None
-        self.check_scope(tenant, model)
-        return await self.engine.prompt_tokens(model, request, endpoint)
-
-    def submit(self, tenant: Tenant, model: str, request: dict, endpoint: str,
-               prompt_tokens: list[int] | None = None) -> Job:
-        """The job for this request, queued on its model; PoolError when it is refused.
-        tpm: the request reserves its prompt's estimate and the most output it may produce
-        (`output_reserve`) before it is queued, and settles to its real usage at its end.
-        `prompt_tokens`: its token ids, for the exact prefix index (`prompt_tokens` above)."""
+    async def admit(self, tenant: Tenant, model: str, request: dict, endpoint: str) -> Job:
+        """The job for this request, queued on its model; PoolError when it is refused. One
+        call, in this order: the model's name resolved once (Registry.lookup) and its scope →
+        the output limit (400) → limits (429: rpm, max_inflight) → bounds and the job
+        (engine.make_job) → the tpm reserve (the prompt's estimate and the most output it
+        may produce; 429) → the prompt's token ids where routing needs them → the queue.
+        What was counted is given back when a later step refuses; the reserve settles to
+        the real usage at the job's end."""
         entry = self.check_scope(tenant, model)
         output = output_reserve(request, context_tokens(entry))  # 400 before it counts against any limit
-        tenant.admit()  # 429 over rpm or max_inflight
-        estimate = reserved = 0
-
-        def reserve(job: Job) -> None:  # 429 when the prompt and the most output do not fit in tpm
-            nonlocal estimate, reserved
+        tenant.admit()
+        reserved = 0
+        try:
+            job = self.engine.make_job(entry, request, endpoint, tenant.name)
             estimate = len(job.frame) // PROMPT_BYTES_PER_TOKEN
             reserved = tenant.reserve_tokens(estimate + output)
-
-        try:
-            job = self.engine.submit(model, request, endpoint, tenant.name, before_queue=reserve,
-                                     prompt_tokens=prompt_tokens)
-        except BaseException:
+            tokens = await self.engine.prompt_tokens(entry, request, endpoint)  # None where routing needs none
+            self.engine.enqueue(entry, job, tokens)
+        except BaseException:  # refused (queue full, ...) or the client left: it used nothing
             tenant.refused()
-            tenant.charge_tokens(-reserved)  # refused after its reserve (queue full, ...): given back
+            tenant.charge_tokens(-reserved)
             raise
-
-        def ended(job: Job, outcome) -> None:  # the reserve settles to what was used
-            tenant.release()
-            usage = outcome.usage if isinstance(outcome, Done) else {}
-            meter = job.meter
-            used = (int(usage.get("input_tokens") or (meter.prompt if meter else estimate))
-                    + int(usage.get("output_tokens") or (meter.output if meter else 0)))
-            tenant.charge_tokens(used - reserved)
-
-        job.on_end = ended
+        job.on_end = functools.partial(_settle, tenant, estimate, reserved)
         return job
 
     # -- what a tenant sees ------------------------------------------------------------------------------------
@@ -170,3 +153,13 @@ class Admission:
                 message = {**message, "headers": [*message.get("headers", ()), *tenant.limit_headers()]}
             await send(message)
         return send_with_limits
+
+
+def _settle(tenant: Tenant, estimate: int, reserved: int, job: Job, outcome) -> None:
+    """A job's end: its tenant's reserve settles to what it used."""
+    tenant.release()
+    usage = outcome.usage if isinstance(outcome, Done) else {}
+    meter = job.meter
+    used = (int(usage.get("input_tokens") or (meter.prompt if meter else estimate))
+            + int(usage.get("output_tokens") or (meter.output if meter else 0)))
+    tenant.charge_tokens(used - reserved)

@@ -8,15 +8,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ConfigError, PoolConfig, load_config
 from supervisor.events import EventKind, emit
 from supervisor.jobs import Job
 from supervisor.models import reload as reloading
-from supervisor.models.lifecycle import LOAD_BUCKETS, LOAD_REASONS, Lifecycle, LoadDurations
-from supervisor.models.memory import KV_MB_PER_TOKEN, MEASURE_EVERY_S, Memory, estimate_mb
+from supervisor.models.lifecycle import Lifecycle, LoadDurations
+from supervisor.models.memory import Memory
 from supervisor.models.registry import ModelEntry, Registry
 from supervisor.models.views import Views, model_state
 from supervisor.observe import ProcessSampler
@@ -25,7 +24,7 @@ from supervisor.prompt_bounds import check_prompt_bounds
 from supervisor.prompt_tokens import PromptTokenizer
 from supervisor.request_bounds import check_request_bounds
 from supervisor.replica import Launcher
-from supervisor.state_dir import default_state_dir, make_private_dir, pool_state_dir
+from supervisor.state_dir import make_private_dir, pool_state_dir
 from supervisor.states import ModelState, ReplicaState
 from supervisor.tenants import DEFAULT as DEFAULT_TENANT
 from supervisor.tenants import Tenants
@@ -33,11 +32,6 @@ from supervisor.transport import Transport, sweep_stale_socket_dirs
 
 log = logging.getLogger("llm_pool.engine")
 
-__all__ = ["KV_MB_PER_TOKEN", "LOAD_BUCKETS", "LOAD_REASONS", "MEASURE_EVERY_S", "LoadDurations", "ModelEntry",
-           "ModelRouterEngine", "check_prompt_bounds", "default_state_dir", "estimate_mb"]
-
-SERVER_KEYS_APPLIED_ON_RELOAD = reloading.SERVER_KEYS_APPLIED_ON_RELOAD
-IN_PLACE_KEYS = reloading.IN_PLACE_KEYS
 
 
 class ModelRouterEngine:
@@ -225,34 +219,27 @@ class ModelRouterEngine:
                 self.lifecycle.idle_unload(entry, f"idle for {self.lifecycle.idle_unload_s(entry):g}s")
 
     # -- jobs -------------------------------------------------------------------------------------
-    def wants_prompt_tokens(self, model: str) -> bool:
+    def wants_prompt_tokens(self, entry: ModelEntry) -> bool:
         """Whether the model's routing is "prefix", where a request's token ids choose its
         replica (the default only with several replicas; set by hand on one, the exact index
         still shows what its cache holds)."""
-        entry = self.models.get(model) or self.models.get(self.aliases.get(model, ""))
-        executor = entry.executor if entry is not None else None
-        return executor is not None and executor.choice.routing == "prefix"
+        return entry.executor is not None and entry.executor.choice.routing == "prefix"
 
-    async def prompt_tokens(self, model: str, request: dict, endpoint: str = "chat") -> list[int] | None:
+    async def prompt_tokens(self, entry: ModelEntry, request: dict, endpoint: str = "chat") -> list[int] | None:
         """The request's prompt as token ids, from a ready replica's tokenizer, when the
         model's replicas report their cache (KV events); else None, at no cost."""
-        if not self.wants_prompt_tokens(model):
+        if not self.wants_prompt_tokens(entry):
             return None
-        entry = self.models.get(model) or self.models.get(self.aliases.get(model, ""))
         url = next((r.info.get("tokenize_url") for r in entry.executor.replicas
                     if r.state is ReplicaState.READY and isinstance(r.info, dict) and r.info.get("kv_events")), None)
         if not isinstance(url, str):
             return None
         return await self.tokenizer.tokens(url, request, endpoint)
 
-    def submit(self, model: str, request: dict, endpoint: str = "chat", tenant: str = DEFAULT_TENANT,
-               before_queue: Callable[[Job], None] | None = None,
-               prompt_tokens: list[int] | None = None) -> Job:
-        """The job for `request`, queued on its model (a load started when it needs one).
-        `before_queue(job)` runs once the job exists and before it is queued (admission: the
-        tenant's tpm reserve, which needs the job's size); what it raises refuses the request.
-        `prompt_tokens`: the prompt's token ids, for the exact prefix index (prompt_tokens)."""
-        entry = self.registry.lookup(model)
+    def make_job(self, entry: ModelEntry, request: dict, endpoint: str = "chat",
+                 tenant: str = DEFAULT_TENANT) -> Job:
+        """The job for `request` on `entry`, not yet queued: 400 for a request out of bounds,
+        409/503 for a model that refuses work in its state."""
         check_request_bounds(request, endpoint)
         if self.shutting_down:
             raise PoolError(ErrorCode.MODEL_UNLOADING, "the pool is shutting down")
@@ -263,13 +250,23 @@ class ModelRouterEngine:
         job = Job(entry.cfg.name, request, entry.cfg.request_timeout_s, entry.cfg.queue_timeout_s, endpoint,
                   self.config.server.max_job_output_bytes, tenant=tenant,
                   max_unsent_bytes=self.config.server.max_unsent_output_bytes)
-        if before_queue is not None:
-            before_queue(job)
         if entry.cfg.log_bodies:
             job.transcript = []
+        return job
+
+    def enqueue(self, entry: ModelEntry, job: Job, prompt_tokens: list[int] | None = None) -> None:
+        """Queue `job` on its model (a load started when it needs one). `prompt_tokens`: the
+        prompt's token ids, for the exact prefix index (prompt_tokens)."""
         job.prompt_tokens = prompt_tokens
         entry.used()
-        self.lifecycle.admit(entry, job)  # a request that cannot travel (bounds) started no load
+        self.lifecycle.admit(entry, job)
+
+    def submit(self, model: str, request: dict, endpoint: str = "chat", tenant: str = DEFAULT_TENANT) -> Job:
+        """A job made and queued, with no tenant's limits (admission.admit is the path of a
+        client's request; this is the engine's own, for tests and tools)."""
+        entry = self.registry.lookup(model)
+        job = self.make_job(entry, request, endpoint, tenant)
+        self.enqueue(entry, job)
         return job
 
     def cancel(self, job: Job) -> None:

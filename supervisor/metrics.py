@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from protocol import Done
 from protocol.errors import PoolError
-from supervisor.engine import LOAD_BUCKETS
+from supervisor.models.lifecycle import LOAD_BUCKETS
 from supervisor.jobs import Job
 from supervisor.observe import replica_view
 from supervisor.request_log import REFUSED_ROWS_PER_S, RowRate

@@ -7,6 +7,7 @@ unit tests of its own."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -42,8 +43,8 @@ def test_key_matching():
 class NoEngine:
     """Admission with no key in the way must not reach the engine in these tests."""
 
-    def submit(self, *args):
-        raise AssertionError(f"submit reached the engine: {args}")
+    def make_job(self, *args):
+        raise AssertionError(f"the request reached the engine: {args}")
 
 
 def admission(api_key: str | None, admin_key: str | None) -> Admission:
@@ -104,24 +105,24 @@ class ContextEngine:
     def entry(self, name):
         return self.model
 
-    def submit(self, *args, **kwargs):
-        raise AssertionError("submit reached the engine")
+    def make_job(self, *args, **kwargs):
+        raise AssertionError("the request reached the engine")
 
 
-def test_submit_checks_the_output_limit_against_the_smallest_replica_context_before_any_limit():
+def test_admit_checks_the_output_limit_against_the_smallest_replica_context_before_any_limit():
     cfg = parse_config({"tenants": [{"name": "a", "keys": ["k"], "rpm": 1}]})
     pool = Admission(ContextEngine(8192, 4096), Tenants(cfg))
     tenant = pool.tenants.by_name["a"]
     with pytest.raises(PoolError) as refused:
-        pool.submit(tenant, "m", {"messages": [], "max_tokens": 5000}, "chat")
+        asyncio.run(pool.admit(tenant, "m", {"messages": [], "max_tokens": 5000}, "chat"))
     assert refused.value.param == "max_tokens" and "context (4096 tokens)" in refused.value.message
     assert tenant.inflight == 0 and tenant.requests.level == 1  # refused before it counted against rpm
-    with pytest.raises(AssertionError, match="submit reached the engine"):  # within the context: on it goes
-        pool.submit(tenant, "m", {"messages": [], "max_tokens": 4096}, "chat")
+    with pytest.raises(AssertionError, match="reached the engine"):  # within the context: on it goes
+        asyncio.run(pool.admit(tenant, "m", {"messages": [], "max_tokens": 4096}, "chat"))
     not_loaded = ContextEngine()
     not_loaded.model.executor = None  # no context known: the cap alone
-    with pytest.raises(AssertionError, match="submit reached the engine"):
-        Admission(not_loaded, pool.tenants).submit(tenant, "m", {"max_tokens": 5000}, "chat")
+    with pytest.raises(AssertionError, match="reached the engine"):
+        asyncio.run(Admission(not_loaded, pool.tenants).admit(tenant, "m", {"max_tokens": 5000}, "chat"))
 
 
 def test_the_order_on_a_real_pool(make_pool):

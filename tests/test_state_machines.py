@@ -614,7 +614,7 @@ async def test_a_submit_that_cannot_be_sent_is_requeued_and_its_worker_replaced(
 
 
 def test_load_durations_are_cumulative_buckets_not_a_list():
-    from supervisor.engine import LOAD_BUCKETS, LoadDurations
+    from supervisor.models.lifecycle import LOAD_BUCKETS, LoadDurations
 
     d = LoadDurations()
     for s in (0.05, 0.3, 0.3, 700.0):

@@ -136,9 +136,7 @@ class InferenceSurface:
         """The job, queued by admission for the request's tenant (the guard found it by its key)."""
         tenant = request.scope.get(TENANT_KEY, DEFAULT_TENANT)
         try:
-            # routing "prefix" on replicas that report their cache: the prompt's token ids first
-            tokens = await self.admission.prompt_tokens(tenant, model, job_request, job_endpoint)
-            return self.admission.submit(tenant, model, job_request, job_endpoint, tokens)
+            return await self.admission.admit(tenant, model, job_request, job_endpoint)
         except PoolError as err:
             self.metrics.request(model, endpoint, err.status, error=err, tenant=tenant.name)
             raise
