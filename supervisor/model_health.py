@@ -31,12 +31,13 @@ def replica_reasons(entry) -> list[dict]:
 def replica_reason(r) -> str:
     if r.last_error:
         return r.last_error
-    if r.state in (ReplicaState.DRAINING, ReplicaState.STOPPING) and getattr(r, "restarting", False):
+    if r.state is ReplicaState.RESTARTING:
         return "restarting (asked by the operator)"
     if r.last_exit_code is not None and r.state is not ReplicaState.STARTING:
         return f"exited with {exit_text(r.last_exit_code)}"
     return {ReplicaState.STARTING: "starting", ReplicaState.DRAINING: "draining",
-            ReplicaState.STOPPING: "stopping", ReplicaState.BACKOFF: "waiting to restart after a crash",
+            ReplicaState.STOPPING: "stopping", ReplicaState.KILLING: "being killed (not responding)",
+            ReplicaState.BACKOFF: "waiting to restart after a crash",
             ReplicaState.STOPPED: "stopped", ReplicaState.FATAL: "gave up restarting"}.get(r.state, r.state.value)
 
 

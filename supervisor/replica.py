@@ -113,15 +113,12 @@ class Replica:
         self._job_deltas: dict[str, int] = {}
         self.protocol_errors = 0
         self.submits_sent = 0  # Submits sent to the current worker; its heartbeats say how many it got
-        # False once the replica is drained or stopped: an exit then is final, never restarted
-        self.wanted = False
-        self.restarting = False  # an operator restart (its drain included) is under way
-        self._drained: asyncio.Event | None = None  # set when a restart's drain may end
+        # a restart's drain: resolved when it may end, True when a stop ends the restart too
+        self._drained: asyncio.Future | None = None
         # One lifecycle action at a time (start, stop, operator or crash restart), so a
         # replica never has two workers and a stop never races a start.
         self._lock = asyncio.Lock()
         self._ready: asyncio.Future | None = None
-        self._cut: ErrorCode | None = None  # what a job cut by the current stop is told (None: an unload's)
         self._watcher: asyncio.Task | None = None
         self._restart_task: asyncio.Task | None = None
 
@@ -138,7 +135,7 @@ class Replica:
     def live(self) -> bool:
         """Running, or about to run again (a crash restart is pending)."""
         return self.state in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING,
-                              ReplicaState.BACKOFF)
+                              ReplicaState.RESTARTING, ReplicaState.BACKOFF)
 
     @property
     def free_slots(self) -> int:
@@ -170,10 +167,9 @@ class Replica:
     async def stop(self) -> None:
         """Stop the worker now: a clean Shutdown, then SIGTERM/SIGKILL of its tree.
         A start in progress is abandoned (its worker killed); no restart follows."""
-        self.wanted = False
-        if self._drained:  # a restart's drain ends now; the restart then stops, not starts
-            self.restarting = False
-            self._drained.set()
+        if self.state is ReplicaState.RESTARTING:  # a restart's drain ends now; the restart then stops, not starts
+            self._set(ReplicaState.STOPPING)
+        self._drain_over(stopped=True)
         await self._cancel_restart()
         if self._ready and not self._ready.done():
             self._ready.set_exception(LoadFailed("stopped before it was ready"))
@@ -190,43 +186,38 @@ class Replica:
         async with self._lock:
             if self.state is ReplicaState.DRAINING:
                 raise LoadFailed(f"replica {self.name} is draining; not restarted")
-            self.restarting = True  # the executor keeps its queue for this replica meanwhile
-            try:
-                if drain_timeout_s and self.state is ReplicaState.READY and self.inflight:
-                    self.drain()  # no new jobs; an exit now is final (the start below follows anyway)
-                    self._drained = asyncio.Event()
-                    try:
-                        await asyncio.wait_for(self._drained.wait(), drain_timeout_s)
-                    except TimeoutError:
-                        log.warning("replica %s: %d jobs still running after drain_timeout_s=%g; cutting them",
-                                    self.name, len(self.inflight), drain_timeout_s)
-                    finally:
-                        self._drained = None
-                    if self.inflight:
-                        self._fail_all(ErrorCode.RUNTIME_RESTARTED, f"replica {self.name} was restarted by the "
-                                       f"operator; the request did not finish within drain_timeout_s "
-                                       f"({drain_timeout_s:g}s)")
-                    if not self.restarting:  # stopped (shutdown, unload) meanwhile
-                        raise LoadFailed(f"replica {self.name} was stopped while it drained; not restarted")
-                self._cut = ErrorCode.RUNTIME_RESTARTED
-                await self._stop()
-                self.history = CrashHistory()
-                self.restarts += 1
-                await self._start()
-            finally:
-                self.restarting = False
-                self._cut = None
+            if self.state in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.KILLING):
+                # out of rotation, its model's queue kept for it; its exit from now on is planned
+                self._set(ReplicaState.RESTARTING)
+            if self.state is ReplicaState.RESTARTING and drain_timeout_s and self.inflight:
+                self._drained = drained = asyncio.get_running_loop().create_future()
+                try:
+                    await asyncio.wait_for(asyncio.shield(drained), drain_timeout_s)
+                except TimeoutError:
+                    log.warning("replica %s: %d jobs still running after drain_timeout_s=%g; cutting them",
+                                self.name, len(self.inflight), drain_timeout_s)
+                finally:
+                    self._drained = None
+                if self.state is ReplicaState.STOPPING or (drained.done() and drained.result()):
+                    # stopped (shutdown, unload) meanwhile; a crash meanwhile leaves it STOPPED: restarted
+                    raise LoadFailed(f"replica {self.name} was stopped while it drained; not restarted")
+                if self.inflight:
+                    self._fail_all(ErrorCode.RUNTIME_RESTARTED, f"replica {self.name} was restarted by the "
+                                   f"operator; the request did not finish within drain_timeout_s "
+                                   f"({drain_timeout_s:g}s)")
+            await self._stop()
+            self.history = CrashHistory()
+            self.restarts += 1
+            await self._start()
 
     def drain(self) -> None:
         """No new jobs (the executor stops sending them); running ones finish.
         From now on an exit is final."""
-        self.wanted = False
         if self.state is ReplicaState.READY:
             self._set(ReplicaState.DRAINING)
 
     async def _start(self) -> None:  # holds self._lock
         self._set(ReplicaState.STARTING)
-        self.wanted = True
         # unique in this process: a model removed by a reload may still drain while a new
         # one of the same name starts, and a routing id must never be shared
         self.identity = f"{self.name}#{next(_IDENTITY_SERIAL)}"
@@ -281,7 +272,6 @@ class Replica:
         self._ready = None
 
     async def _stop(self) -> None:  # holds self._lock
-        self.wanted = False
         if self._restart_task:
             self._restart_task.cancel()
         if self.state is ReplicaState.STOPPED:
@@ -289,7 +279,7 @@ class Replica:
         if self.state in (ReplicaState.BACKOFF, ReplicaState.FATAL):
             self._set(ReplicaState.STOPPED)
             return
-        if self.state is not ReplicaState.STOPPING:  # a kill may be under way already
+        if self.state not in (ReplicaState.STOPPING, ReplicaState.RESTARTING):  # an operator restart's stays so
             self._set(ReplicaState.STOPPING)
         proc = self.proc
         if proc and proc.returncode is None:
@@ -303,8 +293,7 @@ class Replica:
 
     async def _kill(self) -> None:
         """Stop a worker that failed to start: no restart follows."""
-        self.wanted = False
-        if self.state is not ReplicaState.STOPPED:  # it may have exited already
+        if self.state not in (ReplicaState.STOPPED, ReplicaState.STOPPING):  # it may have exited already
             self._set(ReplicaState.STOPPING)
         if self.proc:
             await self.proc.stop(2.0)
@@ -321,12 +310,19 @@ class Replica:
 
     def _crash_kill(self, code: ErrorCode, message: str) -> None:
         """The worker is hung or corrupt: fail its jobs, take it out of rotation,
-        kill its whole tree. Its exit then takes the crash path (a restart)."""
+        kill its whole tree. Its exit then takes the crash path (a restart), except in
+        an unload's drain (final) or an operator's restart (which goes on)."""
         self._fail_all(code, message)
-        if self.state in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING):
-            self._set(ReplicaState.STOPPING)
+        self._out_of_rotation()
         if self.proc:
             self.proc.kill_tree()
+
+    def _out_of_rotation(self) -> None:
+        """Before a kill: KILLING (its exit a crash), or STOPPING for a draining one."""
+        if self.state in (ReplicaState.STARTING, ReplicaState.READY):
+            self._set(ReplicaState.KILLING)
+        elif self.state is ReplicaState.DRAINING:
+            self._set(ReplicaState.STOPPING)
 
     async def _watch(self, proc: WorkerProcess) -> None:
         code = await proc.wait()
@@ -339,7 +335,8 @@ class Replica:
         if self._ready and not self._ready.done():
             self._ready.set_exception(LoadFailed(
                 self.last_error or f"worker exited with code {code} before it was ready; see {self.log_path}"))
-        stopped = not self.wanted and self.state is ReplicaState.STOPPING  # on purpose, not a crash
+        # what the exit means is the state's alone (states.ReplicaState)
+        planned = self.state in (ReplicaState.STOPPING, ReplicaState.RESTARTING)
         lost = list(self.inflight.values())
         self.inflight.clear()
         self._job_deltas.clear()
@@ -347,26 +344,28 @@ class Replica:
             if self.cfg.retry_unstarted_on_crash and job.first_token_at is None and job.attempts < 2 \
                     and not job.cancel_requested:
                 self.owner.requeue(job)  # nothing reached the client: safe to run once more
-            elif stopped and self._cut is ErrorCode.RUNTIME_RESTARTED:
-                job.finish(PoolError(ErrorCode.RUNTIME_RESTARTED, f"replica {self.name} was restarted by "
-                                     "the operator before the request finished"))
-            elif stopped:  # what a drain's grace did not let finish (unload, shutdown)
-                job.finish(PoolError(ErrorCode.MODEL_UNLOADING, f"replica {self.name} was stopped "
-                                     "(unload or shutdown) before the request finished"))
             else:
-                job.finish(PoolError(ErrorCode.RUNTIME_CRASHED, f"the runtime of replica {self.name} "
-                                     f"exited ({exit_text(code)}) during the request"))
-        if not self.wanted or up_since is None:
-            # stopped, drained (an unload: never restarted), or crashed while loading
-            # (start() reports that; no restart loop)
-            if self.wanted or self.state is not ReplicaState.STOPPING:
-                self._crash_event(code)
-            self._set(ReplicaState.STOPPED)
-            if self._drained:
-                self._drained.set()
+                job.finish(self._lost_job_error(code))
+        if not planned:
+            self._crash_event(code)
+        if self.state in (ReplicaState.READY, ReplicaState.KILLING) and up_since is not None:
+            self._crashed(up_since)  # it served, and nobody stopped it: back off and restart
             return
-        self._crash_event(code)
-        self._crashed(up_since)
+        # stopped or restarted on purpose, drained (an unload: never restarted), or crashed
+        # while loading (start() reports that; no restart loop)
+        self._set(ReplicaState.STOPPED)
+        self._drain_over()
+
+    def _lost_job_error(self, code: int) -> PoolError:
+        """What a job still running when the worker exited is told, by the replica's state."""
+        if self.state is ReplicaState.RESTARTING:
+            return PoolError(ErrorCode.RUNTIME_RESTARTED, f"replica {self.name} was restarted by the operator "
+                             "before the request finished")
+        if self.state is ReplicaState.STOPPING:  # what a drain's grace did not let finish (unload, shutdown)
+            return PoolError(ErrorCode.MODEL_UNLOADING, f"replica {self.name} was stopped (unload or shutdown) "
+                             "before the request finished")
+        return PoolError(ErrorCode.RUNTIME_CRASHED, f"the runtime of replica {self.name} exited "
+                         f"({exit_text(code)}) during the request")
 
     def _crash_event(self, code: int) -> None:
         why = f": {self.last_error.splitlines()[0]}" if self.last_error else ""
@@ -400,7 +399,6 @@ class Replica:
                 log.error("restart of %s failed: %s", self.name, exc)
                 if self.state is ReplicaState.STOPPED and self._restart_task is asyncio.current_task():
                     # a boot failure (bad model file) is final; anything else counts as one more crash
-                    self.wanted = True
                     self._crashed(None)
 
     # -- jobs --------------------------------------------------------------------
@@ -434,7 +432,7 @@ class Replica:
         if self.state not in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING):
             return  # already on its way out
         log.error("replica %s is unreachable (gone, or not reading its socket): restarting it", self.name)
-        self._set(ReplicaState.STOPPING)  # out of rotation before the kill
+        self._out_of_rotation()
         if self.proc:
             self.proc.kill_tree()  # its exit takes the crash path: jobs end or run again, a restart follows
 
@@ -453,7 +451,8 @@ class Replica:
     def heartbeat(self, now: float) -> None:
         """Called every heartbeat period by the engine: ping the worker, and kill
         it if it has been silent past the liveness window (hung or stopped)."""
-        if self.state not in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING):
+        if self.state not in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING,
+                              ReplicaState.RESTARTING):
             return
         if self.proc and self.proc.returncode is None:
             self.proc.snapshot(max_age_s=TREE_REFRESH_S)  # its tree, remembered for a kill after it died
@@ -465,14 +464,17 @@ class Replica:
         if self.connected:  # before its Hello there is no peer to send to (a remote one takes seconds)
             self.transport.send(self.identity, p.Heartbeat(inflight=len(self.inflight)))
 
+    def _drain_over(self, stopped: bool = False) -> None:
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(stopped)
+
     def _fail_all(self, code: ErrorCode, message: str) -> None:
         jobs = list(self.inflight.values())
         self.inflight.clear()
         self._job_deltas.clear()
         for job in jobs:
             job.finish(PoolError(code, message))
-        if self._drained:
-            self._drained.set()
+        self._drain_over()
         self.owner.replica_changed()
 
     def _finish(self, job_id: str, outcome: p.Done | PoolError) -> None:
@@ -484,8 +486,8 @@ class Replica:
         if isinstance(outcome, p.Done):
             self.streamed_tokens += max(0, int(outcome.usage.get("output_tokens", 0) or 0) - deltas)
         job.finish(outcome)
-        if self._drained and not self.inflight:  # a restart's drain is over
-            self._drained.set()
+        if not self.inflight:  # a restart's drain is over
+            self._drain_over()
         self.owner.job_finished(self, job)
         self.owner.replica_changed()
 

@@ -26,6 +26,11 @@ from supervisor.replica import Replica
 from supervisor.replica_choice import ReplicaChoice, make_replica_choice
 from supervisor.states import JobState, ReplicaState
 
+# replicas that serve now or will again: the queue waits for them (a crash kill restarts, and an
+# operator's restart keeps its model's queue)
+WILL_SERVE = frozenset({ReplicaState.READY, ReplicaState.STARTING, ReplicaState.BACKOFF, ReplicaState.KILLING,
+                        ReplicaState.RESTARTING})
+
 log = logging.getLogger("llm_pool.scheduler")
 
 
@@ -270,9 +275,7 @@ class Executor:
             return None
         if self._all_fatal():
             return self._no_replica_error()
-        if self.replicas and not any(r.state in (ReplicaState.READY, ReplicaState.STARTING, ReplicaState.BACKOFF)
-                                     or (r.state is ReplicaState.STOPPING and r.wanted) or r.restarting
-                                     for r in self.replicas):
+        if self.replicas and not any(r.state in WILL_SERVE for r in self.replicas):
             return PoolError(ErrorCode.NO_HEALTHY_REPLICA, f"no replica of model {self.cfg.name!r} is running; "
                              f"see /admin/workers and POST /admin/models/{self.cfg.name}/restart")
         return None

@@ -40,10 +40,13 @@ RUNNING = frozenset({ModelState.LOADED, ModelState.DEGRADED, ModelState.DOWN})
 
 
 class ReplicaState(StrEnum):
-    STARTING = "starting"
-    READY = "ready"
-    DRAINING = "draining"
-    STOPPING = "stopping"
+    """A replica's state says what its worker's exit means (Replica._watch), with no flag beside it."""
+    STARTING = "starting"  # spawned, loading: an exit fails the start (never restarted from here)
+    READY = "ready"  # in rotation: an exit is a crash, restarted with back-off
+    DRAINING = "draining"  # an unload's drain: no new jobs; an exit is final (a crash event, never restarted)
+    RESTARTING = "restarting"  # an operator restart, from its drain to its stop: its exit is planned
+    STOPPING = "stopping"  # the pool stops it (unload, shutdown, a failed start): its exit is planned
+    KILLING = "killing"  # hung, corrupt or unreachable: its tree is killed; its exit is a crash
     STOPPED = "stopped"
     BACKOFF = "backoff"
     FATAL = "fatal"
@@ -77,13 +80,17 @@ MODEL_TRANSITIONS: dict[ModelState, set[ModelState]] = {
 }
 
 REPLICA_TRANSITIONS: dict[ReplicaState, set[ReplicaState]] = {
-    ReplicaState.STARTING: {ReplicaState.READY, ReplicaState.STOPPING, ReplicaState.STOPPED,
-                            ReplicaState.BACKOFF, ReplicaState.FATAL},
-    ReplicaState.READY: {ReplicaState.DRAINING, ReplicaState.STOPPING, ReplicaState.STOPPED,
-                         ReplicaState.BACKOFF, ReplicaState.FATAL},
+    ReplicaState.STARTING: {ReplicaState.READY, ReplicaState.RESTARTING, ReplicaState.STOPPING,
+                            ReplicaState.KILLING, ReplicaState.STOPPED, ReplicaState.FATAL},
+    ReplicaState.READY: {ReplicaState.DRAINING, ReplicaState.RESTARTING, ReplicaState.STOPPING,
+                         ReplicaState.KILLING, ReplicaState.STOPPED, ReplicaState.BACKOFF, ReplicaState.FATAL},
     ReplicaState.DRAINING: {ReplicaState.STOPPING, ReplicaState.STOPPED},
-    # a crash kill (hung or corrupt worker) passes through STOPPING, then backs off
-    ReplicaState.STOPPING: {ReplicaState.STOPPED, ReplicaState.BACKOFF, ReplicaState.FATAL},
+    # a stop (unload, shutdown) during an operator restart's drain ends the restart
+    ReplicaState.RESTARTING: {ReplicaState.STOPPING, ReplicaState.STOPPED},
+    ReplicaState.STOPPING: {ReplicaState.STOPPED},
+    # a crash kill ends in a back-off (or fatal), or stopped when it never was ready
+    ReplicaState.KILLING: {ReplicaState.STOPPING, ReplicaState.RESTARTING, ReplicaState.STOPPED,
+                           ReplicaState.BACKOFF, ReplicaState.FATAL},
     ReplicaState.STOPPED: {ReplicaState.STARTING, ReplicaState.BACKOFF, ReplicaState.FATAL},
     ReplicaState.BACKOFF: {ReplicaState.STARTING, ReplicaState.STOPPED},
     ReplicaState.FATAL: {ReplicaState.STARTING, ReplicaState.STOPPED},

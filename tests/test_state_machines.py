@@ -196,7 +196,8 @@ def scenario(fn):
 async def test_start_ready_stop():
     rig = Rig()
     proc = await rig.start()
-    assert rig.replica.capacity == 1 and rig.replica.wanted  # min(target_inflight 1, runtime 2)
+    # min(target_inflight 1, runtime 2); READY: an exit now is a crash
+    assert rig.replica.capacity == 1 and rig.replica.state is ReplicaState.READY
     await rig.replica.stop()
     assert rig.replica.state is ReplicaState.STOPPED and proc.returncode == 0
     assert any(isinstance(m, p.Shutdown) for _, m in rig.transport.sent)
@@ -300,6 +301,54 @@ async def test_crash_in_draining_is_final():
     assert len(rig.launcher.procs) == 1  # never restarted
     await rig.replica.stop()
     assert rig.replica.state is ReplicaState.STOPPED
+
+
+@scenario
+async def test_a_crash_during_an_operator_restarts_drain_is_planned_and_the_restart_goes_on():
+    """The state alone says what an exit means: in RESTARTING it is the operator's, so no
+    crash back-off follows, the job is told runtime_restarted, and the restart starts a
+    new worker."""
+    rig = Rig(target_inflight=2)
+    proc = await rig.start()
+    running = rig.job(started=True)
+    restart = asyncio.create_task(rig.replica.restart(drain_timeout_s=60))
+    await settle(lambda: rig.replica.state is ReplicaState.RESTARTING, "restarting")
+    assert rig.replica.free_slots == 0  # out of rotation while it drains
+    proc.exit(-9)
+    fresh = await rig.spawned(2)
+    assert outcome(running).code is ErrorCode.RUNTIME_RESTARTED
+    assert not rig.replica.restart_pending and rig.replica.restarts == 1  # the operator's restart, no back-off
+    rig.ready(fresh)
+    await restart
+    assert rig.replica.state is ReplicaState.READY
+    await rig.replica.stop()
+
+
+@scenario
+async def test_a_stop_during_an_operator_restarts_drain_ends_the_restart():
+    rig = Rig(target_inflight=2)
+    await rig.start()
+    rig.job(started=True)
+    restart = asyncio.create_task(rig.replica.restart(drain_timeout_s=60))
+    await settle(lambda: rig.replica.state is ReplicaState.RESTARTING, "restarting")
+    await rig.replica.stop()
+    with pytest.raises(LoadFailed, match="stopped while it drained"):
+        await restart
+    await nothing_more_happens(rig)
+    assert rig.replica.state is ReplicaState.STOPPED and len(rig.launcher.procs) == 1
+
+
+@scenario
+async def test_a_killed_replica_that_had_served_backs_off_and_restarts():
+    rig = Rig()
+    proc = await rig.start()
+    rig.now += rig.server.liveness_s + 1
+    rig.replica.heartbeat(rig.now)  # silent past the liveness window: killed
+    assert proc.tree_killed and rig.replica.state is ReplicaState.KILLING
+    fresh = await rig.spawned(2)
+    rig.ready(fresh)
+    await settle(lambda: rig.replica.state is ReplicaState.READY, "ready again")
+    await rig.replica.stop()
 
 
 @scenario
@@ -457,8 +506,6 @@ class StubReplica:
         self.state = state
         self.capacity = capacity
         self.inflight: dict[str, Job] = {}
-        self.wanted = state is not ReplicaState.STOPPED
-        self.restarting = False  # an operator restart under way (Replica.restarting)
         self.submitted: list[Job] = []
 
     @property
@@ -506,12 +553,14 @@ async def test_reconcile_fails_a_queue_nothing_will_take():
 
 @scenario
 async def test_reconcile_keeps_a_queue_a_restart_will_take():
-    ex = executor(StubReplica(0, ReplicaState.BACKOFF))
-    job = Job("m", {}, 60)
-    ex.queue.push(job)
-    ex.reconcile()
-    assert job.state is JobState.QUEUED and list(ex.queue) == [job]
-    await ex.close()
+    # a crash restart pending, a crash kill under way, an operator's restart: each serves again
+    for state in (ReplicaState.BACKOFF, ReplicaState.KILLING, ReplicaState.RESTARTING):
+        ex = executor(StubReplica(0, state))
+        job = Job("m", {}, 60)
+        ex.queue.push(job)
+        ex.reconcile()
+        assert job.state is JobState.QUEUED and list(ex.queue) == [job], state
+        await ex.close()
 
 
 @scenario
