@@ -3,14 +3,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import ipaddress
 import json
 import logging
 import os
 import re
-import signal
 import sys
 import threading
 import time
@@ -18,12 +16,12 @@ from pathlib import Path
 from typing import Annotated
 from urllib.parse import quote
 
-import httpx
 import typer
 from rich.console import Console
-from rich.table import Table
 from rich.text import Text
 
+from supervisor import cli_format as fmt
+from supervisor.cli_client import Failure, call, sse_events, until_ctrl_c
 from supervisor.config import ConfigError, load_config
 from supervisor.printable import LOG_FORMAT, PrintableFormatter, printable
 
@@ -51,8 +49,6 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="TOML config f
           port: int | None = typer.Option(None, help="port (default from config: 8000)"),
           log_level: str = typer.Option("info", help="debug | info | warning | error")) -> None:
     """Run the supervisor and its HTTP API in the foreground."""
-    import os
-
     try:
         cfg = load_config(config)
     except ConfigError as exc:
@@ -85,10 +81,6 @@ AsJson = Annotated[bool, typer.Option("--json", help="print the server's raw JSO
 Target = Annotated[str, typer.Argument(metavar="NAME[/REPLICA]", help="a model, or one of its replicas")]
 
 
-class Failure(Exception):
-    """What went wrong, in one line for the operator (never a traceback)."""
-
-
 def _client(command):
     """Register a client command; a Failure in it becomes `llm-pool: <message>` and exit 1."""
     @functools.wraps(command)
@@ -101,61 +93,12 @@ def _client(command):
     return app.command()(run)
 
 
-def _call(url: str, method: str, path: str, *, params: dict | None = None,
-          timeout: float | None = 30.0, accept: tuple[int, ...] = ()) -> dict:
-    """One admin API call; returns its JSON body. Statuses in `accept` count as answers;
-    anything else that goes wrong (unreachable, 401, an error envelope) is a Failure."""
-    base = url.rstrip("/")
-    headers = _headers()
-    key = os.environ.get("LLM_POOL_ADMIN_KEY")
-    try:
-        # connect fails fast; reading may be long (load and unload answer when done)
-        r = httpx.request(method, base + path, params=params, headers=headers,
-                          timeout=httpx.Timeout(timeout, connect=10.0))
-    except httpx.ConnectTimeout:
-        raise Failure(f"cannot reach {base} (timed out)") from None
-    except httpx.TimeoutException:
-        raise Failure(f"{base} did not answer within {timeout:g}s") from None
-    except (httpx.HTTPError, httpx.InvalidURL) as exc:  # refused, no such host, bad URL, reset
-        reason = re.sub(r"^\[Errno -?\d+\] ", "", str(exc)) or type(exc).__name__
-        raise Failure(f"cannot reach {base} ({reason[:1].lower() + reason[1:]})") from None
-    if r.status_code == 401:
-        if "admin_key" in r.text:  # the server has no admin key: a key here cannot help
-            raise Failure(f"unauthorized: {_error_message(r) or 'the server has no admin_key'}")
-        refused = " (the one given was refused)" if key else ""
-        raise Failure(f"unauthorized: set LLM_POOL_ADMIN_KEY{refused}")
-    try:
-        body = r.json()
-    except ValueError:
-        raise Failure(f"{base}{path} answered HTTP {r.status_code} without JSON; is it llm-pool?") from None
-    if r.is_success or r.status_code in accept:
-        return body
-    error = body.get("error") if isinstance(body, dict) else None
-    if isinstance(error, dict) and error.get("message"):
-        raise Failure(str(error["message"]))
-    raise Failure(f"{base}{path} answered HTTP {r.status_code}")
-
-
-def _headers() -> dict[str, str]:
-    key = os.environ.get("LLM_POOL_ADMIN_KEY")
-    # who asks, for the pool's event timeline ("restart ... asked by cli")
-    return {"X-LLM-Pool-Client": "cli", **({"Authorization": f"Bearer {key}"} if key else {})}
-
-
-def _error_message(r: httpx.Response) -> str | None:
-    try:
-        error = r.json().get("error")
-    except (ValueError, AttributeError):
-        return None
-    return str(error["message"]) if isinstance(error, dict) and error.get("message") else None
-
-
 def _model_path(name: str, action: str) -> str:
     return f"/admin/models/{quote(name, safe='')}/{action}"
 
 
 def _model_view(url: str, name: str) -> dict:
-    for view in _call(url, "GET", "/admin/models", timeout=5.0)["models"]:
+    for view in call(url, "GET", "/admin/models", timeout=5.0)["models"]:
         if view["name"] == name:
             return view
     raise Failure(f"model {name!r} does not exist")
@@ -198,66 +141,24 @@ def _waiting(work, describe) -> dict:
     return outcome["result"]
 
 
-def _bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            break
-        size /= 1024
-    return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    s = int(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
-
-
-def _dash(value) -> str:
-    return "-" if value is None else str(value)
-
-
-def _print_json(data) -> None:
-    typer.echo(json.dumps(data, indent=2))
-
-
-def _table(headers: list[str], rows: list[tuple[str, ...]]) -> None:
-    console = Console()
-    if not console.is_terminal and "COLUMNS" not in os.environ:
-        console.width = 10_000  # piped: one line per row, never wrapped, for grep and awk
-    table = Table(*headers, box=None, pad_edge=False, header_style="bold")
-    for row in rows:
-        table.add_row(*(Text(printable(cell)) for cell in row))  # Text: names and errors are not markup
-    console.print(table)
-
-
 @_client
 def ps(url: Url = DEFAULT_URL, as_json: AsJson = False) -> None:
     """One row per replica: process, state, load, memory, CPU, GPU, children."""
-    workers = _call(url, "GET", "/admin/workers")["workers"]
+    workers = call(url, "GET", "/admin/workers")["workers"]
     if as_json:
-        return _print_json(workers)
+        return fmt.print_json(workers)
     if not workers:
         typer.echo("no replicas running", err=True)
         return
     with_error = any(w.get("last_error") for w in workers)  # the column only when there is something in it
-    _table(["MODEL", "REPLICA", "NODE", "PID", "STATE", "UPTIME", "RESTARTS", "LAST EXIT", "INFLIGHT", "RSS",
+    fmt.table(["MODEL", "REPLICA", "NODE", "PID", "STATE", "UPTIME", "RESTARTS", "LAST EXIT", "INFLIGHT", "RSS",
             "CPU%", "GPU MEM", "CHILDREN"] + ["ERROR"] * with_error,
-           [(_clip(w["model"]), str(w["replica"]), _node(w), _dash(w["pid"]), w["state"], _duration(w["uptime_s"]),
+           [(fmt.clip(w["model"]), str(w["replica"]), _node(w), fmt.dash(w["pid"]), w["state"], fmt.duration(w["uptime_s"]),
              str(w["restarts"]), w.get("last_exit") or "-", f"{w['inflight']}/{w['capacity']}",
-             _bytes(w["rss_bytes"]), "-" if w["cpu_percent"] is None else f"{w['cpu_percent']:.1f}",
-             _bytes(w["gpu_memory_bytes"]),  # None (no GPU, no NVML) stays "-"
+             fmt.size(w["rss_bytes"]), "-" if w["cpu_percent"] is None else f"{w['cpu_percent']:.1f}",
+             fmt.size(w["gpu_memory_bytes"]),  # None (no GPU, no NVML) stays "-"
              ", ".join(f"{c['name']}:{c['pid']}" for c in w["children"]) or "-")
-            + (_one_line(w.get("last_error")),) * with_error
+            + (fmt.one_line(w.get("last_error")),) * with_error
             for w in workers])
 
 
@@ -268,38 +169,23 @@ def _node(worker: dict) -> str:
     return worker.get("node") or "-"
 
 
-CELL_CHARS = 60  # a client's or runtime's text in a table cell: never wider (--json has it whole)
-
-
-def _clip(text: str | None, limit: int = CELL_CHARS) -> str:
-    if not text:
-        return "-"
-    text = printable(text)
-    return text if len(text) <= limit else text[:limit - 1] + "…"
-
-
-def _one_line(text: str | None, limit: int = 120) -> str:
-    """An error for a table cell: its first line, clipped."""
-    return _clip((text or "").strip().splitlines()[0] if (text or "").strip() else None, limit)
-
-
 @_client
 def models(url: Url = DEFAULT_URL, as_json: AsJson = False) -> None:
     """One row per configured model: state, replicas, queue, inflight, capacity, error."""
-    views = _call(url, "GET", "/admin/models")["models"]
+    views = call(url, "GET", "/admin/models")["models"]
     if as_json:
-        return _print_json(views)
+        return fmt.print_json(views)
     with_error = any(m["error"] for m in views)  # the column only when there is something in it
-    _table(["NAME", "BACKEND", "STATE", "READY", "QUEUE", "INFLIGHT", "CAPACITY cfg/eff", "MEMORY",
+    fmt.table(["NAME", "BACKEND", "STATE", "READY", "QUEUE", "INFLIGHT", "CAPACITY cfg/eff", "MEMORY",
             "LAST USED", "IDLE UNLOAD IN", "PINNED", "ALIASES"] + ["ERROR"] * with_error,
-           [(_clip(m["name"]), m["backend"], m["state"], f"{m['replicas_ready']}/{m['replicas']}",
+           [(fmt.clip(m["name"]), m["backend"], m["state"], f"{m['replicas_ready']}/{m['replicas']}",
              str(m["queue_depth"]), str(m["runtime_inflight"]),
              f"{m['configured_target_inflight']}/{m['effective_target_inflight']}",
              "-" if m.get("memory_mb") is None else f"{m['memory_mb']:g} MB ({m['memory_source']})",
-             "-" if m.get("last_used_at") is None else f"{_duration(time.time() - m['last_used_at'])} ago",
-             _duration(m.get("idle_unload_in_s")), "yes" if m.get("pinned") else "no",
+             "-" if m.get("last_used_at") is None else f"{fmt.duration(time.time() - m['last_used_at'])} ago",
+             fmt.duration(m.get("idle_unload_in_s")), "yes" if m.get("pinned") else "no",
              ", ".join(m.get("aliases") or []) or "-")
-            + (_one_line(m["error"]),) * with_error
+            + (fmt.one_line(m["error"]),) * with_error
             for m in views])
 
 
@@ -310,7 +196,7 @@ def load(name: Annotated[str, typer.Argument(help="model name")], url: Url = DEF
         view = _model_view(url, name)
         return f"{name}: {view['state']}, {view['replicas_ready']}/{view['replicas']} ready, {elapsed:.0f}s"
 
-    view = _waiting(lambda: _call(url, "POST", _model_path(name, "load"), timeout=None), describe)
+    view = _waiting(lambda: call(url, "POST", _model_path(name, "load"), timeout=None), describe)
     took = f" (load took {view['load_seconds']:.1f}s)" if view.get("load_seconds") is not None else ""
     typer.echo(f"{name}: {view['state']}{took}")
 
@@ -323,7 +209,7 @@ def unload(name: Annotated[str, typer.Argument(help="model name")], url: Url = D
         return (f"{name}: {view['state']}, draining: {view['queue_depth']} queued, "
                 f"{view['runtime_inflight']} running, {elapsed:.0f}s")
 
-    view = _waiting(lambda: _call(url, "POST", _model_path(name, "unload"), timeout=None), describe)
+    view = _waiting(lambda: call(url, "POST", _model_path(name, "unload"), timeout=None), describe)
     typer.echo(f"{name}: {view['state']}")
 
 
@@ -341,7 +227,7 @@ def restart(target: Target, url: Url = DEFAULT_URL,
                 f"{view['runtime_inflight']} running, {elapsed:.0f}s")
 
     params = {**({} if replica is None else {"replica": replica}), **({"now": "true"} if now else {})} or None
-    view = _waiting(lambda: _call(url, "POST", _model_path(name, "restart"), params=params,
+    view = _waiting(lambda: call(url, "POST", _model_path(name, "restart"), params=params,
                                   timeout=None), describe)
     typer.echo(f"{target}: restarted; {name} {view['state']}, "
                f"{view['replicas_ready']}/{view['replicas']} replicas ready")
@@ -350,9 +236,9 @@ def restart(target: Target, url: Url = DEFAULT_URL,
 @_client
 def reload(url: Url = DEFAULT_URL, as_json: AsJson = False) -> None:
     """Re-read the config file: add, remove and reload the models that changed; keep the rest running."""
-    result = _call(url, "POST", "/admin/reload", timeout=None)
+    result = call(url, "POST", "/admin/reload", timeout=None)
     if as_json:
-        return _print_json(result)
+        return fmt.print_json(result)
     for key in ("added", "removed", "reloaded", "kept"):
         typer.echo(f"{key}: {', '.join(result[key]) or '-'}")
 
@@ -364,13 +250,13 @@ CHECK_UNHEALTHY = 2  # `check`: the pool serves, but a model is degraded or fail
 def check(url: Url = DEFAULT_URL) -> None:
     """Exit 0 when the pool is ready and every model healthy; 1 when it is not ready (or cannot
     be reached); 2 when it serves but a model is degraded or failed (each printed with why)."""
-    body = _call(url, "GET", "/ready", timeout=10.0, accept=(503,))
-    health = _call(url, "GET", "/health", timeout=10.0)
+    body = call(url, "GET", "/ready", timeout=10.0, accept=(503,))
+    health = call(url, "GET", "/health", timeout=10.0)
     models = health.get("models") if isinstance(health.get("models"), dict) else {}
 
     def why(name: str) -> str:
         m = models.get(name) or {}
-        reason = _one_line(m.get("reason"), 200) if m.get("reason") else "no reason recorded"
+        reason = fmt.one_line(m.get("reason"), 200) if m.get("reason") else "no reason recorded"
         return f"{name} {m.get('state', '?')} ({m.get('ready', 0)}/{m.get('configured', 0)} ready): {reason}"
 
     if body.get("status") != "ready":
@@ -407,60 +293,14 @@ def logs(target: Annotated[str, typer.Argument(
         path, live = _model_path(name, "logs"), _model_path(name, "logs/live")
         params = {"replica": replica or 0, "lines": lines}
     if not follow:
-        for line in _call(url, "GET", path, params=params)["lines"]:
+        for line in call(url, "GET", path, params=params)["lines"]:
             typer.echo(printable(line, keep="\t"))
         return
-    _call(url, "GET", path, params={**params, "lines": 1})  # a bad name or replica fails here, in one line
-    with _until_ctrl_c():
-        for _event, data in _sse(url, live, params):
+    call(url, "GET", path, params={**params, "lines": 1})  # a bad name or replica fails here, in one line
+    with until_ctrl_c():
+        for _event, data in sse_events(url, live, params):
             for line in data:
                 typer.echo(printable(line, keep="\t"))
-
-
-@contextlib.contextmanager
-def _until_ctrl_c():
-    """A follow (`-f`) runs until Ctrl-C, which ends the command at once with status 0, as
-    `tail -f` does. Not by KeyboardInterrupt, which lands wherever the HTTP client happens to
-    be and unwinds it from there (a follow in CI once hung after Ctrl-C). A follow holds
-    nothing to save: what it printed is flushed, and the process exits."""
-    def stop(signum, frame) -> None:
-        try:
-            sys.stdout.flush()
-        except Exception:  # interrupted inside a write of stdout: that line is lost
-            pass
-        os._exit(0)
-
-    previous = signal.signal(signal.SIGINT, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def _sse(url: str, path: str, params: dict):
-    """Yield (event, data) from an SSE feed of the admin API until it ends; a dropped
-    connection is opened again after a second (the pool may be restarting)."""
-    base = url.rstrip("/")
-    first = True
-    while True:
-        try:
-            with httpx.stream("GET", base + path, params=params if first else {**params, "lines": 0},
-                              headers=_headers(), timeout=httpx.Timeout(None, connect=10.0)) as r:
-                if r.status_code != 200:
-                    raise Failure(f"{base}{path} answered HTTP {r.status_code}")
-                first = False
-                name, data = "message", []
-                for line in r.iter_lines():
-                    if line.startswith("event:"):
-                        name = line[6:].strip()
-                    elif line.startswith("data:"):
-                        data.append(line[5:].lstrip())
-                    elif not line and data:
-                        yield name, json.loads("\n".join(data))
-                        name, data = "message", []
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
 
 
 def _since_param(text: str | None) -> str | None:
@@ -473,19 +313,13 @@ def _since_param(text: str | None) -> str | None:
     return text
 
 
-def _ms(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.0f}ms" if value < 1000 else f"{value / 1000:.2f}s"
-
-
 def _request_rows(rows: list[dict]) -> list[tuple[str, ...]]:
-    return [(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["ts"])), _clip(r["model"], 40),
-             _clip(r.get("tenant"), 40), _clip(r["endpoint"]),
-             str(r["status"]), _clip(r["error_code"]), _ms(r["queued_ms"]), _ms(r["ttft_ms"]),
-             _ms(r["duration_ms"]), _dash(r["tokens_in"]), _dash(r.get("cached_tokens")), _dash(r["tokens_out"]),
-             _dash(r["tokens_per_s"]), _dash(r.get("prefill_tokens_per_s")), _dash(r.get("decode_tokens_per_s")),
-             _dash(r.get("speeds_from")))
+    return [(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["ts"])), fmt.clip(r["model"], 40),
+             fmt.clip(r.get("tenant"), 40), fmt.clip(r["endpoint"]),
+             str(r["status"]), fmt.clip(r["error_code"]), fmt.ms(r["queued_ms"]), fmt.ms(r["ttft_ms"]),
+             fmt.ms(r["duration_ms"]), fmt.dash(r["tokens_in"]), fmt.dash(r.get("cached_tokens")), fmt.dash(r["tokens_out"]),
+             fmt.dash(r["tokens_per_s"]), fmt.dash(r.get("prefill_tokens_per_s")), fmt.dash(r.get("decode_tokens_per_s")),
+             fmt.dash(r.get("speeds_from")))
             for r in rows]
 
 
@@ -510,12 +344,12 @@ def requests(url: Url = DEFAULT_URL, as_json: AsJson = False,
     duration, tokens. --follow keeps printing until Ctrl-C (one JSON object a line with --json)."""
     params = {k: v for k, v in {"model": model, "tenant": tenant, "status": status, "since": _since_param(since),
                                 "limit": limit}.items() if v is not None}
-    rows = _call(url, "GET", "/admin/requests", params=params)["requests"][::-1]
+    rows = call(url, "GET", "/admin/requests", params=params)["requests"][::-1]
     if as_json and not follow:
-        return _print_json(rows)
+        return fmt.print_json(rows)
     last = max((r["id"] for r in rows), default=0)
     if not follow:
-        return _table(REQUEST_HEADERS, _request_rows(rows))
+        return fmt.table(REQUEST_HEADERS, _request_rows(rows))
     # following: fixed-width lines (a table cannot grow), widths from the header and the first rows
     widths = [max([len(h), 8, *(len(row[i]) for row in _request_rows(rows))])
               for i, h in enumerate(REQUEST_HEADERS)]
@@ -527,10 +361,10 @@ def requests(url: Url = DEFAULT_URL, as_json: AsJson = False,
     if not as_json:
         typer.echo("  ".join(h.ljust(w) for h, w in zip(REQUEST_HEADERS, widths)).rstrip())
     emit(rows)
-    with _until_ctrl_c():
+    with until_ctrl_c():
         while True:
             time.sleep(1.0)
-            fresh = _call(url, "GET", "/admin/requests", params={**params, "after_id": last,
+            fresh = call(url, "GET", "/admin/requests", params={**params, "after_id": last,
                                                                 "limit": 10_000})["requests"][::-1]
             if fresh:
                 last = fresh[-1]["id"]
@@ -544,7 +378,7 @@ def _event_line(e: dict) -> str:
     by = f" (asked by {e['by']})" if e.get("by") else ""
     message = e["message"].replace("\n", " | ")
     return printable(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(e['ts']))}  {e['level']:<7}  "
-                     f"{e['kind']:<14}  {_clip(where, 40):<12}  {message}{by}")
+                     f"{e['kind']:<14}  {fmt.clip(where, 40):<12}  {message}{by}")
 
 
 @_client
@@ -557,10 +391,10 @@ def events(url: Url = DEFAULT_URL, as_json: AsJson = False,
     """The event timeline, oldest first: loads, unloads, evictions, crashes, restarts (and who
     asked), reloads, models turning degraded or failed. --follow keeps printing until Ctrl-C."""
     params = {k: v for k, v in {"model": model, "limit": limit}.items() if v is not None}
-    body = _call(url, "GET", "/admin/events", params=params)
+    body = call(url, "GET", "/admin/events", params=params)
     rows = body["events"]
     if as_json and not follow:
-        return _print_json(rows)
+        return fmt.print_json(rows)
 
     def emit(batch: list[dict]) -> None:
         for e in batch:
@@ -570,10 +404,10 @@ def events(url: Url = DEFAULT_URL, as_json: AsJson = False,
     if not follow:
         return
     last = body.get("last_id") or 0
-    with _until_ctrl_c():
+    with until_ctrl_c():
         while True:
             time.sleep(1.0)
-            got = _call(url, "GET", "/admin/events", params={**params, "after_id": last, "limit": 10_000})
+            got = call(url, "GET", "/admin/events", params={**params, "after_id": last, "limit": 10_000})
             if got["events"]:
                 last = got["last_id"]
                 emit(got["events"])
