@@ -177,6 +177,12 @@ async def nothing_more_happens(rig) -> None:
     assert not rig.replica.restart_pending
 
 
+async def stopped_for_good(rig) -> None:
+    """Stopped, with nothing more to come: its first worker was its only one."""
+    await nothing_more_happens(rig)
+    assert rig.replica.state is ReplicaState.STOPPED and len(rig.launcher.procs) == 1
+
+
 def outcome(job: Job):
     assert job.state is JobState.FINISHED, job.state
     return job.events[-1]
@@ -213,8 +219,7 @@ async def test_crash_in_starting_fails_the_start_and_is_not_restarted():
     proc.exit(3)
     with pytest.raises(LoadFailed, match="no such model file"):
         await task
-    await nothing_more_happens(rig)
-    assert rig.replica.state is ReplicaState.STOPPED and len(rig.launcher.procs) == 1
+    await stopped_for_good(rig)
 
 
 @scenario
@@ -334,8 +339,7 @@ async def test_a_stop_during_an_operator_restarts_drain_ends_the_restart():
     await rig.replica.stop()
     with pytest.raises(LoadFailed, match="stopped while it drained"):
         await restart
-    await nothing_more_happens(rig)
-    assert rig.replica.state is ReplicaState.STOPPED and len(rig.launcher.procs) == 1
+    await stopped_for_good(rig)
 
 
 @scenario
@@ -371,8 +375,7 @@ async def test_crash_in_stopping_ends_stopped():
     await settle(lambda: rig.replica.state is ReplicaState.STOPPING, "stopping")
     proc.exit(-11)
     await stop
-    await nothing_more_happens(rig)
-    assert rig.replica.state is ReplicaState.STOPPED and len(rig.launcher.procs) == 1
+    await stopped_for_good(rig)
 
 
 @scenario
