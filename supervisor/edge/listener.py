@@ -6,9 +6,10 @@ llhttp bounds no header size, and uvicorn has no header, body or write
 timeout, no connection cap and no bound on pipelined requests (it parses all
 that one read holds); this layer adds them:
 - connections: at most `max_connections`, and `max_connections_per_client`
-  per client address. At either cap the oldest idle connection (keep-alive
-  between requests, or no whole request yet) is closed to make room; a new
-  one is refused only when every open one is busy;
+  per client address. At either cap an idle connection (keep-alive between
+  requests, or no whole request yet) is closed to make room: the oldest of
+  that client's, or at the global cap the oldest of the client that holds the
+  most; a new one is refused only when every open one is busy;
 - a request's line and headers: `max_header_bytes` and `max_headers` lines
   (else 431 and close), complete within `header_timeout_s` (else closed);
 - its body complete within `body_timeout_s` of its headers (else closed);
@@ -106,8 +107,7 @@ class Connections:
         if mine is not None and len(mine) >= self.bounds.max_connections_per_client:
             if not self._close_oldest_idle(mine, "max_connections_per_client"):
                 return False
-        if len(self.open) >= self.bounds.max_connections and not self._close_oldest_idle(self.open,
-                                                                                          "max_connections"):
+        if len(self.open) >= self.bounds.max_connections and not self._make_room():
             return False
         self.open[connection] = None
         self.by_client.setdefault(connection.client, {})[connection] = None
@@ -126,6 +126,14 @@ class Connections:
             mine.pop(connection, None)
             if not mine:
                 del self.by_client[connection.client]
+
+    def _make_room(self) -> bool:
+        """At the global cap: the oldest idle connection of the client that holds the most, so
+        that a client opening connections fast pushes out its own, not a newcomer's."""
+        for _, table in sorted(self.by_client.items(), key=lambda item: len(item[1]), reverse=True):
+            if self._close_oldest_idle(table, "max_connections"):
+                return True
+        return False
 
     def _close_oldest_idle(self, table: dict[BoundedConnection, None], cap: str) -> bool:
         oldest = next((c for c in table if c.idle()), None)
