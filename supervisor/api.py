@@ -19,6 +19,7 @@ from supervisor import admin_feeds, ui
 from supervisor.edge import admin
 from supervisor.admission import DEFAULT_TENANT, Admission
 from supervisor.config import PoolConfig
+from supervisor.anthropic_shapes import anthropic_model_page
 from supervisor.engine import ModelRouterEngine
 from supervisor.edge.guard import TENANT_KEY, HttpEdge, error_response
 from supervisor.edge.inference import InferenceSurface
@@ -103,8 +104,12 @@ def create_app(config: PoolConfig) -> HttpEdge:
                             status_code=exc.status_code, headers=exc.headers)
 
     @app.get("/v1/models")
-    async def list_models(request: Request):
-        return {"object": "list", "data": admission.model_list(request.scope.get(TENANT_KEY, DEFAULT_TENANT))}
+    async def list_models(request: Request, limit: int = 20, after_id: str | None = None):
+        """OpenAI's list; Anthropic's Models API shape for a client that sends anthropic-version."""
+        listed = admission.model_list(request.scope.get(TENANT_KEY, DEFAULT_TENANT))
+        if "anthropic-version" in request.headers:
+            return anthropic_model_page(listed, limit, after_id)
+        return {"object": "list", "data": listed}
 
     # -- health --------------------------------------------------------------------------------------
     @app.get("/metrics")

@@ -16,12 +16,15 @@ from starlette.routing import Match
 
 from protocol.errors import ErrorCode, PoolError
 from supervisor.admission import Admission, key_matches, presented_key
+from supervisor.anthropic_shapes import error_envelope
+from supervisor.openai_shapes import new_id
 from supervisor.config import ServerConfig
 from supervisor.edge.listener import DISCONNECT_KEY, current_connection, warnings
 from supervisor.tenants import UNKNOWN_KEY
 
 # an unknown path: the app's own 404, given before the body is read
 NOT_FOUND = {"error": {"message": "Not Found", "type": "not_found_error", "param": None, "code": None}}
+ANTHROPIC_PATHS = ("/v1/messages",)  # the Messages surface answers in Anthropic's envelope
 TENANT_KEY = "llm_pool.tenant"  # in the ASGI scope of each /v1/ request: admission.Tenant
 
 # The admin surface: operator actions, and the documents that describe them.
@@ -34,7 +37,18 @@ def is_admin_path(path: str) -> bool:
     return path in ADMIN_PATHS or path.startswith("/admin/")
 
 
-def error_response(err: PoolError) -> JSONResponse:
+def anthropic_error_response(err: PoolError) -> JSONResponse:
+    status, body = error_envelope(err)
+    headers = {"request-id": new_id("req")}
+    if err.retry_after_s is not None:
+        headers["retry-after"] = str(int(err.retry_after_s))
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def error_response(err: PoolError, path: str = "") -> JSONResponse:
+    """The error in its API family's envelope: Anthropic's on /v1/messages, else OpenAI's."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return anthropic_error_response(err)
     headers = {}
     if err.retry_after_s is not None:
         headers["Retry-After"] = str(int(err.retry_after_s))
@@ -105,7 +119,7 @@ class HttpEdge:
         """Key and browser rules, the route, then the body; every refusal before the body is read."""
         refusal = self._refusal(scope)
         if refusal is not None:
-            return await error_response(refusal)(scope, receive, send)
+            return await error_response(refusal, scope["path"])(scope, receive, send)
         tenant = scope.get(TENANT_KEY)
         if tenant is not None:  # every answer to a tenant says where it stands with its limits
             send = self.admission.with_limit_headers(tenant, send)
@@ -116,10 +130,10 @@ class HttpEdge:
             app = self.app
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > self.limit:
-                return await self._too_large()(scope, receive, send)
+                return await error_response(self._too_large_error(), scope["path"])(scope, receive, send)
         body = await self._read_body(receive)
         if isinstance(body, PoolError):
-            return await error_response(body)(scope, receive, send)
+            return await error_response(body, scope["path"])(scope, receive, send)
         if body is None:  # the client left while sending
             return
         replayed = False
@@ -179,9 +193,6 @@ class HttpEdge:
                 chunk = message.get("body", b"")
         finally:
             self.buffered -= size
-
-    def _too_large(self) -> JSONResponse:
-        return error_response(self._too_large_error())
 
     def _too_large_error(self) -> PoolError:
         return PoolError(ErrorCode.REQUEST_TOO_LARGE, f"request body over {self.limit} bytes")

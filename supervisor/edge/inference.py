@@ -18,10 +18,11 @@ from starlette.background import BackgroundTask
 
 from protocol import Delta, Done
 from protocol.errors import ErrorCode, PoolError
+from supervisor import anthropic_shapes as ashapes
 from supervisor import openai_shapes as shapes
 from supervisor import responses_shapes as rshapes
 from supervisor.admission import DEFAULT_TENANT
-from supervisor.edge.guard import TENANT_KEY, error_response
+from supervisor.edge.guard import ANTHROPIC_PATHS, TENANT_KEY, error_response
 from supervisor.edge.listener import DISCONNECT_KEY, Disconnect
 from supervisor.edge.schemas import document, named_model, request_body
 from supervisor.edge.streams import AnswerJSON, InferenceEndpoint, JobStream, sse_frame, watch_for_disconnect
@@ -51,8 +52,10 @@ class InferenceSurface:
                 ("/v1/responses", rshapes.ResponsesRequest, self.create_response),
                 ("/v1/chat/completions", shapes.ChatRequest, self.chat_completions),
                 ("/v1/completions", shapes.CompletionRequest, self.completions),
-                ("/v1/embeddings", shapes.EmbeddingRequest, self.create_embeddings)):
-            endpoint = self.endpoints[path] = InferenceEndpoint(functools.partial(self.answer, path, body_type, handle))
+                ("/v1/embeddings", shapes.EmbeddingRequest, self.create_embeddings),
+                ("/v1/messages", ashapes.MessagesRequest, self.create_message)):
+            endpoint = self.endpoints[path] = InferenceEndpoint(functools.partial(self.answer, path, body_type, handle),
+                                                                ids=path.startswith(ANTHROPIC_PATHS))
             app.add_route(path, endpoint, methods=["POST"], name=handle.__name__, include_in_schema=False)
             documented[path] = (handle.__name__, body_type)
         document(app, documented)
@@ -67,11 +70,11 @@ class InferenceSurface:
             body, data = request_body(raw, request.headers.get("content-type"), body_type)
         except PoolError as err:  # logged with the model the body named, its code and message
             self.metrics.request(named_model(raw), path, err.status, error=err)
-            return error_response(err)
+            return error_response(err, path)
         try:
             return await handle(body, data, request)
         except PoolError as err:
-            return error_response(err)
+            return error_response(err, path)
 
     # -- 2. the endpoints: what each asks of a job and how its answer is shaped -----------------------------------
     async def create_response(self, body: rshapes.ResponsesRequest, data: dict, request: Request):
@@ -90,6 +93,11 @@ class InferenceSurface:
             request, "completions", body.model, shapes.job_request(data),
             shapes.CompletionStream(body.model, include_usage(body)) if body.stream else None,
             lambda choices, done: shapes.text_completion(body.model, choices, done), "completions")
+
+    async def create_message(self, body: ashapes.MessagesRequest, data: dict, request: Request):
+        return await self.serve_job(request, "messages", body.model, ashapes.job_request_from_messages(body, data),
+                                    ashapes.MessagesStream(body) if body.stream else None,
+                                    lambda choices, done: ashapes.message_json(body, choices, done))
 
     async def create_embeddings(self, body: shapes.EmbeddingRequest, data: dict, request: Request):
         if body.stream:

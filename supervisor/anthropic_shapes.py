@@ -1,0 +1,335 @@
+"""Anthropic's Messages API mapped onto chat runtimes, both ways: a /v1/messages body
+becomes a Chat Completions job request (system, text, image, tool_use, tool_result and
+thinking blocks; tools, tool_choice, stop_sequences, sampling, metadata.user_id), and
+a job's deltas become content blocks (thinking, text, tool_use) and the streamed
+events in the API's order. Errors take Anthropic's envelope here. No I/O here."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+import protocol as p
+from protocol import Delta, Done
+from protocol.errors import ErrorCode, PoolError
+from supervisor.openai_shapes import Choices, ModelName, OutputTokens, new_id
+from supervisor.request_bounds import echo
+
+# Anthropic fields about its own service (tiers, containers, server tools' context): they ask
+# nothing of a local runtime. Dropped, and named in the README.
+BOOKKEEPING = frozenset({"service_tier", "container", "context_management", "anthropic_version"})
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
+                "content_filter": "refusal"}
+# The pool's error codes as Anthropic's error types; 529 overloaded_error where the
+# API would say it is overloaded (a full queue, no replica that can serve)
+OVERLOADED = frozenset({ErrorCode.QUEUE_FULL, ErrorCode.NO_HEALTHY_REPLICA})
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",
+               429: "rate_limit_error", 431: "invalid_request_error", 529: "overloaded_error"}
+
+
+class MessagesRequest(msgspec.Struct, kw_only=True):
+    """The fields the pool reads (strictly typed); the body's other fields pass on to the
+    runtime (see `job_request_from_messages`)."""
+    model: ModelName
+    messages: list[dict[str, Any]]
+    max_tokens: OutputTokens
+    system: str | list[dict[str, Any]] | None = None
+    stream: bool = False
+    temperature: Annotated[float, Meta(ge=0, le=1)] | None = None
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Meta(ge=0)] | None = None
+    stop_sequences: list[str] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+
+
+DECLARED = frozenset(MessagesRequest.__struct_fields__)
+
+
+def _bad(message: str, param: str, code: ErrorCode = ErrorCode.INVALID_REQUEST) -> PoolError:
+    return PoolError(code, message, param=param)
+
+
+# -- request: Messages -> Chat Completions -----------------------------------------------------------------
+
+def _text_of(blocks, where: str) -> str:
+    """The text of a `system` or `tool_result` content: a string, or text blocks."""
+    if isinstance(blocks, str):
+        return blocks
+    if not isinstance(blocks, list):
+        raise _bad(f"{where} must be text or a list of text blocks", where)
+    texts = []
+    for n, block in enumerate(blocks):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise _bad(f"{where}.{n}: only text blocks are supported here", f"{where}.{n}",
+                       ErrorCode.UNSUPPORTED_PARAMETER)
+        texts.append(block["text"])
+    return "\n".join(texts)
+
+
+def _image(block: dict, where: str) -> dict:
+    source = block.get("source")
+    source = source if isinstance(source, dict) else {}
+    if source.get("type") == "base64" and isinstance(source.get("data"), str):
+        url = f"data:{source.get('media_type', 'image/png')};base64,{source['data']}"
+    elif source.get("type") == "url" and isinstance(source.get("url"), str):
+        url = source["url"]
+    else:
+        raise _bad(f"{where}: an image needs a base64 or url source", f"{where}.source")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _user_turn(content: list, where: str) -> list[dict]:
+    """A user turn's blocks: tool results become tool messages (first, as chat wants them
+    right after the assistant's calls), the rest one user message."""
+    tools, parts = [], []
+    for n, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        at = f"{where}.content.{n}"
+        if kind == "text" and isinstance(block.get("text"), str):
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image":
+            parts.append(_image(block, at))
+        elif kind == "tool_result" and isinstance(block.get("tool_use_id"), str):
+            text = _text_of(block.get("content", ""), f"{at}.content")
+            tools.append({"role": "tool", "tool_call_id": block["tool_use_id"],
+                          "content": f"Error: {text}" if block.get("is_error") else text})
+        else:
+            raise _bad(f"content block type {echo(kind)} is not supported in a user turn", at,
+                       ErrorCode.UNSUPPORTED_PARAMETER)
+    if not parts:
+        return tools
+    text_only = all(part["type"] == "text" for part in parts)
+    return tools + [{"role": "user", "content": "".join(part["text"] for part in parts) if text_only else parts}]
+
+
+def _assistant_turn(content: list, where: str) -> dict:
+    message: dict[str, Any] = {"role": "assistant", "content": None}
+    texts, reasoning, calls = [], [], []
+    for n, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        at = f"{where}.content.{n}"
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "thinking" and isinstance(block.get("thinking"), str):
+            reasoning.append(block["thinking"])
+        elif kind == "redacted_thinking":
+            continue  # encrypted by Anthropic: nothing a local model can read (README)
+        elif kind == "tool_use" and isinstance(block.get("id"), str) and isinstance(block.get("name"), str):
+            calls.append({"id": block["id"], "type": "function", "function": {
+                "name": block["name"], "arguments": json.dumps(block.get("input") or {}, separators=(",", ":"))}})
+        else:
+            raise _bad(f"content block type {echo(kind)} is not supported in an assistant turn", at,
+                       ErrorCode.UNSUPPORTED_PARAMETER)
+    if texts:
+        message["content"] = "".join(texts)
+    if reasoning:
+        message["reasoning_content"] = "".join(reasoning)
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _messages(req: MessagesRequest) -> list[dict]:
+    out: list[dict] = []
+    if req.system:
+        out.append({"role": "system", "content": _text_of(req.system, "system")})
+    for n, message in enumerate(req.messages):
+        where = f"messages.{n}"
+        role, content = message.get("role"), message.get("content")
+        if role not in ("user", "assistant"):
+            raise _bad(f"{where}.role must be user or assistant", f"{where}.role")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+        elif isinstance(content, list):
+            out += _user_turn(content, where) if role == "user" else [_assistant_turn(content, where)]
+        else:
+            raise _bad(f"{where}.content must be text or a list of content blocks", f"{where}.content")
+    if not req.messages:
+        raise _bad("messages: at least one message is required", "messages")
+    return out
+
+
+def _tools(tools: list[dict]) -> list[dict]:
+    out = []
+    for n, tool in enumerate(tools):
+        if tool.get("type") not in (None, "custom"):
+            raise _bad(f"tool type {echo(tool.get('type'))} is not supported: only client tools with an "
+                       "input_schema", f"tools.{n}.type", ErrorCode.UNSUPPORTED_PARAMETER)
+        if not isinstance(tool.get("name"), str):
+            raise _bad("a tool needs a name", f"tools.{n}.name")
+        function = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
+        if tool.get("description"):
+            function["description"] = tool["description"]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _tool_choice(choice: dict, request: dict) -> None:
+    kind = choice.get("type")
+    if kind in ("auto", "none"):
+        request["tool_choice"] = kind
+    elif kind == "any":
+        request["tool_choice"] = "required"
+    elif kind == "tool" and isinstance(choice.get("name"), str):
+        request["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+    else:
+        raise _bad(f"tool_choice type {echo(kind)} is not auto, any, tool or none", "tool_choice.type")
+    if choice.get("disable_parallel_tool_use"):
+        request["parallel_tool_calls"] = False
+
+
+def job_request_from_messages(req: MessagesRequest, data: dict) -> dict:
+    """The Chat Completions body for a Messages request (`data`: its JSON object as sent)."""
+    request: dict[str, Any] = {"messages": _messages(req), "max_tokens": req.max_tokens}
+    for key, value in (("temperature", req.temperature), ("top_p", req.top_p), ("top_k", req.top_k),
+                       ("stop", req.stop_sequences)):
+        if value is not None:
+            request[key] = value
+    if req.tools:
+        request["tools"] = _tools(req.tools)
+    if req.tool_choice is not None:
+        _tool_choice(req.tool_choice, request)
+    user = (req.metadata or {}).get("user_id")
+    if isinstance(user, str):
+        request["user"] = user  # also a session key for routing = "session"
+    if req.thinking is not None and req.thinking.get("type") not in ("enabled", "disabled", "adaptive"):
+        raise _bad(f"thinking type {echo(req.thinking.get('type'))} is not enabled or disabled", "thinking.type")
+    for key, value in data.items():  # e.g. seed: the runtime judges it
+        if key not in DECLARED and key not in BOOKKEEPING:
+            request[key] = value
+    return request
+
+
+# -- answers: job output -> Messages ---------------------------------------------------------------------------
+
+def _usage(usage: dict | None) -> dict:
+    usage = usage or {}
+    return {"input_tokens": int(usage.get("input_tokens", 0)), "output_tokens": int(usage.get("output_tokens", 0)),
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": int(usage.get("cached_tokens", 0))}
+
+
+def _tool_input(arguments: str) -> dict:
+    try:
+        value = json.loads(arguments) if arguments else {}
+    except ValueError:
+        return {"_raw": arguments}  # the model wrote no valid JSON: kept, not lost
+    return value if isinstance(value, dict) else {"_value": value}
+
+
+def message_json(req: MessagesRequest, choices: Choices, done: Done) -> dict:
+    """A whole (not streamed) message: thinking, text and tool_use blocks in that order."""
+    c = choices.get(0)
+    content: list[dict] = []
+    if c.reasoning:
+        content.append({"type": "thinking", "thinking": "".join(c.reasoning), "signature": ""})
+    if c.text or c.refusal:
+        content.append({"type": "text", "text": "".join(c.text + c.refusal)})
+    for _, call in sorted(c.tools.items()):
+        content.append({"type": "tool_use", "id": call["id"] or new_id("toolu"), "name": call["name"] or "",
+                        "input": _tool_input("".join(call["args"]))})
+    return {"id": new_id("msg"), "type": "message", "role": "assistant", "model": req.model, "content": content,
+            "stop_reason": STOP_REASONS.get(done.finish_reason, "end_turn"), "stop_sequence": None,
+            "usage": _usage(done.usage)}
+
+
+def _event(kind: str, **fields: Any) -> dict:
+    return {"event": kind, "data": json.dumps({"type": kind, **fields}, separators=(",", ":"))}
+
+
+class MessagesStream:
+    """The SSE events of one streamed message. A content block opens as the runtime's
+    parts of its kind arrive (thinking, text, each tool call) and closes when the next
+    kind begins or the job is done."""
+
+    def __init__(self, req: MessagesRequest) -> None:
+        self.req = req
+        self.msg_id = new_id("msg")
+        self.index = -1  # the open block's index
+        self.key = None  # what the open block holds: "text", "thinking", or ("tool", n)
+
+    def opening(self) -> list[dict]:
+        return [_event("message_start", message={
+            "id": self.msg_id, "type": "message", "role": "assistant", "model": self.req.model, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": _usage(None)})]
+
+    def _open(self, key, part: dict) -> list[dict]:
+        events = self._close()
+        self.index += 1
+        self.key = key
+        if key == "text":
+            block = {"type": "text", "text": ""}
+        elif key == "thinking":
+            block = {"type": "thinking", "thinking": "", "signature": ""}
+        else:
+            block = {"type": "tool_use", "id": part.get("id") or new_id("toolu"), "name": part.get("name", ""),
+                     "input": {}}
+        return events + [_event("content_block_start", index=self.index, content_block=block)]
+
+    def _close(self) -> list[dict]:
+        if self.key is None:
+            return []
+        events = []
+        if self.key == "thinking":  # clients expect a signature before a thinking block ends
+            events.append(_event("content_block_delta", index=self.index,
+                                 delta={"type": "signature_delta", "signature": ""}))
+        self.key = None
+        return events + [_event("content_block_stop", index=self.index)]
+
+    def delta(self, event: Delta) -> list[dict]:
+        events: list[dict] = []
+        for part in p.delta_parts(event) if event.parts else ({"k": "text", "t": event.text},):
+            if part.get("i", 0) != 0:
+                continue  # a message has one choice
+            kind = part["k"]
+            key = ("tool", part.get("n", 0)) if kind == "tool" else "thinking" if kind == "reasoning" else "text"
+            if key != self.key:
+                events += self._open(key, part)
+            if kind == "tool":
+                if part.get("args"):
+                    events.append(_event("content_block_delta", index=self.index,
+                                         delta={"type": "input_json_delta", "partial_json": part["args"]}))
+            elif part.get("t"):
+                delta = ({"type": "thinking_delta", "thinking": part["t"]} if kind == "reasoning"
+                         else {"type": "text_delta", "text": part["t"]})
+                events.append(_event("content_block_delta", index=self.index, delta=delta))
+        return events
+
+    def closing(self, done: Done) -> list[dict]:
+        events = self._open("text", {}) if self.index < 0 else []  # nothing came: an empty text block
+        usage = _usage(done.usage)
+        return events + self._close() + [
+            _event("message_delta", delta={"stop_reason": STOP_REASONS.get(done.finish_reason, "end_turn"),
+                                           "stop_sequence": None}, usage=usage),
+            _event("message_stop")]
+
+    def failed(self, err: PoolError) -> list[dict]:
+        return [{"event": "error", "data": json.dumps(error_envelope(err)[1], separators=(",", ":"))}]
+
+
+def error_envelope(err: PoolError) -> tuple[int, dict]:
+    """(status, body) of a PoolError in Anthropic's envelope."""
+    status = 529 if err.code in OVERLOADED else err.status
+    kind = ERROR_TYPES.get(status, "api_error")
+    return status, {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def anthropic_model_page(listed: list[dict], limit: int, after_id: str | None) -> dict:
+    """/v1/models as Anthropic's Models API pages it (`limit` 1 to 1000, after `after_id`)."""
+    if not 1 <= limit <= 1000:
+        raise _bad("limit must be between 1 and 1000", "limit")
+    ids = [m["id"] for m in listed]
+    start = ids.index(after_id) + 1 if after_id in ids else 0
+    page = listed[start:start + limit]
+    data = [{"type": "model", "id": m["id"], "display_name": m["id"],
+             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(m.get("created") or 0))}
+            for m in page]
+    return {"data": data, "has_more": start + limit < len(listed),
+            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}

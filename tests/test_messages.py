@@ -1,0 +1,287 @@
+"""Anthropic's Messages API (/v1/messages) on the same pipeline as the OpenAI surface:
+the translation both ways (pure tests), then the unmodified `anthropic` SDK against real
+pools: the synthetic runtime, an OpenAI-compatible runtime scripted to call tools and
+think (openai_remote), and llama-server on the tiny GGUF against the same llama-server
+answering /v1/messages itself."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+
+import anthropic
+import httpx
+import pytest
+
+from protocol import Delta, Done
+from protocol.errors import ErrorCode, PoolError
+from supervisor import anthropic_shapes as ashapes
+from supervisor.edge.schemas import request_body
+from tests.conftest import llama, synthetic
+from tests.pool import Pool, free_port, wait_for
+from tests.scripted_openai import ScriptedHandler, serve, sse_chunks
+
+JSON = "application/json"
+TOOLS = [{"name": "get_weather", "description": "weather of a city",
+          "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+
+
+def translated(body: dict) -> dict:
+    req, data = request_body(json.dumps(body).encode(), JSON, ashapes.MessagesRequest)
+    return ashapes.job_request_from_messages(req, data)
+
+
+# -- the translation ---------------------------------------------------------------------------------------
+def test_a_conversation_with_tools_becomes_a_chat_request():
+    sent = translated({
+        "model": "m", "max_tokens": 50, "system": [{"type": "text", "text": "be brief"}],
+        "temperature": 0.5, "top_k": 3, "stop_sequences": ["END"], "metadata": {"user_id": "u-1"},
+        "tools": TOOLS, "tool_choice": {"type": "any", "disable_parallel_tool_use": True}, "seed": 7,
+        "service_tier": "auto",
+        "messages": [
+            {"role": "user", "content": "weather in Oslo?"},
+            {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "x"},
+                                              {"type": "text", "text": "Checking."},
+                                              {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                               "input": {"city": "Oslo"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "rain"},
+                                         {"type": "text", "text": "and tomorrow?"}]}]})
+    assert sent == {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "weather in Oslo?"},
+            {"role": "assistant", "content": "Checking.", "reasoning_content": "hm", "tool_calls": [
+                {"id": "toolu_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}]},
+            {"role": "tool", "tool_call_id": "toolu_1", "content": "rain"},
+            {"role": "user", "content": "and tomorrow?"}],
+        "max_tokens": 50, "temperature": 0.5, "top_k": 3, "stop": ["END"], "user": "u-1",
+        "tools": [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
+                                                    "parameters": TOOLS[0]["input_schema"]}}],
+        "tool_choice": "required", "parallel_tool_calls": False, "seed": 7}  # service_tier: Anthropic's own
+
+
+def test_images_become_image_parts():
+    sent = translated({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is it?"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}},
+        {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}]})
+    assert sent["messages"][0]["content"] == [
+        {"type": "text", "text": "what is it?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),  # required in this API
+    ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "document"}]}]}, "messages.0.content.0"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "web_search_20250305",
+                                                                                   "name": "w"}]}, "tools.0.type"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "sometimes"}},
+     "tool_choice.type"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "temperature": 1.5}, "temperature"),
+    ({"max_tokens": 5, "messages": []}, "messages"),
+])
+def test_what_cannot_be_honoured_is_a_400_naming_it(body, param):
+    with pytest.raises(PoolError) as refused:
+        translated({"model": "m", **body})
+    assert refused.value.status == 400 and refused.value.param == param
+
+
+def test_a_stream_opens_and_closes_each_block_in_order():
+    req, _ = request_body(b'{"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "x"}]}',
+                          JSON, ashapes.MessagesRequest)
+    stream = ashapes.MessagesStream(req)
+    events = stream.opening()
+    events += stream.delta(Delta(job="j", text="", parts=[{"k": "reasoning", "i": 0, "t": "hm"}]))
+    events += stream.delta(Delta(job="j", text="Hi"))
+    events += stream.delta(Delta(job="j", text="", parts=[{"k": "tool", "i": 0, "n": 0, "id": "c1",
+                                                          "name": "get_weather", "args": '{"city":'},
+                                                         {"k": "tool", "i": 0, "n": 0, "args": '"Oslo"}'}]))
+    events += stream.closing(Done(job="j", finish_reason="tool_calls", usage={"input_tokens": 3,
+                                                                             "output_tokens": 4}))
+    shown = [(e["event"], json.loads(e["data"])) for e in events]
+    kinds = [(name, data.get("delta", {}).get("type") or (data.get("content_block") or {}).get("type"))
+             for name, data in shown]
+    assert kinds == [
+        ("message_start", None),
+        ("content_block_start", "thinking"), ("content_block_delta", "thinking_delta"),
+        ("content_block_delta", "signature_delta"), ("content_block_stop", None),
+        ("content_block_start", "text"), ("content_block_delta", "text_delta"), ("content_block_stop", None),
+        ("content_block_start", "tool_use"), ("content_block_delta", "input_json_delta"),
+        ("content_block_delta", "input_json_delta"), ("content_block_stop", None),
+        ("message_delta", None), ("message_stop", None)]
+    assert [d["index"] for n, d in shown if n.startswith("content_block")] == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2]
+    assert shown[-2][1]["delta"]["stop_reason"] == "tool_use" and shown[-2][1]["usage"]["output_tokens"] == 4
+
+
+def test_errors_take_anthropics_envelope_and_types():
+    for code, status, kind in [(ErrorCode.INVALID_REQUEST, 400, "invalid_request_error"),
+                               (ErrorCode.INVALID_API_KEY, 401, "authentication_error"),
+                               (ErrorCode.MODEL_NOT_FOUND, 404, "not_found_error"),
+                               (ErrorCode.RATE_LIMIT_EXCEEDED, 429, "rate_limit_error"),
+                               (ErrorCode.QUEUE_FULL, 529, "overloaded_error"),
+                               (ErrorCode.NO_HEALTHY_REPLICA, 529, "overloaded_error"),
+                               (ErrorCode.RUNTIME_CRASHED, 502, "api_error")]:
+        got_status, body = ashapes.error_envelope(PoolError(code, "why"))
+        assert (got_status, body) == (status, {"type": "error", "error": {"type": kind, "message": "why"}})
+
+
+# -- real clients, real runtimes ------------------------------------------------------------------------------
+class ToolRuntime(ScriptedHandler):
+    """Thinks, says a word, then calls a tool; answers a tool result with plain text."""
+    bodies: list[dict] = []
+
+    def answer(self, body: dict) -> tuple[int, str, str]:
+        usage = {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17}
+        if body["messages"][-1]["role"] == "tool":
+            return 200, "text/event-stream", sse_chunks(
+                [{"index": 0, "delta": {"role": "assistant", "content": "Rain in Oslo."}},
+                 {"index": 0, "delta": {}, "finish_reason": "stop"}], usage)
+        return 200, "text/event-stream", sse_chunks([
+            {"index": 0, "delta": {"role": "assistant", "content": None, "reasoning_content": "need weather"}},
+            {"index": 0, "delta": {"content": "Checking."}},
+            {"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_9", "type": "function",
+                                                    "function": {"name": "get_weather", "arguments": "{\"city\":"}}]}},
+            {"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "\"Oslo\"}"}}]}},
+            {"index": 0, "delta": {}, "finish_reason": "tool_calls"}], usage)
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    with serve(ToolRuntime) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def pool(scripted, tmp_path_factory):
+    p = Pool(tmp_path_factory.mktemp("messages"), [
+        synthetic("syn", tokens=6),
+        {"name": "scripted", "backend": "openai_remote", "target_inflight": 2,
+         "options": {"base_url": scripted.url + "/v1", "model": "upstream"}},
+        synthetic("cold", load_on_start=False, load_on_demand=False),
+        synthetic("full", ttft_ms=60_000, max_queue=0, request_timeout_s=120)])
+    p.start()
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def client(pool):
+    return anthropic.Anthropic(base_url=pool.url, api_key="unused", max_retries=0)
+
+
+def test_the_sdk_creates_and_streams_a_message(client):
+    whole = client.messages.create(model="syn", max_tokens=100, messages=[{"role": "user", "content": "hello"}])
+    assert whole.type == "message" and whole.role == "assistant" and whole.model == "syn"
+    assert whole.stop_reason == "end_turn" and whole.usage.output_tokens == 6
+    text = whole.content[0].text
+    assert len(text.split()) == 6
+
+    short = client.messages.create(model="syn", max_tokens=2, messages=[{"role": "user", "content": "hello"}])
+    assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 2
+
+    with client.messages.stream(model="syn", max_tokens=100, messages=[{"role": "user", "content": "hello"}]) as s:
+        streamed = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert streamed == text == final.content[0].text and final.stop_reason == "end_turn"
+
+
+def test_a_tool_round_trip_through_an_openai_compatible_runtime(client, scripted):
+    scripted.bodies.clear()
+    ask = dict(model="scripted", max_tokens=64, tools=TOOLS, messages=[{"role": "user", "content": "weather?"}])
+    with client.messages.stream(**ask) as s:
+        kinds = [event.type for event in s]
+        first = s.get_final_message()
+    assert "input_json" in kinds and "thinking" in kinds  # the SDK's own events for the deltas
+    assert [b.type for b in first.content] == ["thinking", "text", "tool_use"]
+    call = first.content[2]
+    assert call.name == "get_weather" and call.input == {"city": "Oslo"} and first.stop_reason == "tool_use"
+    assert scripted.bodies[-1]["tools"][0]["function"]["parameters"] == TOOLS[0]["input_schema"]
+
+    second = client.messages.create(**{**ask, "messages": [
+        *ask["messages"], {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "rain"}]}]})
+    assert second.content[0].text == "Rain in Oslo." and second.stop_reason == "end_turn"
+    sent = scripted.bodies[-1]["messages"]
+    assert sent[-1] == {"role": "tool", "tool_call_id": call.id, "content": "rain"}
+    assert sent[-2]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city":"Oslo"}'}
+    assert sent[-2]["reasoning_content"] == "need weather"
+
+
+def test_errors_reach_the_sdk_as_its_own_types(client, pool):
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.messages.create(model="nope", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+    assert missing.value.body["error"]["type"] == "not_found_error"
+    assert missing.value.response.headers.get("request-id")
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        client.messages.create(model="syn", max_tokens=5, messages=[{"role": "user", "content": [
+            {"type": "document", "source": {}}]}])
+    assert bad.value.body["error"]["type"] == "invalid_request_error" and "document" in bad.value.message
+    body = json.dumps({"model": "full", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}).encode()
+    with socket.create_connection(("127.0.0.1", pool.port), timeout=10) as holder:  # takes the one slot
+        holder.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                       b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        wait_for(lambda: pool.model("full")["runtime_inflight"] == 1, 10, what="the slot taken")
+        with pytest.raises(anthropic.APIStatusError) as busy:  # a queue with no room: the API's "overloaded"
+            client.messages.create(model="full", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+    assert busy.value.status_code == 529 and busy.value.body["error"]["type"] == "overloaded_error"
+    assert busy.value.response.headers.get("retry-after")
+    # the OpenAI surface keeps its own envelope
+    r = pool.http.post("/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_keys_as_x_api_key_and_the_models_list(make_pool):
+    pool = make_pool([synthetic("syn", tokens=3), synthetic("other", tokens=3)],
+                     server={"admin_key": "sk-admin"}, tenants=[{"name": "team", "keys": ["sk-team"]}])
+    with pytest.raises(anthropic.AuthenticationError) as refused:
+        anthropic.Anthropic(base_url=pool.url, api_key="sk-wrong", max_retries=0).messages.create(
+            model="syn", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+    assert refused.value.body["error"]["type"] == "authentication_error"
+    client = anthropic.Anthropic(base_url=pool.url, api_key="sk-team", max_retries=0)
+    assert client.messages.create(model="syn", max_tokens=5, messages=[{"role": "user", "content": "x"}]).content
+    page = client.models.list(limit=1)
+    assert [m.id for m in page.data] == ["syn"] and page.has_more and page.data[0].type == "model"
+    assert [m.id for m in client.models.list()] == ["syn", "other"]  # the SDK pages on by after_id
+
+
+# -- pool against llama-server answering /v1/messages itself --------------------------------------------------
+@pytest.mark.llama
+def test_pool_and_direct_llama_server_give_the_same_message(llama_server_bin, tiny_gguf, tmp_path, make_pool):
+    port = free_port()
+    with open(tmp_path / "direct.log", "wb") as log:
+        proc = subprocess.Popen([llama_server_bin, "-m", tiny_gguf, "-c", "4096", "-np", "1", "--host", "127.0.0.1",
+                                 "--port", str(port), "--no-webui"], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_for(lambda: _healthy(url, proc), 60, what="direct llama-server")
+            pool = make_pool([llama("tiny", tiny_gguf, llama_server_bin, ctx=4096)])
+            ask = dict(model="tiny", max_tokens=12, messages=[{"role": "user", "content": "hi"}],
+                       extra_body={"temperature": 0})  # greedy (this SDK release takes no temperature argument)
+            direct = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0).messages.create(**ask)
+            pooled = anthropic.Anthropic(base_url=pool.url, api_key="unused", max_retries=0).messages.create(**ask)
+            assert [b.type for b in pooled.content] == [b.type for b in direct.content]
+            assert pooled.content[0].text == direct.content[0].text
+            assert pooled.stop_reason == direct.stop_reason == "max_tokens"
+            assert pooled.usage.output_tokens == direct.usage.output_tokens == 12
+            assert pooled.usage.input_tokens == direct.usage.input_tokens
+            assert pooled.model == "tiny"  # direct names its model file there
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _healthy(url: str, proc) -> bool:
+    if proc.poll() is not None:
+        pytest.fail(f"llama-server exited with {proc.returncode}")
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
