@@ -13,6 +13,7 @@ from enum import IntEnum, StrEnum
 
 class ErrorCode(StrEnum):
     INVALID_REQUEST = "invalid_request"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # prompt and output do not fit the model's context
     UNSUPPORTED_PARAMETER = "unsupported_parameter"  # a field this model's backend cannot honour
     UNSUPPORTED_ENDPOINT = "unsupported_endpoint"  # an endpoint this model cannot serve
     REQUEST_TOO_LARGE = "request_too_large"
@@ -40,6 +41,7 @@ class ErrorCode(StrEnum):
 
 HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: 400,
     ErrorCode.UNSUPPORTED_PARAMETER: 400,
     ErrorCode.UNSUPPORTED_ENDPOINT: 400,
     ErrorCode.REQUEST_TOO_LARGE: 413,

@@ -580,16 +580,47 @@ def connection_lost(exc: Exception) -> JobError:
                     "(the runtime stopped or crashed)")
 
 
+# vLLM's words for a request over the model's length, in its releases' wordings: the context
+# (M), and what the request came to (N) where it says so
+_CONTEXT_M = re.compile(r"maximum (?:context length|model length) (?:is|of) (\d+)")
+_CONTEXT_N = re.compile(r"(?:requested|resulted in|has|contains at least) (\d+)(?: input)? tokens|\(length (\d+)\)")
+
+
+def context_overflow(detail, message: str) -> tuple[int | None, int] | None:
+    """(prompt tokens or None, context) when a runtime refused a request for its context's size:
+    llama-server says so in fields of its own, vLLM in words."""
+    if isinstance(detail, dict) and detail.get("type") == "exceed_context_size_error":
+        n, m = detail.get("n_prompt_tokens"), detail.get("n_ctx")
+        if isinstance(m, int):
+            return (n if isinstance(n, int) else None), m
+    if (m := _CONTEXT_M.search(message)) is None:
+        return None
+    n = _CONTEXT_N.search(message)
+    return (int(n.group(1) or n.group(2)) if n else None), int(m.group(1))
+
+
+def context_message(prompt_tokens: int | None, context: int) -> str:
+    """OpenAI's wording, which agents match to compact a conversation (the Messages surface
+    words it as Anthropic does, from these numbers)."""
+    resulted = f"However, your messages resulted in {prompt_tokens} tokens. " if prompt_tokens is not None else ""
+    return (f"This model's maximum context length is {context} tokens. {resulted}"
+            "Please reduce the length of the messages.")
+
+
 def upstream_error(status: int, text: str) -> JobError:
     """Map an upstream HTTP error to a job error; never a success. A request
     the runtime refused as malformed keeps its status (400) and its message:
-    the client gets the runtime's own words."""
+    the client gets the runtime's own words, except a request over the model's context:
+    `context_length_exceeded` in OpenAI's words, which agents act on."""
+    detail = None
     try:
         detail = json.loads(text).get("error", text)
         message = detail.get("message", str(detail)) if isinstance(detail, dict) else str(detail)
     except (ValueError, AttributeError):
         message = text[:500]
     message = str(message)[:ERROR_TEXT_CHARS]
+    if status in (400, 413, 422) and (sizes := context_overflow(detail, message)) is not None:
+        return JobError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, context_message(*sizes))
     if status in (400, 422):  # 422: a server's schema validation (FastAPI's, in vLLM)
         return JobError(ErrorCode.INVALID_REQUEST, message)
     if status == 413:

@@ -21,6 +21,7 @@ import hmac
 from protocol import Done
 from protocol.errors import ErrorCode, PoolError
 from supervisor.jobs import Job
+from supervisor.models.views import served_context
 from supervisor.openai_shapes import MAX_OUTPUT_TOKENS
 from supervisor.tenants import DEFAULT, Tenant, Tenants, TenantSpec
 
@@ -47,14 +48,6 @@ def output_reserve(request: dict, context: int | None = None) -> int:
                                 param=name)
             reserve = value if reserve is None else reserve
     return DEFAULT_OUTPUT_RESERVE if reserve is None else reserve
-
-
-def context_tokens(entry) -> int | None:
-    """The most tokens one request may hold on a model, where its runtime reports it (llama-server:
-    `n_ctx_per_slot` in a replica's info; the smallest of its replicas'); None where none does."""
-    replicas = entry.executor.replicas if entry.executor is not None else ()
-    sizes = [r.info.get("n_ctx_per_slot") for r in replicas if isinstance(r.info, dict)]
-    return min((n for n in sizes if isinstance(n, int) and not isinstance(n, bool) and n > 0), default=None)
 
 
 def presented_key(headers) -> bytes:
@@ -117,7 +110,7 @@ class Admission:
         What was counted is given back when a later step refuses; the reserve settles to
         the real usage at the job's end."""
         entry = self.check_scope(tenant, model)
-        output = output_reserve(request, context_tokens(entry))  # 400 before it counts against any limit
+        output = output_reserve(request, served_context(entry))  # 400 before it counts against any limit
         tenant.admit()
         reserved = 0
         try:

@@ -7,6 +7,7 @@ events in the API's order. Errors take Anthropic's envelope here. No I/O here.""
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Annotated, Any
 
@@ -314,11 +315,19 @@ class MessagesStream:
         return [{"event": "error", "data": json.dumps(error_envelope(err)[1], separators=(",", ":"))}]
 
 
+_CONTEXT = re.compile(r"maximum context length is (\d+) tokens\.(?: However, your messages resulted in (\d+) tokens)?")
+
+
 def error_envelope(err: PoolError) -> tuple[int, dict]:
-    """(status, body) of a PoolError in Anthropic's envelope."""
+    """(status, body) of a PoolError in Anthropic's envelope. A request over the model's
+    context is worded as Anthropic words it, which Claude Code acts on (it compacts)."""
     status = 529 if err.code in OVERLOADED else err.status
     kind = ERROR_TYPES.get(status, "api_error")
-    return status, {"type": "error", "error": {"type": kind, "message": err.message}}
+    message = err.message
+    if err.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and (sizes := _CONTEXT.search(message)):
+        context, prompt = sizes.group(1), sizes.group(2)
+        message = f"prompt is too long: {prompt or 'more than ' + context} tokens > {context} maximum"
+    return status, {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def anthropic_model_page(listed: list[dict], limit: int, after_id: str | None) -> dict:

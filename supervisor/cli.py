@@ -176,17 +176,17 @@ def models(url: Url = DEFAULT_URL, as_json: AsJson = False) -> None:
     if as_json:
         return fmt.print_json(views)
     with_error = any(m["error"] for m in views)  # the column only when there is something in it
-    fmt.table(["NAME", "BACKEND", "STATE", "READY", "QUEUE", "INFLIGHT", "CAPACITY cfg/eff", "MEMORY",
-            "LAST USED", "IDLE UNLOAD IN", "PINNED", "ALIASES"] + ["ERROR"] * with_error,
-           [(fmt.clip(m["name"]), m["backend"], m["state"], f"{m['replicas_ready']}/{m['replicas']}",
-             str(m["queue_depth"]), str(m["runtime_inflight"]),
-             f"{m['configured_target_inflight']}/{m['effective_target_inflight']}",
-             "-" if m.get("memory_mb") is None else f"{m['memory_mb']:g} MB ({m['memory_source']})",
-             "-" if m.get("last_used_at") is None else f"{fmt.duration(time.time() - m['last_used_at'])} ago",
-             fmt.duration(m.get("idle_unload_in_s")), "yes" if m.get("pinned") else "no",
-             ", ".join(m.get("aliases") or []) or "-")
-            + (fmt.one_line(m["error"]),) * with_error
-            for m in views])
+    fmt.table(["NAME", "BACKEND", "STATE", "READY", "QUEUE", "INFLIGHT", "CAPACITY cfg/eff", "CONTEXT",
+               "MEMORY", "LAST USED", "IDLE UNLOAD IN", "PINNED", "ALIASES"] + ["ERROR"] * with_error,
+              [(fmt.clip(m["name"]), m["backend"], m["state"], f"{m['replicas_ready']}/{m['replicas']}",
+                str(m["queue_depth"]), str(m["runtime_inflight"]),
+                f"{m['configured_target_inflight']}/{m['effective_target_inflight']}", fmt.dash(m.get("context_length")),
+                "-" if m.get("memory_mb") is None else f"{m['memory_mb']:g} MB ({m['memory_source']})",
+                "-" if m.get("last_used_at") is None else f"{fmt.duration(time.time() - m['last_used_at'])} ago",
+                fmt.duration(m.get("idle_unload_in_s")), "yes" if m.get("pinned") else "no",
+                ", ".join(m.get("aliases") or []) or "-")
+               + (fmt.one_line(m["error"]),) * with_error
+               for m in views])
 
 
 @_client

@@ -7,6 +7,7 @@ answering /v1/messages itself."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 
@@ -19,6 +20,7 @@ from protocol.errors import ErrorCode, PoolError
 from supervisor import anthropic_shapes as ashapes
 from supervisor.edge.schemas import request_body
 from tests.conftest import llama, synthetic
+from tests.test_cli import cli, table_rows
 from tests.pool import Pool, free_port, wait_for
 from tests.scripted_openai import ScriptedHandler, serve, sse_chunks
 
@@ -285,3 +287,45 @@ def _healthy(url: str, proc) -> bool:
         return httpx.get(url + "/health", timeout=2).status_code == 200
     except httpx.TransportError:
         return False
+
+
+# -- context windows a client can act on ------------------------------------------------------------------------
+def test_a_runtimes_context_refusal_is_worded_for_each_family():
+    from runtime_worker.native_server import upstream_error
+    llama_says = json.dumps({"error": {"code": 400, "type": "exceed_context_size_error", "n_prompt_tokens": 1852,
+                                       "n_ctx": 256, "message": "request (1852 tokens) exceeds the available "
+                                                                "context size (256 tokens), try increasing it"}})
+    vllm_says = json.dumps({"object": "error", "message": "This model's maximum context length is 2048 tokens. "
+                            "However, you requested 3000 tokens (2990 in the messages, 10 in the completion). "
+                            "Please reduce the length of the messages or completion.", "code": 400})
+    for text, n, m in [(llama_says, 1852, 256), (vllm_says, 3000, 2048)]:
+        err = upstream_error(400, text)
+        assert err.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED
+        assert err.message == (f"This model's maximum context length is {m} tokens. However, your messages "
+                               f"resulted in {n} tokens. Please reduce the length of the messages.")
+        status, body = ashapes.error_envelope(PoolError(ErrorCode(err.code), err.message))
+        assert (status, body["error"]) == (400, {"type": "invalid_request_error",
+                                                 "message": f"prompt is too long: {n} tokens > {m} maximum"})
+    assert upstream_error(400, '{"error": {"message": "bad tool schema"}}').code == ErrorCode.INVALID_REQUEST
+
+
+@pytest.mark.llama
+def test_a_prompt_over_the_context_gets_each_familys_words(llama_server_bin, tiny_gguf, make_pool):
+    import openai
+    pool = make_pool([llama("tiny", tiny_gguf, llama_server_bin, ctx=256)])
+    listed = {m["id"]: m for m in pool.http.get("/v1/models").json()["data"]}
+    assert listed["tiny"]["context_length"] == listed["tiny"]["max_model_len"] == 256
+    assert pool.model("tiny")["context_length"] == 256
+    shown = cli("models", url=pool.url)
+    assert {r["NAME"]: r for r in table_rows(shown.stdout)}["tiny"]["CONTEXT"] == "256", shown.stdout
+    long = "hello " * 300
+    with pytest.raises(openai.BadRequestError) as openai_refused:
+        openai.OpenAI(base_url=pool.url + "/v1", api_key="unused", max_retries=0).chat.completions.create(
+            model="tiny", max_tokens=5, messages=[{"role": "user", "content": long}])
+    assert openai_refused.value.code == "context_length_exceeded"
+    assert re.fullmatch(r"This model's maximum context length is 256 tokens\. However, your messages resulted in "
+                        r"\d+ tokens\. Please reduce the length of the messages\.", openai_refused.value.body["message"])
+    with pytest.raises(anthropic.BadRequestError) as anthropic_refused:
+        anthropic.Anthropic(base_url=pool.url, api_key="unused", max_retries=0).messages.create(
+            model="tiny", max_tokens=5, messages=[{"role": "user", "content": long}])
+    assert re.fullmatch(r"prompt is too long: \d+ tokens > 256 maximum", anthropic_refused.value.body["error"]["message"])

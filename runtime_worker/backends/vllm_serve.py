@@ -23,6 +23,7 @@ import os
 import shutil
 import tempfile
 
+import httpx
 import zmq
 
 from runtime_worker.backends.base import BackendLoadError
@@ -69,6 +70,12 @@ class VllmServeBackend(OpenAIServerBackend):
         # no deadline here: the supervisor stops a worker not ready within the model's load_timeout_s
         await self.server.wait_healthy(math.inf)
         info = {"child_pid": self.server.proc.pid, "port": self.server.port}
+        try:  # one sequence's context, as llama-server's per slot; a model that is served without it is fine
+            listed = (await self.server.get("/v1/models")).json()["data"][0]
+            if isinstance(listed.get("max_model_len"), int):
+                info["n_ctx_per_slot"] = listed["max_model_len"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+            self.log.warning("vLLM's /v1/models did not say the model's length: %s", exc)
         if getattr(self, "relay", None) is not None:
             # /tokenize sits outside vLLM's key-guarded /v1 paths
             info.update(kv_events=True, tokenize_url=f"http://127.0.0.1:{self.server.port}/tokenize")

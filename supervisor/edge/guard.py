@@ -29,7 +29,7 @@ TENANT_KEY = "llm_pool.tenant"  # in the ASGI scope of each /v1/ request: admiss
 
 # The admin surface: operator actions, and the documents that describe them.
 ADMIN_PATHS = frozenset({"/admin", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
-NO_RETRY = frozenset({ErrorCode.INVALID_REQUEST, ErrorCode.LOAD_FAILED, ErrorCode.MODEL_NOT_LOADED,
+NO_RETRY = frozenset({ErrorCode.INVALID_REQUEST, ErrorCode.CONTEXT_LENGTH_EXCEEDED, ErrorCode.LOAD_FAILED, ErrorCode.MODEL_NOT_LOADED,
                       ErrorCode.RUNTIME_TIMEOUT})  # the openai SDK retries 409 and 5xx unless told not to
 
 

@@ -16,6 +16,15 @@ def model_state(entry: ModelEntry) -> ModelState:
     return entry.state.public
 
 
+def served_context(entry) -> int | None:
+    """The most tokens one request may hold on a model, where its runtime reports it (llama-server's
+    context per slot, vLLM's max_model_len: `n_ctx_per_slot` in a replica's Ready info; the smallest
+    of its replicas'); None where none does (not loaded, or a runtime that does not say)."""
+    replicas = entry.executor.replicas if entry.executor is not None else ()
+    sizes = [r.info.get("n_ctx_per_slot") for r in replicas if isinstance(r.info, dict)]
+    return min((n for n in sizes if isinstance(n, int) and not isinstance(n, bool) and n > 0), default=None)
+
+
 class Views:
     def __init__(self, registry: Registry, memory: Memory, lifecycle: Lifecycle) -> None:
         self.registry = registry
@@ -28,9 +37,11 @@ class Views:
         for entry in self.registry.configured():
             name = entry.cfg.name
             state = model_state(entry).value
+            context = served_context(entry)
+            sizes = {"context_length": context, "max_model_len": context} if context else {}
             for id_ in (name, *entry.cfg.aliases):
                 out.append({"id": id_, "object": "model", "created": 0, "owned_by": "llm-pool", "state": state,
-                            **({"alias_of": name} if id_ != name else {})})
+                            **({"alias_of": name} if id_ != name else {}), **sizes})
         return out
 
     def model_view(self, entry: ModelEntry) -> dict:
@@ -39,6 +50,7 @@ class Views:
         return {
             "name": entry.cfg.name,
             "backend": entry.cfg.backend,
+            "context_length": served_context(entry),
             **(health := model_health(entry)),  # state, ready/configured, replica_errors (model_health.py)
             "replicas": entry.cfg.replicas,
             "replicas_ready": sum(r.state is ReplicaState.READY for r in ex.replicas) if ex else 0,
