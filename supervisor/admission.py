@@ -33,21 +33,22 @@ DEFAULT_OUTPUT_RESERVE = 1024  # ...else this many tokens (the window's size whe
 
 
 def output_reserve(request: dict, context: int | None = None) -> int:
-    """The output tokens a request may produce, as its tpm reserve counts them. 400 naming the
-    field for one over the model's `context` (where its runtime reports it) or MAX_OUTPUT_TOKENS:
-    the shapes bound the fields they declare, this also the kin a body passes through."""
-    limit, what = ((context, "the model's context") if context and context < MAX_OUTPUT_TOKENS
-                   else (MAX_OUTPUT_TOKENS, "the most output tokens a request may ask for"))
+    """The output tokens a request may produce, as its tpm reserve counts them: its own limit,
+    at most the model's `context` where its runtime reports it (the runtime stops there, so a
+    limit above it is not refused: coding agents ask 32,000 of an 8,192 window). Over
+    MAX_OUTPUT_TOKENS is a 400 naming the field: the shapes bound the fields they declare,
+    this also the kin a body passes through."""
     reserve = None
     for name in OUTPUT_LIMIT_KEYS:
         value = request.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            if value > limit:
+            if value > MAX_OUTPUT_TOKENS:
                 shown = value if value < 10**12 else "that"  # an echo of the client's input stays short
-                raise PoolError(ErrorCode.INVALID_REQUEST, f"{name}: {shown} is over {what} ({limit} tokens)",
-                                param=name)
+                raise PoolError(ErrorCode.INVALID_REQUEST, f"{name}: {shown} is over the most output tokens a "
+                                f"request may ask for ({MAX_OUTPUT_TOKENS} tokens)", param=name)
             reserve = value if reserve is None else reserve
-    return DEFAULT_OUTPUT_RESERVE if reserve is None else reserve
+    reserve = DEFAULT_OUTPUT_RESERVE if reserve is None else reserve
+    return min(reserve, context) if context else reserve
 
 
 def presented_key(headers) -> bytes:
