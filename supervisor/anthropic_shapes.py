@@ -22,7 +22,8 @@ from supervisor.request_bounds import echo
 
 # Anthropic fields about its own service (tiers, containers, server tools' context): they ask
 # nothing of a local runtime. Dropped, and named in the README.
-BOOKKEEPING = frozenset({"service_tier", "container", "context_management", "anthropic_version"})
+BOOKKEEPING = frozenset({"service_tier", "container", "context_management", "anthropic_version",
+                         "output_config"})  # output_config: its effort is mapped (job_request_from_messages)
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
                 "content_filter": "refusal"}
 # The pool's error codes as Anthropic's error types; 529 overloaded_error where the
@@ -145,8 +146,11 @@ def _messages(req: MessagesRequest) -> list[dict]:
     for n, message in enumerate(req.messages):
         where = f"messages.{n}"
         role, content = message.get("role"), message.get("content")
+        if role == "system":  # a system turn mid-conversation (Claude Code's beta of that name)
+            out.append({"role": "system", "content": _text_of(content, f"{where}.content")})
+            continue
         if role not in ("user", "assistant"):
-            raise _bad(f"{where}.role must be user or assistant", f"{where}.role")
+            raise _bad(f"{where}.role must be user, assistant or system", f"{where}.role")
         if isinstance(content, str):
             out.append({"role": role, "content": content})
         elif isinstance(content, list):
@@ -202,7 +206,11 @@ def job_request_from_messages(req: MessagesRequest, data: dict) -> dict:
     if isinstance(user, str):
         request["user"] = user  # also a session key for routing = "session"
     if req.thinking is not None and req.thinking.get("type") not in ("enabled", "disabled", "adaptive"):
-        raise _bad(f"thinking type {echo(req.thinking.get('type'))} is not enabled or disabled", "thinking.type")
+        raise _bad(f"thinking type {echo(req.thinking.get('type'))} is not enabled, adaptive or disabled",
+                   "thinking.type")
+    effort = (data.get("output_config") or {}).get("effort") if isinstance(data.get("output_config"), dict) else None
+    if isinstance(effort, str):
+        request["reasoning_effort"] = effort  # as vLLM's own Messages surface maps it
     for key, value in data.items():  # e.g. seed: the runtime judges it
         if key not in DECLARED and key not in BOOKKEEPING:
             request[key] = value

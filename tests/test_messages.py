@@ -77,7 +77,7 @@ def test_images_become_image_parts():
 
 @pytest.mark.parametrize("body, param", [
     ({"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),  # required in this API
-    ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
+    ({"max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "document"}]}]}, "messages.0.content.0"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "web_search_20250305",
                                                                                    "name": "w"}]}, "tools.0.type"),
