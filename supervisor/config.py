@@ -231,6 +231,9 @@ class ModelConfig(_Strict):
     # cancelled, at a cost that grows faster than the message count (400 beyond them)
     max_messages: int = Field(2048, ge=1)
     max_prompt_chars: int = Field(2_000_000, ge=1)
+    # content parts (text, image, tool blocks) over all messages: each costs the supervisor's loop in
+    # the translations and checks (30,000 cost about 20 ms here) and the runtime in its template
+    max_content_parts: int = Field(10_000, ge=1)
     cancel_grace_s: float = Field(30.0, gt=0)  # a runtime busy this long after a cancel left it idle: restart
     retry_unstarted_on_crash: bool = True  # a crash before the first token: run it once more elsewhere
     stop_timeout_s: float = Field(10.0, gt=0)  # drain-free stop: SIGTERM .. SIGKILL, worker and runtime

@@ -1,6 +1,6 @@
-"""What one request's prompt may carry, per model: max_messages and
-max_prompt_chars (checked before a job exists, so a request that cannot
-travel starts no load)."""
+"""What one request's prompt may carry, per model: max_messages, max_content_parts
+and max_prompt_chars (checked before a job exists, so a request that cannot travel
+starts no load)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,15 @@ def check_prompt_bounds(cfg: ModelConfig, request: dict) -> None:
         raise PoolError(ErrorCode.INVALID_REQUEST, f"{len(messages)} messages, over model {cfg.name!r}'s "
                         f"max_messages ({cfg.max_messages})", param="messages")
     chars = _text_chars(request.get("prompt")) + _text_chars(request.get("input"))
+    parts = 0
     for m in messages:
         if isinstance(m, dict):
-            chars += _text_chars(m.get("content"))
+            content = m.get("content")
+            chars += _text_chars(content)
+            parts += len(content) if isinstance(content, list) else 0
+    if parts > cfg.max_content_parts:
+        raise PoolError(ErrorCode.INVALID_REQUEST, f"{parts} content parts, over model {cfg.name!r}'s "
+                        f"max_content_parts ({cfg.max_content_parts})", param="messages")
     if chars > cfg.max_prompt_chars:
         raise PoolError(ErrorCode.INVALID_REQUEST, f"the prompt has {chars} characters, over model "
                         f"{cfg.name!r}'s max_prompt_chars ({cfg.max_prompt_chars})",

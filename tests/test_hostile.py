@@ -83,10 +83,14 @@ def test_body_just_under_the_cap_runs_and_one_over_gets_413(make_pool):
 
 
 def test_prompt_bounds_per_model(make_pool):
-    pool = make_pool([synthetic("syn", max_messages=10, max_prompt_chars=1000)])
+    pool = make_pool([synthetic("syn", max_messages=10, max_prompt_chars=1000, max_content_parts=20)])
     r = pool.http.post(CHAT, json={"model": "syn", "messages": [{"role": "user", "content": "m"}] * 11})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     assert "max_messages" in r.json()["error"]["message"]
+    parts = [{"type": "text", "text": "p"}] * 11  # 22 parts in two messages: over 20, each message under it
+    r = pool.http.post(CHAT, json={"model": "syn", "messages": [{"role": "user", "content": parts}] * 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert "22 content parts" in r.json()["error"]["message"] and "max_content_parts (20)" in r.json()["error"]["message"]
     r = pool.http.post("/v1/responses", json={"model": "syn", "input": "y" * 1001})
     assert r.status_code == 400 and "max_prompt_chars" in r.json()["error"]["message"]
     assert pool.http.post(CHAT, json={"model": "syn", "messages": [{"role": "user", "content": "m"}] * 10,
