@@ -329,6 +329,16 @@ def test_admin_needs_the_admin_key_whenever_a_key_is_set(make_pool):
         assert pool.http.get(path, headers={"Authorization": "Bearer admin"}).status_code == 200, path
     r = pool.http.get("/admin/models", headers={"Authorization": "Bearer admin", "Origin": "http://evil.example"})
     assert r.status_code == 403  # a key does not let a web page in
+    pool.stop()
+
+    # issue 33 #6: tenant keys and no admin key left /admin open to anyone, load and unload included
+    pool = make_pool([synthetic("syn")], tenants=[{"name": "team", "keys": ["sk-team"]}])
+    for headers in ({}, {"Authorization": "Bearer sk-team"}, {"x-api-key": "sk-team"}):
+        for method, path in (("GET", "/admin/models"), ("POST", "/admin/models/syn/unload"), ("GET", "/docs")):
+            r = pool.http.request(method, path, headers=headers)
+            assert r.status_code == 401 and "admin_key" in r.json()["error"]["message"], (headers, path, r.text)
+    listed = pool.http.get("/v1/models", headers={"Authorization": "Bearer sk-team"}).json()["data"]
+    assert [(m["id"], m["state"]) for m in listed] == [("syn", "loaded")]  # the refused unload did nothing
 
 
 # -- item 9 and kept behaviours: odd values and paths ----------------------------------------------------
