@@ -67,7 +67,7 @@ def create_app(config: PoolConfig) -> HttpEdge:
     app.include_router(admin.router)
     app.include_router(admin_feeds.router)
     app.include_router(ui.router)
-    edge = HttpEdge(app, server=config.server, admission=admission, api_key=api_key, admin_key=admin_key,
+    edge = HttpEdge(app, server=config.server, admission=admission, admin_key=admin_key,
                     inference=inference,
                     on_key_refused=metrics.key_refused)  # counted; logged at a bounded rate
 

@@ -12,7 +12,7 @@ import ipaddress
 from urllib.parse import urlsplit
 
 from fastapi.responses import JSONResponse
-from starlette.routing import Match
+from starlette.routing import Match, Mount
 
 from protocol.errors import ErrorCode, PoolError
 from supervisor.admission import Admission, key_matches, presented_key
@@ -63,8 +63,13 @@ class HttpEdge:
     costs on every request).
 
     Keys: /v1/* goes through `Admission.tenant` (the inference key or the admin
-    key when an inference key is set); the tenant goes in `scope[TENANT_KEY]`. The admin surface (/admin/*, /docs, /redoc, /openapi.json) needs the
-    admin key when any key is set; with only an inference key it is refused.
+    key when an inference key is set); the tenant goes in `scope[TENANT_KEY]`.
+    The admin surface (/admin/*, /docs, /redoc, /openapi.json) needs the admin
+    key when any key is set; with inference keys (api_key or [[tenants]]) and no
+    admin key it is closed to every key.
+
+    Route: a path no route of the app takes is answered 404 before its body is
+    read. Errors on /v1/messages take Anthropic's envelope, the rest OpenAI's.
 
     Browser rules for the admin surface, keys or not (a web page must not drive
     it, whether cross-site or by DNS rebinding): the Host must be localhost,
@@ -84,8 +89,8 @@ class HttpEdge:
     Inference POSTs go straight to their endpoint in `inference`, every other
     request to `app`."""
 
-    def __init__(self, app, server: ServerConfig, admission: Admission, api_key: str | None,
-                 admin_key: str | None, inference: dict | None = None, on_key_refused=None) -> None:
+    def __init__(self, app, server: ServerConfig, admission: Admission, admin_key: str | None,
+                 inference: dict | None = None, on_key_refused=None) -> None:
         self.app = app
         self.inference = inference or {}  # path -> the ASGI endpoint of its POST
         # on_key_refused(path, error, tenant): a /v1/ request refused for its key (401); tenant is
@@ -155,7 +160,7 @@ class HttpEdge:
             self._dynamic = []
             for route in self.app.routes:
                 path = getattr(route, "path", None)
-                if path is not None and "{" not in path and type(route).__name__ != "Mount":
+                if path is not None and "{" not in path and not isinstance(route, Mount):
                     self._static.add(path)
                 else:
                     self._dynamic.append(route)
