@@ -330,9 +330,10 @@ def test_restart_button_lets_a_running_stream_finish(make_pool, open_page):
         wait_for(lambda: got["tokens"] >= 3, 10, what="the stream under way")
         pid = pool.workers("syn")[0]["pid"]
         row.locator("button.restart").click()
-        expect(page.locator('#workers tr[data-worker="syn/0"] td:nth-child(4)')).to_have_text("draining",
+        # an operator's restart shows as what it is while it drains (it showed "draining", as an unload)
+        expect(page.locator('#workers tr[data-worker="syn/0"] td:nth-child(4)')).to_have_text("restarting",
                                                                                            timeout=3000)
-        ui.shot("draining")
+        ui.shot("restarting")
         wait_for(lambda: pool.workers("syn")[0]["pid"] not in (None, pid), 30, what="a new worker")
     finally:
         runner.join(30)
