@@ -14,10 +14,9 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-import protocol as p
-from protocol import Delta, Done
+from protocol import Done
 from protocol.errors import ErrorCode, PoolError
-from supervisor.openai_shapes import Choices, ModelName, OutputTokens, new_id
+from supervisor.openai_shapes import Choices, ModelName, OneAtATime, OutputTokens, new_id
 from supervisor.request_bounds import echo
 
 # Anthropic fields about its own service (tiers, containers, server tools' context): they ask
@@ -253,7 +252,7 @@ def _event(kind: str, **fields: Any) -> dict:
     return {"event": kind, "data": json.dumps({"type": kind, **fields}, separators=(",", ":"))}
 
 
-class MessagesStream:
+class MessagesStream(OneAtATime):
     """The SSE events of one streamed message. A content block opens as the runtime's
     parts of its kind arrive (thinking, text, each tool call) and closes when the next
     kind begins or the job is done."""
@@ -262,7 +261,7 @@ class MessagesStream:
         self.req = req
         self.msg_id = new_id("msg")
         self.index = -1  # the open block's index
-        self.key = None  # what the open block holds: "text", "thinking", or ("tool", n)
+        self.key = None  # what the open block holds: "text", "reasoning" (a thinking block), or ("tool", n)
 
     def opening(self) -> list[dict]:
         return [_event("message_start", message={
@@ -275,7 +274,7 @@ class MessagesStream:
         self.key = key
         if key == "text":
             block = {"type": "text", "text": ""}
-        elif key == "thinking":
+        elif key == "reasoning":
             block = {"type": "thinking", "thinking": "", "signature": ""}
         else:
             block = {"type": "tool_use", "id": part.get("id") or new_id("toolu"), "name": part.get("name", ""),
@@ -286,30 +285,21 @@ class MessagesStream:
         if self.key is None:
             return []
         events = []
-        if self.key == "thinking":  # clients expect a signature before a thinking block ends
+        if self.key == "reasoning":  # clients expect a signature before a thinking block ends
             events.append(_event("content_block_delta", index=self.index,
                                  delta={"type": "signature_delta", "signature": ""}))
         self.key = None
         return events + [_event("content_block_stop", index=self.index)]
 
-    def delta(self, event: Delta) -> list[dict]:
-        events: list[dict] = []
-        for part in p.delta_parts(event) if event.parts else ({"k": "text", "t": event.text},):
-            if part.get("i", 0) != 0:
-                continue  # a message has one choice
-            kind = part["k"]
-            key = ("tool", part.get("n", 0)) if kind == "tool" else "thinking" if kind == "reasoning" else "text"
-            if key != self.key:
-                events += self._open(key, part)
-            if kind == "tool":
-                if part.get("args"):
-                    events.append(_event("content_block_delta", index=self.index,
-                                         delta={"type": "input_json_delta", "partial_json": part["args"]}))
-            elif part.get("t"):
-                delta = ({"type": "thinking_delta", "thinking": part["t"]} if kind == "reasoning"
-                         else {"type": "text_delta", "text": part["t"]})
-                events.append(_event("content_block_delta", index=self.index, delta=delta))
-        return events
+    def _piece(self, kind: str, part: dict) -> list[dict]:
+        if kind == "tool":
+            delta = {"type": "input_json_delta", "partial_json": part["args"]} if part.get("args") else None
+        elif part.get("t"):
+            delta = ({"type": "thinking_delta", "thinking": part["t"]} if kind == "reasoning"
+                     else {"type": "text_delta", "text": part["t"]})
+        else:
+            delta = None
+        return [] if delta is None else [_event("content_block_delta", index=self.index, delta=delta)]
 
     def closing(self, done: Done) -> list[dict]:
         events = self._open("text", {}) if self.index < 0 else []  # nothing came: an empty text block

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from protocol import Delta, Done
+from protocol import Delta, Done, delta_parts
 from protocol.errors import PoolError
 from protocol.choices import MAX_CHOICES
 
@@ -94,6 +94,37 @@ def job_request(data: dict) -> dict:
 
 
 _json_str = json.JSONEncoder().encode  # a str goes straight to the C escaper (ensure_ascii, as json.dumps)
+
+
+def first_choice_parts(event: Delta):
+    """Choice 0's parts of a delta, in order, each as (what it holds, part): "text", "reasoning"
+    or ("tool", n). A response or a message has one choice; a refusal's text is text."""
+    for part in delta_parts(event) if event.parts else ({"k": "text", "t": event.text},):
+        if part.get("i", 0) == 0:
+            kind = part["k"]
+            yield ("tool", part.get("n", 0)) if kind == "tool" else "reasoning" if kind == "reasoning" else "text", part
+
+
+class OneAtATime:
+    """A stream of output items or content blocks, one open at a time (Responses, Messages):
+    a part of another kind than the open one's (`key`) opens the next; each part's piece
+    then goes into the open one. Subclasses say how (`_open`, `_piece`)."""
+
+    key = None  # what the open one holds: "text", "reasoning", or ("tool", n)
+
+    def delta(self, event: Delta) -> list[dict]:
+        events: list[dict] = []
+        for key, part in first_choice_parts(event):
+            if key != self.key:
+                events += self._open(key, part)
+            events += self._piece(part["k"], part)
+        return events
+
+    def _open(self, key, part: dict) -> list[dict]:
+        raise NotImplementedError
+
+    def _piece(self, kind: str, part: dict) -> list[dict]:
+        raise NotImplementedError
 
 
 def new_id(prefix: str) -> str:

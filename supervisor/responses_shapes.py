@@ -13,10 +13,9 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-import protocol as p
-from protocol import Delta, Done
+from protocol import Done
 from protocol.errors import ErrorCode, PoolError
-from supervisor.openai_shapes import Choices, ModelName, OutputTokens, Temperature, new_id
+from supervisor.openai_shapes import Choices, ModelName, OneAtATime, OutputTokens, Temperature, new_id
 from supervisor.request_bounds import echo
 
 # Responses fields about the Responses API's own storage and delivery: the pool stores
@@ -266,7 +265,7 @@ def response_json(req: ResponsesRequest, choices: Choices, done: Done) -> dict:
                            usage=done.usage, reason=reason)
 
 
-class ResponsesStream:
+class ResponsesStream(OneAtATime):
     """Builds the SSE events of one streamed response, numbering them. Output
     items open as the runtime's parts arrive (reasoning, message text, each
     function call) and close when the next kind begins or the job is done."""
@@ -335,30 +334,20 @@ class ResponsesStream:
         self.item = self.key = None
         return events
 
-    def delta(self, event: Delta) -> list[dict]:
-        events: list[dict] = []
-        for part in p.delta_parts(event) if event.parts else ({"k": "text", "t": event.text},):
-            if part.get("i", 0) != 0:
-                continue  # a response has one choice
-            kind = part["k"]
-            key = ("tool", part.get("n", 0)) if kind == "tool" else "reasoning" if kind == "reasoning" else "text"
-            if key != self.key:
-                events += self._open(key, part)
-            piece = part.get("args" if kind == "tool" else "t", "")
-            if not piece:
-                continue
-            self.buffer.append(piece)
-            index = len(self.output)
-            if kind == "tool":
-                events.append(self._event("response.function_call_arguments.delta", item_id=self.item["id"],
-                                          output_index=index, delta=piece))
-            elif kind == "reasoning":
-                events.append(self._event("response.reasoning_text.delta", item_id=self.item["id"],
-                                          output_index=index, content_index=0, delta=piece))
-            else:
-                events.append(self._event("response.output_text.delta", item_id=self.item["id"],
-                                          output_index=index, content_index=0, delta=piece, logprobs=[]))
-        return events
+    def _piece(self, kind: str, part: dict) -> list[dict]:
+        piece = part.get("args" if kind == "tool" else "t", "")
+        if not piece:
+            return []
+        self.buffer.append(piece)
+        index = len(self.output)
+        if kind == "tool":
+            return [self._event("response.function_call_arguments.delta", item_id=self.item["id"],
+                                output_index=index, delta=piece)]
+        if kind == "reasoning":
+            return [self._event("response.reasoning_text.delta", item_id=self.item["id"],
+                                output_index=index, content_index=0, delta=piece)]
+        return [self._event("response.output_text.delta", item_id=self.item["id"],
+                            output_index=index, content_index=0, delta=piece, logprobs=[])]
 
     def closing(self, done: Done) -> list[dict]:
         status, reason = response_status(done.finish_reason)

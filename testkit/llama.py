@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
+from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
+
+from procutil.net import free_port
 from runtime_worker.backends.llama_server import cached_llama_server
 from testkit import ROOT
+from testkit.waits import wait_for
 
 
 def find_llama_server(build: bool = False) -> str | None:
@@ -22,3 +29,32 @@ def find_llama_server(build: bool = False) -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else None
+
+
+@contextlib.contextmanager
+def direct_llama_server(binary: str, model: str, args: list[str], log_path: Path) -> Iterator[str]:
+    """A llama-server started here on a free loopback port (`args` after -m MODEL), for a
+    test to compare the pool against: its base URL once it is healthy. Always stopped."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([binary, "-m", model, *args, "--host", "127.0.0.1", "--port", str(port),
+                                 "--no-webui"], stdout=log, stderr=subprocess.STDOUT)
+
+        def healthy() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"llama-server exited with {proc.returncode} (log: {log_path})")
+            try:
+                return httpx.get(url + "/health", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+        try:
+            wait_for(healthy, 60, what=f"direct llama-server (log: {log_path})")
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -8,15 +8,14 @@ that emits tool calls, reasoning and several choices; a runtime's 400 stays a
 from __future__ import annotations
 
 import json
-import subprocess
 
-import httpx
 import openai
 import pydantic
 import pytest
 
+from testkit.llama import direct_llama_server
 from tests.conftest import llama, synthetic
-from tests.pool import Pool, free_port, wait_for
+from tests.pool import Pool
 from tests.scripted_openai import ScriptedHandler, serve, sse_chunks
 
 pytestmark = pytest.mark.llama
@@ -68,31 +67,10 @@ def scripted():
 @pytest.fixture(scope="module")
 def direct(llama_server_bin, tiny_gguf, tmp_path_factory):
     """A llama-server started by the test, with the flags the pool's gets; always killed."""
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("direct") / "llama.log", "wb")
-    proc = subprocess.Popen([llama_server_bin, "-m", tiny_gguf, "-c", str(CTX), "-np", str(SLOTS),
-                             "--host", "127.0.0.1", "--port", str(port), "--no-webui", *LLAMA_FLAGS],
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        if proc.poll() is not None:
-            pytest.fail(f"llama-server exited with {proc.returncode}")
-        try:
-            return httpx.get(url + "/health", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
-    try:
-        wait_for(healthy, 60, what="direct llama-server")
+    log = tmp_path_factory.mktemp("direct") / "llama.log"
+    with direct_llama_server(llama_server_bin, tiny_gguf, ["-c", str(CTX), "-np", str(SLOTS), *LLAMA_FLAGS],
+                             log) as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,8 @@ from __future__ import annotations
 import json
 import re
 import socket
-import subprocess
 
 import anthropic
-import httpx
 import pytest
 
 from protocol import Delta, Done
@@ -21,7 +19,8 @@ from supervisor import anthropic_shapes as ashapes
 from supervisor.edge.schemas import request_body
 from tests.conftest import llama, synthetic
 from tests.test_cli import cli, table_rows
-from tests.pool import Pool, free_port, wait_for
+from testkit.llama import direct_llama_server
+from tests.pool import Pool, wait_for
 from tests.scripted_openai import ScriptedHandler, serve, sse_chunks
 
 JSON = "application/json"
@@ -253,40 +252,18 @@ def test_keys_as_x_api_key_and_the_models_list(make_pool):
 # -- pool against llama-server answering /v1/messages itself --------------------------------------------------
 @pytest.mark.llama
 def test_pool_and_direct_llama_server_give_the_same_message(llama_server_bin, tiny_gguf, tmp_path, make_pool):
-    port = free_port()
-    with open(tmp_path / "direct.log", "wb") as log:
-        proc = subprocess.Popen([llama_server_bin, "-m", tiny_gguf, "-c", "4096", "-np", "1", "--host", "127.0.0.1",
-                                 "--port", str(port), "--no-webui"], stdout=log, stderr=subprocess.STDOUT)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            wait_for(lambda: _healthy(url, proc), 60, what="direct llama-server")
-            pool = make_pool([llama("tiny", tiny_gguf, llama_server_bin, ctx=4096)])
-            ask = dict(model="tiny", max_tokens=12, messages=[{"role": "user", "content": "hi"}],
-                       extra_body={"temperature": 0})  # greedy (this SDK release takes no temperature argument)
-            direct = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0).messages.create(**ask)
-            pooled = anthropic.Anthropic(base_url=pool.url, api_key="unused", max_retries=0).messages.create(**ask)
-            assert [b.type for b in pooled.content] == [b.type for b in direct.content]
-            assert pooled.content[0].text == direct.content[0].text
-            assert pooled.stop_reason == direct.stop_reason == "max_tokens"
-            assert pooled.usage.output_tokens == direct.usage.output_tokens == 12
-            assert pooled.usage.input_tokens == direct.usage.input_tokens
-            assert pooled.model == "tiny"  # direct names its model file there
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def _healthy(url: str, proc) -> bool:
-    if proc.poll() is not None:
-        pytest.fail(f"llama-server exited with {proc.returncode}")
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
+    with direct_llama_server(llama_server_bin, tiny_gguf, ["-c", "4096", "-np", "1"], tmp_path / "direct.log") as url:
+        pool = make_pool([llama("tiny", tiny_gguf, llama_server_bin, ctx=4096)])
+        ask = dict(model="tiny", max_tokens=12, messages=[{"role": "user", "content": "hi"}],
+                   extra_body={"temperature": 0})  # greedy (this SDK release takes no temperature argument)
+        direct = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0).messages.create(**ask)
+        pooled = anthropic.Anthropic(base_url=pool.url, api_key="unused", max_retries=0).messages.create(**ask)
+    assert [b.type for b in pooled.content] == [b.type for b in direct.content]
+    assert pooled.content[0].text == direct.content[0].text
+    assert pooled.stop_reason == direct.stop_reason == "max_tokens"
+    assert pooled.usage.output_tokens == direct.usage.output_tokens == 12
+    assert pooled.usage.input_tokens == direct.usage.input_tokens
+    assert pooled.model == "tiny"  # direct names its model file there
 
 
 # -- context windows a client can act on ------------------------------------------------------------------------

@@ -100,27 +100,13 @@ def test_openai_remote_in_front_of_a_llama_server_loses_no_request(make_pool, ti
     before the retry on a stale connection). Back-to-back streams through the
     keep-alive client must all succeed. The race is rare: this run does not
     always meet it, so it guards the path, not the exact timing."""
-    import subprocess
     from types import SimpleNamespace
 
-    from tests.pool import free_port
+    from testkit.llama import direct_llama_server
 
-    port = free_port()
-    upstream = SimpleNamespace(url=f"http://127.0.0.1:{port}")
-    log = open(tmp_path / "llama.log", "wb")
-    server = subprocess.Popen([llama_server_bin, "-m", tiny_gguf, "-c", "4096", "-np", "4", "--host", "127.0.0.1",
-                               "--port", str(port), "--api-key", "upstream-secret", "--no-webui"],
-                              stdout=log, stderr=subprocess.STDOUT)
-
-    def healthy() -> bool:
-        if server.poll() is not None:
-            pytest.fail(f"llama-server exited with {server.returncode}")
-        try:
-            return httpx.get(upstream.url + "/health", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
-    try:
-        wait_for(healthy, 60, what="llama-server")
+    args = ["-c", "4096", "-np", "4", "--api-key", "upstream-secret"]
+    with direct_llama_server(llama_server_bin, tiny_gguf, args, tmp_path / "llama.log") as url:
+        upstream = SimpleNamespace(url=url)
         pool = make_pool([{**remote("r", upstream, "tiny"), "target_inflight": 4}],
                          env={"UPSTREAM_KEY": "upstream-secret"})
 
@@ -133,11 +119,3 @@ def test_openai_remote_in_front_of_a_llama_server_loses_no_request(make_pool, ti
         with ThreadPoolExecutor(4) as ex:
             codes = list(ex.map(one, range(200)))
         assert codes == [200] * 200
-    finally:
-        server.terminate()
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        log.close()
