@@ -45,6 +45,8 @@ from protocol.codec import (
     MAX_FRAME_BYTES, PROTOCOL_VERSION, ProtocolError, decode, decode_many, encode, encode_batch, find_unencodable)
 from protocol.messages import (
     ENDPOINTS,
+    LIGHT_CALLS_PER_WORKER,
+    LIGHT_ENDPOINTS,
     Cancel,
     Delta,
     Done,
@@ -68,6 +70,6 @@ __all__ = [
     "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "ProtocolError", "decode", "decode_many", "encode", "encode_batch",
     "find_unencodable",
     "Cancel", "Delta", "Done", "Error", "Heartbeat", "Hello", "KvEvents", "MAX_KV_EVENTS", "Message", "Ready", "Setup",
-    "Shutdown", "Submit", "ENDPOINTS", "delta_parts", "delta_size", "merge_deltas",
+    "Shutdown", "Submit", "ENDPOINTS", "LIGHT_ENDPOINTS", "LIGHT_CALLS_PER_WORKER", "delta_parts", "delta_size", "merge_deltas",
     "runtime_timings",
 ]

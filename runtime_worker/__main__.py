@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -46,6 +47,7 @@ class Worker:
         self.backend: Backend | None = None  # made once Setup brings the options
         self.setup: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
         self.capacity = 0
+        self.light: set[str] = set()  # jobs of LIGHT_ENDPOINTS among `jobs`: they take no slot
         self.jobs: dict[str, asyncio.Task] = {}
         self.cancel_watch = CancelWatch(args.cancel_grace_s)
         self.submits_seen = 0  # told in heartbeats: the supervisor knows which jobs a beat covers
@@ -138,11 +140,15 @@ class Worker:
         match msg:
             case p.Submit(job=job, request=request, endpoint=endpoint):
                 self.submits_seen += 1
-                if len(self.jobs) >= self.capacity:
+                light = endpoint in p.LIGHT_ENDPOINTS
+                if (len(self.light) >= p.LIGHT_CALLS_PER_WORKER if light
+                        else len(self.jobs) - len(self.light) >= self.capacity):
                     self.send(p.Error(job=job, code=ErrorCode.RUNTIME_ERROR, message="worker is at capacity"))
                 else:
                     self.cancel_watch.disarm()
                     task = self.jobs[job] = asyncio.create_task(self.run_job(job, request, endpoint))
+                    if light:
+                        self.light.add(job)
                     task.add_done_callback(lambda t, job=job: self._job_ended(job))
             case p.Cancel(job=job):
                 self.cancel_job(job)
@@ -161,8 +167,8 @@ class Worker:
     async def run_job(self, job: str, request: dict, endpoint: str = "chat") -> None:
         try:
             self.backend.check(endpoint, request)
-            run = {"chat": self.backend.run, "completions": self.backend.complete,
-                   "embeddings": self.backend.embed}.get(endpoint, self.backend.run)
+            run = ({"chat": self.backend.run, "completions": self.backend.complete,
+                    "embeddings": self.backend.embed}.get(endpoint) or functools.partial(self.backend.call, endpoint))
             budget = self.args.max_job_output_bytes  # what this job may still send (characters, about bytes)
             # closed when the job ends, not by the garbage collector (whose finalizer costs a
             # thread-safe wake-up of the loop and a task per job)
@@ -202,6 +208,7 @@ class Worker:
             self.send(p.Error(job=job, code=ErrorCode.RUNTIME_ERROR, message=f"{type(exc).__name__}: {exc}"))
         finally:
             self.jobs.pop(job, None)
+            self.light.discard(job)
 
     def _over_budget(self, budget: int) -> None:
         if budget < 0:
@@ -219,6 +226,7 @@ class Worker:
         cancelled before its first step (a Cancel in the same loop turn as its
         Submit), so none of run_job ran: its Done is sent here, else its slot in
         the supervisor would stay taken."""
+        self.light.discard(job)
         if self.jobs.pop(job, None) is not None and not self.stopping.is_set():
             self.send(p.Done(job=job, finish_reason="cancelled", usage={}))
 

@@ -117,10 +117,11 @@ class OpenAIClient:
         except (aiohttp.ClientError, ConnectionError) as exc:  # refused, or cut mid-stream
             raise connection_lost(exc) from None
 
-    async def fetch(self, request: dict, path: str = "/embeddings") -> AsyncIterator[Event]:
-        """One request answered whole (embeddings): a single Finished with the result."""
+    async def fetch(self, request: dict, path: str = "/embeddings", root: bool = False) -> AsyncIterator[Event]:
+        """One request answered whole (embeddings, the runtime's own calls): a single Finished
+        with the result. `root`: `path` is from the server's root (/tokenize), not from /v1."""
         try:
-            r = await self._post(path, self.body(request, stream=False, generate=False))
+            r = await self._post(path, self.body(request, stream=False, generate=False), root)
             try:
                 if r.status != 200:
                     raise upstream_error(r.status, await UpstreamBody(r, self.limits).error_text())
@@ -137,13 +138,14 @@ class OpenAIClient:
         result.pop("model", None)  # the pool names the model
         yield Finished("stop", int(usage.get("prompt_tokens", 0)), 0, result=result)
 
-    async def _post(self, path: str, body: dict) -> aiohttp.ClientResponse:
+    async def _post(self, path: str, body: dict, root: bool = False) -> aiohttp.ClientResponse:
+        url = (self.base_url.removesuffix("/v1") if root else self.base_url) + path
         session = self._open_session()
         failures = 0
         while True:
             try:
                 # a redirect is the runtime's answer (an error), not a place to send the key and the prompt
-                return await session.post(self.base_url + path, json=body, allow_redirects=False)
+                return await session.post(url, json=body, allow_redirects=False)
             except aiohttp.ClientConnectionError:
                 # A pooled connection the server had closed just before (llama-server
                 # announces keep-alive, then closes after a stream): no answer came back,
@@ -350,6 +352,12 @@ class OpenAIServerBackend(Backend):
 
     def embed(self, job: str, request: dict) -> AsyncIterator[Event]:
         return self.client.fetch(request)
+
+    # the runtime's own calls it serves (base.CALLS): endpoint -> its path from the server's root
+    call_paths: dict[str, str] = {}
+
+    def call(self, endpoint: str, job: str, request: dict) -> AsyncIterator[Event]:
+        return self.client.fetch(request, self.call_paths[endpoint], root=True)
 
 
 class NativeServer:

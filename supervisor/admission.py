@@ -21,6 +21,7 @@ import hmac
 from protocol import Done
 from protocol.errors import ErrorCode, PoolError
 from supervisor.jobs import Job
+from supervisor.models.capabilities import CALLS, check_serves
 from supervisor.models.views import served_context
 from supervisor.openai_shapes import MAX_OUTPUT_TOKENS
 from supervisor.tenants import DEFAULT, Tenant, Tenants, TenantSpec
@@ -102,7 +103,8 @@ class Admission:
             raise PoolError(ErrorCode.MODEL_NOT_FOUND, f"model {model!r} does not exist", param="model")
         return entry
 
-    async def admit(self, tenant: Tenant, model: str, request: dict, endpoint: str) -> Job:
+    async def admit(self, tenant: Tenant, model: str, request: dict, endpoint: str,
+                    session: str | None = None) -> Job:
         """The job for this request, queued on its model; PoolError when it is refused. One
         call, in this order: the model's name resolved once (Registry.lookup) and its scope →
         the output limit (400) → limits (429: rpm, max_inflight) → bounds and the job
@@ -111,11 +113,16 @@ class Admission:
         What was counted is given back when a later step refuses; the reserve settles to
         the real usage at the job's end."""
         entry = self.check_scope(tenant, model)
-        output = output_reserve(request, served_context(entry))  # 400 before it counts against any limit
+        if endpoint in CALLS:  # the runtime's own calls: 400 where the model's backend has none; no output
+            check_serves(entry.cfg, endpoint)
+            output = 0
+        else:
+            output = output_reserve(request, served_context(entry))  # 400 before it counts against any limit
         tenant.admit()
         reserved = 0
         try:
             job = self.engine.make_job(entry, request, endpoint, tenant.name)
+            job.session = session  # a session key its headers gave, for routing = "session"
             estimate = len(job.frame) // PROMPT_BYTES_PER_TOKEN
             reserved = tenant.reserve_tokens(estimate + output)
             tokens = await self.engine.prompt_tokens(entry, request, endpoint)  # None where routing needs none

@@ -33,25 +33,44 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                429: "rate_limit_error", 431: "invalid_request_error", 529: "overloaded_error"}
 
 
-class MessagesRequest(msgspec.Struct, kw_only=True):
-    """The fields the pool reads (strictly typed); the body's other fields pass on to the
-    runtime (see `job_request_from_messages`)."""
+class _Conversation(msgspec.Struct, kw_only=True):
+    """What a Messages request and a count_tokens request share."""
     model: ModelName
     messages: list[dict[str, Any]]
-    max_tokens: OutputTokens
     system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+
+
+class CountTokensRequest(_Conversation, kw_only=True):
+    """/v1/messages/count_tokens: the prompt a Messages request with this body would have."""
+
+
+class MessagesRequest(_Conversation, kw_only=True):
+    """The fields the pool reads (strictly typed); the body's other fields pass on to the
+    runtime (see `job_request_from_messages`)."""
+    max_tokens: OutputTokens
     stream: bool = False
     temperature: Annotated[float, Meta(ge=0, le=1)] | None = None
     top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
     top_k: Annotated[int, Meta(ge=0)] | None = None
     stop_sequences: list[str] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
 
 
 DECLARED = frozenset(MessagesRequest.__struct_fields__)
+
+
+# Claude Code's first system block, "x-anthropic-billing-header: cc_version=...; cc_entrypoint=...;
+# cch=<5 hex digits>;", changes its cch on every request: kept, it would defeat every prefix cache
+# (the runtime's, and routing = "prefix") from the prompt's first line. Its value is made one
+# constant, as llama-server does on its own Messages route; the rest of the line stays.
+BILLING_STAMP = re.compile(r"(x-anthropic-billing-header:[^\n]*?\bcch=)[^;\s]*")
+
+
+def unstamped(system: str) -> str:
+    return BILLING_STAMP.sub(r"\1fffff", system) if "x-anthropic-billing-header" in system else system
 
 
 def _bad(message: str, param: str, code: ErrorCode = ErrorCode.INVALID_REQUEST) -> PoolError:
@@ -138,10 +157,10 @@ def _assistant_turn(content: list, where: str) -> dict:
     return message
 
 
-def _messages(req: MessagesRequest) -> list[dict]:
+def _messages(req: _Conversation) -> list[dict]:
     out: list[dict] = []
     if req.system:
-        out.append({"role": "system", "content": _text_of(req.system, "system")})
+        out.append({"role": "system", "content": unstamped(_text_of(req.system, "system"))})
     for n, message in enumerate(req.messages):
         where = f"messages.{n}"
         role, content = message.get("role"), message.get("content")
@@ -213,6 +232,15 @@ def job_request_from_messages(req: MessagesRequest, data: dict) -> dict:
     for key, value in data.items():  # e.g. seed: the runtime judges it
         if key not in DECLARED and key not in BOOKKEEPING:
             request[key] = value
+    return request
+
+
+def tokenize_request(req: CountTokensRequest) -> dict:
+    """A count_tokens request as the chat a runtime's /tokenize counts (vLLM's form: `messages`
+    and `tools`, with the model's chat template), for runtimes without their own count route."""
+    request: dict[str, Any] = {"messages": _messages(req), "add_generation_prompt": True}
+    if req.tools:
+        request["tools"] = _tools(req.tools)
     return request
 
 

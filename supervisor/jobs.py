@@ -100,7 +100,7 @@ class Job:
                  "deadline", "queue_deadline", "cancel_requested", "first_token_at", "attempts", "submit_seq",
                  "_waiter", "submitted_at", "transcript", "queue_reason", "_timer", "_timer_at", "counted",
                  "max_choices", "max_output_bytes", "output_bytes", "max_unsent_bytes", "unsent_bytes", "tenant",
-                 "meter", "on_end", "prompt_tokens")
+                 "meter", "on_end", "prompt_tokens", "session")
 
     def __init__(self, model: str, request: dict, timeout_s: float, queue_timeout_s: float | None = None,
                  endpoint: str = "chat", max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
@@ -130,6 +130,7 @@ class Job:
         self.counted = False  # its outcome is in the metrics and the request log (Metrics.request)
         self.queue_reason: PoolError | None = None  # why it waits, when not for a slot (e.g. memory)
         self.prompt_tokens: list[int] | None = None  # the prompt as the runtime's token ids, when the pool asked it
+        self.session: str | None = None  # a session key from the client's headers (X-Claude-Code-Session-Id)
         # What a runtime may send for it: choice indexes below max_choices (the request's n), and
         # max_output_bytes in all (held here, collected for a whole answer, or sent on)
         self.max_choices = choice_limit(request, endpoint)

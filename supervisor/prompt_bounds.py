@@ -8,6 +8,11 @@ from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ModelConfig
 
 
+# a legacy prompt, embeddings' input, and the text of the runtime's own calls (tokenize's content,
+# detokenize's tokens, rerank's query and documents)
+TEXT_FIELDS = ("prompt", "input", "content", "tokens", "query", "documents")
+
+
 def check_prompt_bounds(cfg: ModelConfig, request: dict) -> None:
     """400 for a prompt over the model's max_messages or max_prompt_chars (chat
     messages, a legacy completion's prompt, or an embedding's input)."""
@@ -15,7 +20,7 @@ def check_prompt_bounds(cfg: ModelConfig, request: dict) -> None:
     if len(messages) > cfg.max_messages:
         raise PoolError(ErrorCode.INVALID_REQUEST, f"{len(messages)} messages, over model {cfg.name!r}'s "
                         f"max_messages ({cfg.max_messages})", param="messages")
-    chars = _text_chars(request.get("prompt")) + _text_chars(request.get("input"))
+    chars = sum(_text_chars(request.get(key)) for key in TEXT_FIELDS)
     parts = 0
     for m in messages:
         if isinstance(m, dict):
@@ -28,7 +33,7 @@ def check_prompt_bounds(cfg: ModelConfig, request: dict) -> None:
     if chars > cfg.max_prompt_chars:
         raise PoolError(ErrorCode.INVALID_REQUEST, f"the prompt has {chars} characters, over model "
                         f"{cfg.name!r}'s max_prompt_chars ({cfg.max_prompt_chars})",
-                        param="messages" if messages else "prompt" if "prompt" in request else "input")
+                        param="messages" if messages else next((k for k in TEXT_FIELDS if k in request), "prompt"))
 
 
 def _text_chars(content) -> int:

@@ -18,7 +18,8 @@ Per model, `routing` picks the policy:
   a loop turn (kv_index.APPLY_*_PER_STEP), in order with the messages after it;
   a prompt is matched by its first blocks (kv_index.MAX_MATCH_*), and its share
   is of those.
-- session: the replica a session key (prompt_cache_key, else user) hashes to,
+- session: the replica a session key (a client's session header, else prompt_cache_key,
+  else user) hashes to,
   by rendezvous hashing over the ready replicas: when one leaves, only its
   sessions move.
 Both affinities yield to the load guard (`overloaded`): the replica they want
@@ -327,7 +328,7 @@ class SessionAffinity(_Policy):
         least = self.least_loaded(replicas)
         if least is None:
             return None
-        key = session_key(job.request)
+        key = job.session or session_key(job.request)
         if key is None:
             return self._take(replicas, least, Decision.LEAST_INFLIGHT)
         owner = self.owner(replicas, key)

@@ -17,6 +17,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from protocol import LIGHT_CALLS_PER_WORKER, LIGHT_ENDPOINTS
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ModelConfig
 from supervisor.fair_queue import FairQueue
@@ -91,6 +92,8 @@ class Executor:
             raise PoolError(ErrorCode.MODEL_UNLOADING, f"model {self.cfg.name!r} is unloading")
         if self._all_fatal() and not self.loading:
             raise self._no_replica_error()
+        if job.endpoint in LIGHT_ENDPOINTS and self._hand_over_light(job):
+            return
         if len(self.queue) >= self.cfg.max_queue and not self._has_free_slot():
             raise PoolError(ErrorCode.QUEUE_FULL,
                             f"model {self.cfg.name!r} has {len(self.queue)} requests queued (max_queue)",
@@ -221,6 +224,20 @@ class Executor:
             job.finish(PoolError(ErrorCode.RUNTIME_ERROR, f"the pool could not hand the request to "
                                  f"replica {replica.name}: {type(exc).__name__}"))
             self.replica_changed()
+
+    def _hand_over_light(self, job: Job) -> bool:
+        """A light call (tokenize, ...; protocol.LIGHT_ENDPOINTS) goes at once to the ready replica with
+        the fewest jobs, past the queue: its runtime answers it outside the generation slots, so
+        it need not wait behind generations (a client budgeting its context asks it first).
+        At most LIGHT_CALLS_PER_WORKER at a time on a replica (its worker runs that many beside its
+        slots); past that, or with no replica
+        ready, it queues as any job (and so takes a slot)."""
+        ready = [r for r in self.replicas if r.state is ReplicaState.READY and
+                 sum(j.endpoint in LIGHT_ENDPOINTS for j in r.inflight.values()) < LIGHT_CALLS_PER_WORKER]
+        if not ready or not self.accepting_new_requests:
+            return False
+        self._hand_over(job, min(ready, key=lambda r: len(r.inflight)))
+        return True
 
     def _has_free_slot(self) -> bool:
         return any(r.free_slots > 0 for r in self.replicas)

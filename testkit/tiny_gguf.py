@@ -4,7 +4,11 @@ A 2-block llama (embedding 64, 4 query / 2 key-value heads, feed-forward 128)
 with an SPM vocabulary that holds the three control tokens, all 256 byte
 tokens (SPM byte fallback looks them up for every prompt) and a few words,
 and a ChatML-like template. Weights are random: generated text is noise, so
-tests look at token counts, finish reasons and usage, never at text."""
+tests look at token counts, finish reasons and usage, never at text.
+
+`reranker=True` writes a reranker instead, the way llama.cpp serves Qwen3's: a
+qwen3 block (query/key norms) with rank pooling and a one-label classifier
+head (`cls.output`), for llama-server's --reranking."""
 
 from __future__ import annotations
 
@@ -28,11 +32,11 @@ def vocabulary() -> tuple[list[str], list[float], list[int]]:
         kinds + [gguf.TokenType.NORMAL] * len(words)
 
 
-def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
+def write_tiny_gguf(path: Path, seed: int = 0, reranker: bool = False) -> Path:
     tokens, scores, kinds = vocabulary()
     head_dim = EMBED // HEADS
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), "qwen3" if reranker else "llama")
     w.add_name("llm-pool-tiny-test")
     w.add_context_length(CONTEXT)
     w.add_embedding_length(EMBED)
@@ -53,15 +57,22 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
     w.add_eos_token_id(2)
     w.add_add_bos_token(True)
     w.add_chat_template(TEMPLATE)
+    if reranker:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_pooling_type(gguf.PoolingType.RANK)
+        w.add_classifier_output_labels(["yes"])  # one score per document
 
     def weight(name: str, rows: int, cols: int) -> None:  # numpy (rows, cols) = ggml ne (cols, rows)
         w.add_tensor(name, (rng.standard_normal((rows, cols)) * 0.02).astype(np.float16))
 
-    def norm(name: str) -> None:
-        w.add_tensor(name, np.ones(EMBED, dtype=np.float32))
+    def norm(name: str, size: int = EMBED) -> None:
+        w.add_tensor(name, np.ones(size, dtype=np.float32))
 
     weight("token_embd.weight", len(tokens), EMBED)  # also the output projection (tied)
     norm("output_norm.weight")
+    if reranker:
+        weight("cls.output.weight", 1, EMBED)
     for i in range(BLOCKS):
         b = f"blk.{i}."
         norm(b + "attn_norm.weight")
@@ -69,6 +80,9 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
         weight(b + "attn_k.weight", KV_HEADS * head_dim, EMBED)
         weight(b + "attn_v.weight", KV_HEADS * head_dim, EMBED)
         weight(b + "attn_output.weight", EMBED, HEADS * head_dim)
+        if reranker:
+            norm(b + "attn_q_norm.weight", head_dim)
+            norm(b + "attn_k_norm.weight", head_dim)
         norm(b + "ffn_norm.weight")
         weight(b + "ffn_gate.weight", FFN, EMBED)
         weight(b + "ffn_up.weight", FFN, EMBED)

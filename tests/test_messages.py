@@ -306,3 +306,38 @@ def test_a_prompt_over_the_context_gets_each_familys_words(llama_server_bin, tin
         anthropic.Anthropic(base_url=pool.url, api_key="unused", max_retries=0).messages.create(
             model="tiny", max_tokens=5, messages=[{"role": "user", "content": long}])
     assert re.fullmatch(r"prompt is too long: \d+ tokens > 256 maximum", anthropic_refused.value.body["error"]["message"])
+
+
+# -- affinity: a session's requests on one replica, and a per-request stamp that moves nothing --------------
+STAMPED = "x-anthropic-billing-header: cc_version=2.1.37.0d9; cc_entrypoint=cli; cch={};\nYou are a coding agent."
+
+
+def test_claude_codes_per_request_stamp_is_made_constant():
+    chats = [translated({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+                         "system": [{"type": "text", "text": STAMPED.format(cch)}, {"type": "text", "text": "Be brief."}]})
+             for cch in ("fa690", "0aaa9")]
+    assert chats[0] == chats[1]
+    assert chats[0]["messages"][0]["content"] == STAMPED.format("fffff") + "\nBe brief."
+    plain = "a system prompt that says cch=12345; as text"
+    assert translated({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+                       "system": plain})["messages"][0]["content"] == plain
+
+
+def test_a_session_header_and_a_stamped_prompt_keep_to_one_replica(make_pool):
+    """routing = "session": Claude Code's X-Claude-Code-Session-Id is the key (its stamp changing
+    on every request); routing = "prefix": the stamped system prompt still matches its prefix."""
+    pool = make_pool([synthetic("s", replicas=3, routing="session"),
+                      synthetic("p", replicas=3, routing="prefix")])
+    long_system = STAMPED + " Follow the house rules. " * 40  # several prefix blocks
+    for n in range(6):
+        for model, headers in (("s", {"X-Claude-Code-Session-Id": "9b2c"}), ("p", {})):
+            client = anthropic.Anthropic(base_url=pool.url, api_key="unused", max_retries=0,
+                                         default_headers=headers)
+            client.messages.create(model=model, max_tokens=3, system=long_system.format(f"{n:05x}"),
+                                   messages=[{"role": "user", "content": f"turn {n}"}])
+    by_model = {}
+    for w in pool.workers():
+        by_model.setdefault(w["model"], []).append(w["routing"]["decisions"])
+    assert sorted(d["session"] for d in by_model["s"]) == [0, 0, 6]
+    # the first request had no cache anywhere; each later one found its prefix on that replica
+    assert sorted(d["prefix_hit"] for d in by_model["p"]) == [0, 0, 5]

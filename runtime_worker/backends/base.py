@@ -9,8 +9,9 @@ model, or a remote endpoint). The worker calls, in order:
         ...                                    # TextDelta/PartsDelta ... then one Finished
     await backend.stop()
 
-`run` serves chat completions; `complete` legacy completions and `embed`
-embeddings, for backends that list those in `endpoints`. `request` is the
+`run` serves chat completions; `complete` legacy completions, `embed`
+embeddings and `call` the runtime's own calls (tokenize, rerank, ...), for
+backends that list those in `endpoints`. `request` is the
 client's OpenAI body less the fields the pool owns (model, stream,
 stream_options). A backend with an OpenAI server passes it on whole
 (`honours` None); any other declares in `honours` the fields it acts on, and
@@ -92,7 +93,11 @@ class JobError(Exception):
 # Values that ask for nothing beyond the default: a field sent with one is no request to honour.
 NEUTRAL = {"n": 1, "logprobs": False, "echo": False, "parallel_tool_calls": True, "presence_penalty": 0,
            "frequency_penalty": 0, "stream": False}
-_ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
+_ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings",
+                   "tokenize": "/tokenize", "detokenize": "/detokenize", "apply_template": "/apply-template",
+                   "rerank": "/v1/rerank", "count_tokens": "/v1/messages/count_tokens"}
+# The runtime's own calls (protocol.ENDPOINTS after the first three): each answered whole, by `call`
+CALLS = frozenset({"tokenize", "detokenize", "apply_template", "rerank", "count_tokens"})
 
 
 class Backend(abc.ABC):
@@ -127,12 +132,17 @@ class Backend(abc.ABC):
         """Embeddings (endpoint "embeddings"): one Finished carrying `result`."""
         raise JobError("unsupported_endpoint", f"the {self.name} backend does not serve /v1/embeddings")
 
+    def call(self, endpoint: str, job: str, request: dict) -> AsyncIterator[Event]:
+        """One of the runtime's own calls (CALLS, for backends that list it in `endpoints`):
+        one Finished carrying the runtime's answer as `result`."""
+        raise JobError("unsupported_endpoint", f"the {self.name} backend does not serve {_ENDPOINT_PATHS[endpoint]}")
+
     def check(self, endpoint: str, request: dict) -> None:
         """Refuse, before any work, an endpoint or a field this backend cannot honour."""
         if endpoint not in self.endpoints:
             raise JobError("unsupported_endpoint",
                            f"the {self.name} backend does not serve {_ENDPOINT_PATHS.get(endpoint, endpoint)}")
-        if self.honours is None:
+        if self.honours is None or endpoint in CALLS:  # a call's own fields are the call's to judge
             return
         for key, value in request.items():
             if key in self.honours or value is None or value in ([], {}, "") or NEUTRAL.get(key, ...) == value:

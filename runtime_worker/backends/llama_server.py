@@ -2,7 +2,8 @@
 
 Options: model (GGUF path, required), binary, ctx_size (total; each slot gets
 ctx_size / slots), extra_args (list; e.g. ["--embeddings", "--pooling",
-"mean"] to serve /v1/embeddings, ["--jinja"] for tools), extra_body (fields
+"mean"] to serve /v1/embeddings, ["--jinja"] for tools), reranking (true: started
+with --reranking, to serve /v1/rerank; a reranker GGUF), extra_body (fields
 added to every chat and completion request, e.g. {ignore_eos = true}; the
 client's own win), threads. Slots = the configured target_inflight; the honest
 capacity is /props total_slots. The model's load_timeout_s and stop_timeout_s
@@ -54,8 +55,22 @@ def find_llama_server(option: str | None) -> str:
                            "or run scripts/install-llama-server")
 
 
+RERANK_FLAGS = ("--reranking", "--rerank")  # llama-server serves /v1/rerank only when started with one
+
+
+def reranks(options: dict) -> bool:
+    """Whether this model's llama-server serves /v1/rerank: option `reranking`, or the flag in extra_args."""
+    return bool(options.get("reranking")) or any(str(a) in RERANK_FLAGS for a in options.get("extra_args", []))
+
+
 class LlamaServerBackend(OpenAIServerBackend):
     name = "llama_server"
+    call_paths = {"tokenize": "/tokenize", "detokenize": "/detokenize", "apply_template": "/apply-template",
+                  "rerank": "/v1/rerank", "count_tokens": "/v1/messages/count_tokens"}
+
+    def __init__(self, options: dict, *args, **kwargs) -> None:
+        super().__init__(options, *args, **kwargs)
+        self.endpoints = self.endpoints | {call for call in self.call_paths if call != "rerank" or reranks(options)}
 
     async def start(self) -> tuple[int, dict]:
         model = self.options.get("model")
@@ -74,6 +89,8 @@ class LlamaServerBackend(OpenAIServerBackend):
         if self.options.get("threads"):
             argv += ["-t", str(self.options["threads"])]
         argv += [str(a) for a in self.options.get("extra_args", [])]
+        if reranks(self.options) and not any(a in RERANK_FLAGS for a in argv):
+            argv.append("--reranking")
         await self.server.launch(argv, key_env="LLAMA_API_KEY")
         # no deadline here: the supervisor stops a worker not ready within the model's load_timeout_s
         await self.server.wait_healthy(math.inf)

@@ -71,7 +71,7 @@ KV_CHAOS_EVENTS = [[], "stored", ["stored"], ["stored", [[1]], None, [1, 2, 3, 4
 
 class SyntheticBackend(Backend):
     name = "synthetic"
-    endpoints = frozenset({"chat", "completions"})
+    endpoints = frozenset({"chat", "completions", "tokenize"})
     # Its text is a fixed function of the prompt: any sampling setting gives that text, so these
     # are honoured; tools, response_format, logprobs, n > 1, stop, ... are refused by name.
     honours = frozenset({"messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
@@ -101,6 +101,17 @@ class SyntheticBackend(Backend):
         prompt = request.get("prompt")
         prompt = prompt if isinstance(prompt, str) else str(prompt)
         return self._generate(job, request, prompt, len(prompt.split()))
+
+    async def call(self, endpoint: str, job: str, request: dict) -> AsyncIterator[Event]:
+        """/tokenize (its only call): a word is a token, as its prompts are counted; `messages`
+        (chat, vLLM's form) or `content` (llama-server's) or `prompt`."""
+        messages = request.get("messages")
+        if isinstance(messages, list):
+            words = [w for m in messages if isinstance(m, dict) for w in str(m.get("content", "")).split()]
+        else:
+            words = str(request.get("content", request.get("prompt", ""))).split()
+        tokens = [zlib.crc32(w.encode()) % 32000 for w in words]
+        yield Finished("stop", len(tokens), 0, result={"tokens": tokens, "count": len(tokens)})
 
     async def _generate(self, job: str, request: dict, prompt: str, input_tokens: int) -> AsyncIterator[Event]:
         chaos = self.options.get("chaos")

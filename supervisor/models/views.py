@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from supervisor.models.capabilities import capabilities
 from supervisor.models.lifecycle import Lifecycle
 from supervisor.model_health import UNHEALTHY, model_health, reason_text
 from supervisor.models.memory import Memory
@@ -39,9 +40,10 @@ class Views:
             state = model_state(entry).value
             context = served_context(entry)
             sizes = {"context_length": context, "max_model_len": context} if context else {}
+            serves = capabilities(entry.cfg)
             for id_ in (name, *entry.cfg.aliases):
                 out.append({"id": id_, "object": "model", "created": 0, "owned_by": "llm-pool", "state": state,
-                            **({"alias_of": name} if id_ != name else {}), **sizes})
+                            **({"alias_of": name} if id_ != name else {}), **sizes, "capabilities": serves})
         return out
 
     def model_view(self, entry: ModelEntry) -> dict:
