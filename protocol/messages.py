@@ -29,9 +29,10 @@ class Ready:
     info: dict = field(default_factory=dict)  # e.g. child pid, port, n_ctx
 
 
-# /v1/chat/completions, /v1/completions, /v1/embeddings; then the runtime's own calls, each answered
-# whole (Done.result): /tokenize, /detokenize, /apply-template, /v1/rerank, /v1/messages/count_tokens
-ENDPOINTS = ("chat", "completions", "embeddings", "tokenize", "detokenize", "apply_template", "rerank",
+# /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/messages (a runtime's own route: its
+# body is Anthropic's); then the runtime's own calls, each answered whole (Done.result): /tokenize,
+# /detokenize, /apply-template, /v1/rerank, /v1/messages/count_tokens
+ENDPOINTS = ("chat", "completions", "embeddings", "messages", "tokenize", "detokenize", "apply_template", "rerank",
              "count_tokens")
 # Calls a runtime answers outside its generation slots: a worker runs up to LIGHT_CALLS_PER_WORKER
 # of them beside its capacity's jobs (the supervisor hands them over past the model's queue)

@@ -167,8 +167,8 @@ class Worker:
     async def run_job(self, job: str, request: dict, endpoint: str = "chat") -> None:
         try:
             self.backend.check(endpoint, request)
-            run = ({"chat": self.backend.run, "completions": self.backend.complete,
-                    "embeddings": self.backend.embed}.get(endpoint) or functools.partial(self.backend.call, endpoint))
+            run = ({"chat": self.backend.run, "completions": self.backend.complete, "embeddings": self.backend.embed,
+                    "messages": self.backend.messages}.get(endpoint) or functools.partial(self.backend.call, endpoint))
             budget = self.args.max_job_output_bytes  # what this job may still send (characters, about bytes)
             # closed when the job ends, not by the garbage collector (whose finalizer costs a
             # thread-safe wake-up of the loop and a task per job)

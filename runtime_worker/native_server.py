@@ -138,6 +138,10 @@ class OpenAIClient:
         result.pop("model", None)  # the pool names the model
         yield Finished("stop", int(usage.get("prompt_tokens", 0)), 0, result=result)
 
+    async def post(self, path: str, body: dict) -> aiohttp.ClientResponse:
+        """POST `body` to `path` under the base URL; the caller reads and closes the answer."""
+        return await self._post(path, body)
+
     async def _post(self, path: str, body: dict, root: bool = False) -> aiohttp.ClientResponse:
         url = (self.base_url.removesuffix("/v1") if root else self.base_url) + path
         session = self._open_session()

@@ -235,6 +235,18 @@ def job_request_from_messages(req: MessagesRequest, data: dict) -> dict:
     return request
 
 
+def native_request(data: dict) -> dict:
+    """The body for a runtime's own /v1/messages: as sent, less what the pool owns (the model's
+    name, streaming)."""
+    return {k: v for k, v in data.items() if k not in ("model", "stream")}
+
+
+def user_of(req: MessagesRequest) -> str | None:
+    """metadata.user_id: a session key for routing = "session"."""
+    user = (req.metadata or {}).get("user_id")
+    return user if isinstance(user, str) and user else None
+
+
 def tokenize_request(req: CountTokensRequest) -> dict:
     """A count_tokens request as the chat a runtime's /tokenize counts (vLLM's form: `messages`
     and `tools`, with the model's chat template), for runtimes without their own count route."""
@@ -247,9 +259,21 @@ def tokenize_request(req: CountTokensRequest) -> dict:
 # -- answers: job output -> Messages ---------------------------------------------------------------------------
 
 def _usage(usage: dict | None) -> dict:
+    """Anthropic's usage: its input_tokens leave out what was read from the cache (counted apart)."""
     usage = usage or {}
-    return {"input_tokens": int(usage.get("input_tokens", 0)), "output_tokens": int(usage.get("output_tokens", 0)),
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": int(usage.get("cached_tokens", 0))}
+    cached = int(usage.get("cached_tokens", 0))
+    return {"input_tokens": max(0, int(usage.get("input_tokens", 0)) - cached),
+            "output_tokens": int(usage.get("output_tokens", 0)),
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+
+
+def _stop(done: Done) -> dict:
+    """stop_reason and stop_sequence: "stop_sequence" with the one that matched, where the
+    runtime said (its own Messages route does; a chat answer does not say which)."""
+    sequence = done.result.get("stop_sequence") if isinstance(done.result, dict) else None
+    if isinstance(sequence, str):
+        return {"stop_reason": "stop_sequence", "stop_sequence": sequence}
+    return {"stop_reason": STOP_REASONS.get(done.finish_reason, "end_turn"), "stop_sequence": None}
 
 
 def _tool_input(arguments: str) -> dict:
@@ -272,8 +296,7 @@ def message_json(req: MessagesRequest, choices: Choices, done: Done) -> dict:
         content.append({"type": "tool_use", "id": call["id"] or new_id("toolu"), "name": call["name"] or "",
                         "input": _tool_input("".join(call["args"]))})
     return {"id": new_id("msg"), "type": "message", "role": "assistant", "model": req.model, "content": content,
-            "stop_reason": STOP_REASONS.get(done.finish_reason, "end_turn"), "stop_sequence": None,
-            "usage": _usage(done.usage)}
+            **_stop(done), "usage": _usage(done.usage)}
 
 
 def _event(kind: str, **fields: Any) -> dict:
@@ -333,8 +356,7 @@ class MessagesStream(OneAtATime):
         events = self._open("text", {}) if self.index < 0 else []  # nothing came: an empty text block
         usage = _usage(done.usage)
         return events + self._close() + [
-            _event("message_delta", delta={"stop_reason": STOP_REASONS.get(done.finish_reason, "end_turn"),
-                                           "stop_sequence": None}, usage=usage),
+            _event("message_delta", delta=_stop(done), usage=usage),
             _event("message_stop")]
 
     def failed(self, err: PoolError) -> list[dict]:

@@ -20,6 +20,8 @@ import json
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from supervisor.anthropic_shapes import unstamped
+
 BLOCK_CHARS = 256  # one block of the canonical prompt: ~64 tokens at ~4 characters a token
 CHARS_PER_TOKEN = 4  # to size an index from a runtime's cache in tokens
 _SEP_MESSAGE, _SEP_FIELD = "\x1e", "\x1f"  # cannot appear inside a JSON-escaped value, and rarely in text
@@ -36,13 +38,16 @@ def _text(value) -> str:
 def canonical_prompt(request: dict, endpoint: str = "chat") -> str:
     """The prompt as the runtime will see it, up to the template's own words:
     a chat's tools, then each message's role, name, content, tool calls and
-    tool-call id; a legacy completion's prompt. Empty for what no prompt cache
-    reuses (embeddings) or what is not a prompt."""
+    tool-call id; a legacy completion's prompt; an Anthropic body's system (its
+    per-request stamp made constant), then the same. Empty for what no prompt
+    cache reuses (embeddings) or what is not a prompt."""
     if endpoint == "completions":
         return _text(request.get("prompt"))
-    if endpoint != "chat":
+    if endpoint not in ("chat", "messages"):
         return ""
     parts = []
+    if endpoint == "messages" and request.get("system"):  # Anthropic's, on a runtime's own route
+        parts.append(unstamped(_text(request["system"])))
     if request.get("tools"):
         parts.append(_text(request["tools"]))
     for m in request.get("messages") or ():

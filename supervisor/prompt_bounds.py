@@ -8,9 +8,9 @@ from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ModelConfig
 
 
-# a legacy prompt, embeddings' input, and the text of the runtime's own calls (tokenize's content,
-# detokenize's tokens, rerank's query and documents)
-TEXT_FIELDS = ("prompt", "input", "content", "tokens", "query", "documents")
+# a legacy prompt, embeddings' input, the text of the runtime's own calls (tokenize's content,
+# detokenize's tokens, rerank's query and documents), and an Anthropic body's system
+TEXT_FIELDS = ("prompt", "input", "content", "tokens", "query", "documents", "system")
 
 
 def check_prompt_bounds(cfg: ModelConfig, request: dict) -> None:

@@ -341,3 +341,34 @@ def test_a_session_header_and_a_stamped_prompt_keep_to_one_replica(make_pool):
     assert sorted(d["session"] for d in by_model["s"]) == [0, 0, 6]
     # the first request had no cache anywhere; each later one found its prefix on that replica
     assert sorted(d["prefix_hit"] for d in by_model["p"]) == [0, 0, 5]
+
+
+@pytest.mark.llama
+def test_llama_servers_own_messages_route_through_the_pool(llama_server_bin, tiny_gguf, tmp_path, make_pool):
+    """llama_server models take /v1/messages on llama-server's own route: the same blocks and
+    text streamed (deltas that were ready together go out as one), the same stop reason and
+    usage with its cache reads, and the stop sequence it matched, which a chat answer cannot tell."""
+    def events(base_url: str, **ask) -> tuple[list, dict]:
+        client = anthropic.Anthropic(base_url=base_url, api_key="unused", max_retries=0)
+        with client.messages.stream(**ask) as stream:
+            kinds = [e.type for e in stream if e.type not in ("content_block_delta", "text")]
+            final = stream.get_final_message().model_dump(exclude={"id", "model"})
+        return kinds, final
+
+    ask = dict(model="tiny", max_tokens=8, messages=[{"role": "user", "content": "hi"}],
+               extra_body={"temperature": 0})
+    with direct_llama_server(llama_server_bin, tiny_gguf, ["-c", "4096", "-np", "1"], tmp_path / "direct.log") as url:
+        pool = make_pool([llama("tiny", tiny_gguf, llama_server_bin, ctx=4096)])
+        (direct_kinds, direct), (pooled_kinds, pooled) = events(url, **ask), events(pool.url, **ask)
+        assert pooled_kinds == direct_kinds and pooled_kinds[0] == "message_start"
+        assert pooled["content"] == direct["content"] and pooled["content"][0]["text"]
+        assert pooled["stop_reason"] == direct["stop_reason"] == "max_tokens"
+        assert pooled["usage"]["input_tokens"] == direct["usage"]["input_tokens"] > 0
+        stop = dict(ask, max_tokens=60, stop_sequences=["\n\n"])  # the tiny model writes newlines
+        said = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0).messages.create(**stop)
+        got = anthropic.Anthropic(base_url=pool.url, api_key="unused", max_retries=0).messages.create(**stop)
+    assert said.stop_sequence == got.stop_sequence == "\n\n"
+    assert got.stop_reason == "stop_sequence"  # llama-server says end_turn; the API's reason is stop_sequence
+    assert (got.usage.input_tokens, got.usage.output_tokens) == (said.usage.input_tokens, said.usage.output_tokens)
+    assert got.usage.cache_read_input_tokens == said.usage.cache_read_input_tokens
+    assert got.model == "tiny"

@@ -16,7 +16,7 @@ import pytest
 
 from runtime_worker.backends import backend_class
 from supervisor.config import ModelConfig
-from supervisor.models.capabilities import CALLS, capabilities, count_natively
+from supervisor.models.capabilities import CALLS, capabilities, native_messages
 from testkit.llama import direct_llama_server
 from testkit.tiny_gguf import write_tiny_gguf
 from tests.conftest import llama, synthetic
@@ -41,10 +41,11 @@ def test_capabilities_agree_with_what_each_worker_serves(backend, options):
     cfg = ModelConfig(name="m", backend=backend, options=options)
     served = backend_class(backend)(options, 1, logging.getLogger("test")).endpoints
     listed = set(capabilities(cfg))
-    for call in CALLS:
-        # a Messages count is the runtime's own route on llama-server, a tokenize of the chat elsewhere
-        needs = "count_tokens" if call != "count_tokens" or count_natively(cfg) else "tokenize"
-        asked = call if call != "count_tokens" else needs
+    # messages and its count: the runtime's own routes on llama-server; elsewhere translated to chat
+    # (counted by a tokenize of that chat)
+    translated = {"count_tokens": "tokenize", "messages": "chat"}
+    for call in (*CALLS, "messages"):
+        asked = call if native_messages(cfg) else translated.get(call, call)
         assert (call in listed) == (asked in served), (backend, options, call)
     assert "chat" in listed and "chat" in served and ("completions" in listed) == ("completions" in served)
 

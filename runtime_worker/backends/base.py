@@ -10,8 +10,9 @@ model, or a remote endpoint). The worker calls, in order:
     await backend.stop()
 
 `run` serves chat completions; `complete` legacy completions, `embed`
-embeddings and `call` the runtime's own calls (tokenize, rerank, ...), for
-backends that list those in `endpoints`. `request` is the
+embeddings, `messages` Anthropic messages on the runtime's own route, and
+`call` the runtime's own calls (tokenize, rerank, ...), for backends that list
+those in `endpoints`. `request` is the
 client's OpenAI body less the fields the pool owns (model, stream,
 stream_options). A backend with an OpenAI server passes it on whole
 (`honours` None); any other declares in `honours` the fields it acts on, and
@@ -95,7 +96,7 @@ NEUTRAL = {"n": 1, "logprobs": False, "echo": False, "parallel_tool_calls": True
            "frequency_penalty": 0, "stream": False}
 _ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings",
                    "tokenize": "/tokenize", "detokenize": "/detokenize", "apply_template": "/apply-template",
-                   "rerank": "/v1/rerank", "count_tokens": "/v1/messages/count_tokens"}
+                   "rerank": "/v1/rerank", "count_tokens": "/v1/messages/count_tokens", "messages": "/v1/messages"}
 # The runtime's own calls (protocol.ENDPOINTS after the first three): each answered whole, by `call`
 CALLS = frozenset({"tokenize", "detokenize", "apply_template", "rerank", "count_tokens"})
 
@@ -131,6 +132,11 @@ class Backend(abc.ABC):
     def embed(self, job: str, request: dict) -> AsyncIterator[Event]:
         """Embeddings (endpoint "embeddings"): one Finished carrying `result`."""
         raise JobError("unsupported_endpoint", f"the {self.name} backend does not serve /v1/embeddings")
+
+    def messages(self, job: str, request: dict) -> AsyncIterator[Event]:
+        """An Anthropic Messages request on the runtime's own route (endpoint "messages"; the
+        supervisor translates to chat for a backend without one)."""
+        raise JobError("unsupported_endpoint", f"the {self.name} backend does not serve /v1/messages")
 
     def call(self, endpoint: str, job: str, request: dict) -> AsyncIterator[Event]:
         """One of the runtime's own calls (CALLS, for backends that list it in `endpoints`):

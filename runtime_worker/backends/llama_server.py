@@ -15,9 +15,11 @@ import math
 import os
 import platform
 import shutil
+from collections.abc import AsyncIterator
 from pathlib import Path
 
-from runtime_worker.backends.base import BackendLoadError
+from runtime_worker.anthropic_relay import relay_messages
+from runtime_worker.backends.base import BackendLoadError, Event
 from runtime_worker.native_server import NativeServer, OpenAIServerBackend, extra_body
 
 
@@ -70,7 +72,11 @@ class LlamaServerBackend(OpenAIServerBackend):
 
     def __init__(self, options: dict, *args, **kwargs) -> None:
         super().__init__(options, *args, **kwargs)
-        self.endpoints = self.endpoints | {call for call in self.call_paths if call != "rerank" or reranks(options)}
+        self.endpoints = self.endpoints | {"messages"} | {call for call in self.call_paths
+                                                         if call != "rerank" or reranks(options)}
+
+    def messages(self, job: str, request: dict) -> AsyncIterator[Event]:
+        return relay_messages(self.client, request)
 
     async def start(self) -> tuple[int, dict]:
         model = self.options.get("model")

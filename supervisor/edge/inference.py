@@ -29,7 +29,7 @@ from supervisor.edge.listener import DISCONNECT_KEY, Disconnect
 from supervisor.edge.schemas import document, named_model, request_body
 from supervisor.edge.streams import AnswerJSON, InferenceEndpoint, JobStream, sse_frame, watch_for_disconnect
 from supervisor.jobs import Job
-from supervisor.models.capabilities import capabilities, count_natively
+from supervisor.models.capabilities import capabilities, native_messages
 from supervisor.metrics import CLIENT_CLOSED
 
 
@@ -105,10 +105,22 @@ class InferenceSurface:
             lambda choices, done: shapes.text_completion(body.model, choices, done), "completions")
 
     async def create_message(self, body: ashapes.MessagesRequest, data: dict, request: Request):
-        return await self.serve_job(request, "messages", body.model, ashapes.job_request_from_messages(body, data),
-                                    ashapes.MessagesStream(body) if body.stream else None,
-                                    lambda choices, done: ashapes.message_json(body, choices, done),
-                                    session=request.headers.get(SESSION_HEADER))
+        """On the runtime's own /v1/messages where it has one (the body as sent), else translated
+        to chat; either way shaped here. Session keys: the client's session header, else
+        metadata.user_id."""
+        native = self._native_messages(body.model)
+        return await self.serve_job(
+            request, "messages", body.model,
+            ashapes.native_request(data) if native else ashapes.job_request_from_messages(body, data),
+            ashapes.MessagesStream(body) if body.stream else None,
+            lambda choices, done: ashapes.message_json(body, choices, done),
+            "messages" if native else "chat", session=request.headers.get(SESSION_HEADER) or ashapes.user_of(body))
+
+    def _native_messages(self, model: str) -> bool:
+        try:
+            return native_messages(self.engine.entry(model).cfg)
+        except PoolError:  # no such model: admission answers it (and counts it)
+            return False
 
     async def count_tokens(self, body: ashapes.CountTokensRequest, data: dict, request: Request):
         """{"input_tokens": N}: llama-server's own count of the body as sent; elsewhere the
@@ -117,7 +129,7 @@ class InferenceSurface:
             cfg = self.engine.entry(body.model).cfg
         except PoolError:  # no such model: admission answers it (and counts it)
             cfg = None
-        if cfg is None or count_natively(cfg) or "count_tokens" not in capabilities(cfg):
+        if cfg is None or native_messages(cfg) or "count_tokens" not in capabilities(cfg):
             # the runtime's own count; admission refuses a model that has none
             return await self.serve_job(request, "count_tokens", body.model, cshapes.call_request(data), None,
                                         lambda choices, done: cshapes.call_answer(body.model, done.result),

@@ -17,7 +17,7 @@ CALLS = frozenset({"tokenize", "detokenize", "apply_template", "rerank", "count_
 
 CHAT = ("chat", "completions", "responses", "messages")
 _BY_BACKEND = {
-    # count_tokens: llama-server's own /v1/messages/count_tokens; elsewhere a tokenize of the chat
+    # messages, count_tokens: llama-server's own routes; elsewhere translated (a tokenize of the chat)
     "llama_server": (*CHAT, "count_tokens", "tokenize", "detokenize", "apply_template"),
     "vllm_serve": (*CHAT, "count_tokens", "tokenize", "detokenize"),
     "openai_remote": (*CHAT, "embeddings"),
@@ -41,9 +41,9 @@ def capabilities(cfg: ModelConfig) -> list[str]:
     return found
 
 
-def count_natively(cfg: ModelConfig) -> bool:
-    """Whether a Messages count_tokens goes to the runtime's own route (llama-server's), not
-    as a tokenize of the translated chat."""
+def native_messages(cfg: ModelConfig) -> bool:
+    """Whether /v1/messages and its count_tokens go to the runtime's own routes (llama-server's),
+    not translated to chat (and counted as a tokenize of that chat)."""
     return cfg.backend == "llama_server"
 
 
