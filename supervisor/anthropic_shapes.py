@@ -299,6 +299,13 @@ def message_json(req: MessagesRequest, choices: Choices, done: Done) -> dict:
             **_stop(done), "usage": _usage(done.usage)}
 
 
+_json_str = json.JSONEncoder().encode  # a str goes straight to the C escaper (as json.dumps)
+
+
+def _frame(event: dict) -> bytes:
+    return f"event: {event['event']}\ndata: {event['data']}\n\n".encode()
+
+
 def _event(kind: str, **fields: Any) -> dict:
     return {"event": kind, "data": json.dumps({"type": kind, **fields}, separators=(",", ":"))}
 
@@ -313,6 +320,19 @@ class MessagesStream(OneAtATime):
         self.msg_id = new_id("msg")
         self.index = -1  # the open block's index
         self.key = None  # what the open block holds: "text", "reasoning" (a thinking block), or ("tool", n)
+        self._text_pre = (-1, b"")  # (block index, the bytes of its text delta event up to the text)
+
+    def text_sse(self, text: str) -> bytes:
+        """The SSE bytes of a plain text delta (the token path): what the events of
+        delta(Delta(text=text)) give, without building their dicts when a text block is open."""
+        if self.key != "text":
+            return b"".join(_frame(e) for e in self._open("text", {}) + self._piece("text", {"t": text}))
+        index, pre = self._text_pre
+        if index != self.index:
+            pre = (f'event: content_block_delta\ndata: {{"type":"content_block_delta","index":{self.index},'
+                   f'"delta":{{"type":"text_delta","text":').encode()
+            self._text_pre = (self.index, pre)
+        return b"".join((pre, _json_str(text).encode(), b"}}\n\n"))
 
     def opening(self) -> list[dict]:
         return [_event("message_start", message={

@@ -17,6 +17,7 @@ from protocol import Delta, Done
 from protocol.errors import ErrorCode, PoolError
 from supervisor import anthropic_shapes as ashapes
 from supervisor.edge.schemas import request_body
+from supervisor.edge.streams import sse_frame
 from tests.conftest import llama, synthetic
 from tests.test_cli import cli, table_rows
 from testkit.llama import direct_llama_server
@@ -116,6 +117,20 @@ def test_a_stream_opens_and_closes_each_block_in_order():
         ("message_delta", None), ("message_stop", None)]
     assert [d["index"] for n, d in shown if n.startswith("content_block")] == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2]
     assert shown[-2][1]["delta"]["stop_reason"] == "tool_use" and shown[-2][1]["usage"]["output_tokens"] == 4
+
+
+def test_the_text_fast_path_writes_what_the_general_one_does():
+    """MessagesStream.text_sse (plain text deltas, the token path) against delta() + frames, with a
+    text block to open, one open, and one to reopen after a thinking block."""
+    req, _ = request_body(b'{"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "x"}]}',
+                          JSON, ashapes.MessagesRequest)
+    fast, general = ashapes.MessagesStream(req), ashapes.MessagesStream(req)
+    steps = [Delta(job="j", text="Hi"), Delta(job="j", text=' "there" \u00e9\n'),
+             Delta(job="j", parts=[{"k": "reasoning", "t": "hm"}]), Delta(job="j", text="back \U0001f600")]
+    for delta in steps:
+        wanted = b"".join(sse_frame(e) for e in general.delta(delta))
+        got = fast.text_sse(delta.text) if delta.text else b"".join(sse_frame(e) for e in fast.delta(delta))
+        assert got == wanted
 
 
 def test_errors_take_anthropics_envelope_and_types():

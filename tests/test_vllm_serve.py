@@ -260,6 +260,34 @@ def test_kv_events_make_the_prefix_index_exact(pool):
     assert after["decisions"]["least_inflight"] == before["decisions"]["least_inflight"] + 1
 
 
+def test_runtime_calls_and_count_tokens_reach_vllm(pool):
+    """/tokenize and /detokenize through the pool answer what vLLM answers itself, and a
+    Messages count_tokens is vLLM's count of the chat it becomes (its own template applied)."""
+    import anthropic
+    port = pool.workers("tinyv")[0]["runtime_info"]["port"]
+    direct = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+    listed = {m["id"]: m for m in pool.http.get("/v1/models").json()["data"]}["tinyv"]
+    assert {"tokenize", "detokenize", "count_tokens", "messages"} <= set(listed["capabilities"])
+    assert "rerank" not in listed["capabilities"] and listed["context_length"] == MODEL_LEN
+    body = {"prompt": "the pool serves many models"}
+    pooled = pool.http.post("/tokenize", json={"model": "tinyv", **body})
+    assert pooled.status_code == 200, pooled.text
+    said = direct.post("/tokenize", json={"model": "llm-pool-model", **body}).json()
+    assert pooled.json()["tokens"] == said["tokens"] and pooled.json()["count"] == said["count"] > 3
+    text = pool.http.post("/detokenize", json={"model": "tinyv", "tokens": said["tokens"]})
+    assert text.status_code == 200 and text.json() == direct.post(
+        "/detokenize", json={"model": "llm-pool-model", "tokens": said["tokens"]}).json()
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "count me"}]
+    expected = direct.post("/tokenize", json={"model": "llm-pool-model", "messages": chat,
+                                               "add_generation_prompt": True}).json()["count"]
+    counted = anthropic.Anthropic(base_url=pool.url, api_key="unused", max_retries=0).messages.count_tokens(
+        model="tinyv", system="be brief", messages=[{"role": "user", "content": "count me"}])
+    assert counted.input_tokens == expected
+    refused = pool.http.post("/v1/rerank", json={"model": "tinyv", "query": "q", "documents": ["d"]})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "unsupported_endpoint"
+    direct.close()
+
+
 def test_unload_drains_then_stops_vllm(pool, speed):
     long = tokens_for(speed, 10)
     children = [c["pid"] for c in pool.workers("tinyv")[0]["children"]]

@@ -11,6 +11,8 @@ import json
 import os
 import time
 
+import httpx
+
 from pool_bench.bench import Bench
 from pool_bench.children import CpuMeter, LlamaProc, PoolProc
 from pool_bench.interleave import interleaved
@@ -32,6 +34,15 @@ def stream_call(url: str, model: str, max_tokens: int, family: str, key: str | N
                 "messages": [{"role": "user", "content": f"Request {i}: the sea is"}]}
         if family == "chat":
             body["stream_options"] = {"include_usage": True}
+        for attempt in (1, 2):
+            try:
+                await stream(client, body, r)
+                return
+            except httpx.RemoteProtocolError:  # llama-server closes a kept-alive connection after a stream:
+                if attempt == 2:                # a request on it gets no answer and is sent again
+                    raise
+
+    async def stream(client, body: dict, r: Round) -> None:
         t0 = time.perf_counter()
         first, tokens = None, 0
         async with client.stream("POST", url + path, json=body, headers=headers) as resp:
