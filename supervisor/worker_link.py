@@ -18,6 +18,8 @@ from supervisor.states import JobState, ReplicaState
 
 log = logging.getLogger("llm_pool.replica")
 
+DELTA_TOKENS_MAX = 1_000_000  # the most output tokens one delta (or one Done's usage) counts for
+
 
 class LoadFailed(Exception):
     pass
@@ -93,8 +95,10 @@ class WorkerLink:
         if job is None:
             self.unknown_job_replies += 1  # late reply for a job already ended: dropped
             return
-        if isinstance(outcome, p.Done):
-            self.streamed_tokens += max(0, int(outcome.usage.get("output_tokens", 0) or 0) - deltas)
+        if isinstance(outcome, p.Done):  # the runtime's usage settles what the deltas did not carry
+            settled = max(0, min(int(outcome.usage.get("output_tokens", 0) or 0), DELTA_TOKENS_MAX) - deltas)
+            self.streamed_tokens += settled
+            self.settled_tokens += settled
         job.finish(outcome)
         if not self.inflight:  # a restart's drain is over
             self._drain_over()
@@ -125,8 +129,9 @@ class WorkerLink:
         match msg:
             case p.Delta(job=job_id):
                 if job := self.inflight.get(job_id):
-                    self.streamed_tokens += 1
-                    self._job_deltas[job_id] = self._job_deltas.get(job_id, 0) + 1
+                    tokens = min(max(0, msg.tokens), DELTA_TOKENS_MAX)  # a worker is no more trusted than its runtime
+                    self.streamed_tokens += tokens
+                    self._job_deltas[job_id] = self._job_deltas.get(job_id, 0) + tokens
                     job.push(msg)
                 else:
                     self.unknown_job_replies += 1
