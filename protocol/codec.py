@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import msgpack
 
-from protocol.messages import FIELD_TYPES, MAX_KV_EVENTS, MESSAGE_TYPES, Delta, KvEvents, Message, part_error
+from protocol.messages import (
+    FIELD_TYPES, MAX_DELTA_TOKENS, MAX_KV_EVENTS, MESSAGE_TYPES, Delta, KvEvents, Message, part_error)
 
 # 2: Submit.endpoint, Delta.parts, Done.finish_reasons and result; 3: batches (encode_batch);
 # 4: Setup (the model's options over the socket, not in argv); 5: Done.timings (the runtime's own);
@@ -169,6 +170,8 @@ def _message(data, what: str = "frame") -> Message | ProtocolError:
         kwargs[name] = value
     if cls is KvEvents and len(kwargs.get("events", ())) > MAX_KV_EVENTS:
         return ProtocolError(f"kv_events: {len(kwargs['events'])} events, more than {MAX_KV_EVENTS}")
+    if cls is Delta and not 0 <= kwargs.get("tokens", 1) <= MAX_DELTA_TOKENS:
+        return ProtocolError(f"delta: tokens {kwargs['tokens']} is not between 0 and {MAX_DELTA_TOKENS}", job)
     if cls is Delta and kwargs.get("parts"):
         for part in kwargs["parts"]:
             if reason := part_error(part):

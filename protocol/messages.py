@@ -118,6 +118,7 @@ class KvEvents:
 
 
 MAX_KV_EVENTS = 256  # events in one KvEvents message
+MAX_DELTA_TOKENS = 1_000_000  # output tokens one Delta may say it carries (a joined run stays far below)
 
 
 @dataclass(frozen=True, slots=True)

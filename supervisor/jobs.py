@@ -163,7 +163,7 @@ class Job:
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         if self.meter is not None:
-            self.meter.delta()
+            self.meter.delta(event.tokens)
         if self._waiter is None:  # no reader waits to take it: held until the handler comes back
             self.unsent_bytes += held_size(event)
             if self.unsent_bytes > self.max_unsent_bytes:

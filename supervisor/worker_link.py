@@ -18,8 +18,6 @@ from supervisor.states import JobState, ReplicaState
 
 log = logging.getLogger("llm_pool.replica")
 
-DELTA_TOKENS_MAX = 1_000_000  # the most output tokens one delta (or one Done's usage) counts for
-
 
 class LoadFailed(Exception):
     pass
@@ -96,7 +94,7 @@ class WorkerLink:
             self.unknown_job_replies += 1  # late reply for a job already ended: dropped
             return
         if isinstance(outcome, p.Done):  # the runtime's usage settles what the deltas did not carry
-            settled = max(0, min(int(outcome.usage.get("output_tokens", 0) or 0), DELTA_TOKENS_MAX) - deltas)
+            settled = max(0, int(outcome.usage.get("output_tokens", 0) or 0) - deltas)
             self.streamed_tokens += settled
             self.settled_tokens += settled
         job.finish(outcome)
@@ -129,9 +127,8 @@ class WorkerLink:
         match msg:
             case p.Delta(job=job_id):
                 if job := self.inflight.get(job_id):
-                    tokens = min(max(0, msg.tokens), DELTA_TOKENS_MAX)  # a worker is no more trusted than its runtime
-                    self.streamed_tokens += tokens
-                    self._job_deltas[job_id] = self._job_deltas.get(job_id, 0) + tokens
+                    self.streamed_tokens += msg.tokens  # within 0..MAX_DELTA_TOKENS (the codec checked)
+                    self._job_deltas[job_id] = self._job_deltas.get(job_id, 0) + msg.tokens
                     job.push(msg)
                 else:
                     self.unknown_job_replies += 1

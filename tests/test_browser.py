@@ -595,3 +595,24 @@ def test_a_refresh_keeps_a_selection_and_fetches_only_new_rows(pool, open_page):
     assert "after_id" not in requests[0] and len(requests) > 3
     assert all("after_id=" in url for url in requests[1:]), requests
     assert ui.errors == []
+
+
+def test_activity_pages_back_past_the_newest_200_rows(make_pool, open_page):
+    from playwright.sync_api import expect
+
+    pool = make_pool([synthetic("syn", tokens=1)])
+    for i in range(205):
+        assert pool.http.post("/v1/chat/completions", json={"model": "syn", "messages": [
+            {"role": "user", "content": f"n{i}"}]}).status_code == 200
+    wait_for(lambda: len(pool.http.get("/admin/requests", params={"limit": 300}).json()["requests"]) == 205, 5,
+             what="205 rows in the request log")
+    ui = open_page(pool)
+    page = ui.page
+    rows = page.locator("#activity tbody tr")
+    expect(rows).to_have_count(200)
+    expect(rows.first).to_have_attribute("data-id", "205")
+    page.click("#activity-older")
+    expect(rows).to_have_count(205)
+    expect(rows.last).to_have_attribute("data-id", "1")
+    expect(page.locator("#activity-older")).to_be_hidden()
+    assert ui.errors == []

@@ -133,6 +133,9 @@ def test_a_delta_says_how_many_tokens_it_carries_through_the_outbox():
     assert p.decode(p.encode(p.Delta(job="j", text="x", tokens=5))).tokens == 5
     assert len(msgpack.unpackb(p.encode(p.Delta(job="j", text="x")))) == 4  # no count on the wire for one
     assert p.decode(frame(t="delta", job="j", text="x", tokens="5")).reason == "delta: field 'tokens' has type str"
+    for nonsense in (-1, p.messages.MAX_DELTA_TOKENS + 1):  # a worker is no more trusted than its runtime
+        refused = p.decode(frame(t="delta", job="j", text="x", tokens=nonsense))
+        assert isinstance(refused, p.ProtocolError) and refused.job == "j" and "tokens" in refused.reason
 
 
 def test_outbox_keeps_raw_frames_in_place_and_caps_merged_text():
