@@ -383,14 +383,10 @@ function speedsText(r) {
 
 // The request log, newest first: the first fetch takes the newest ACTIVITY_PAGE rows, each later one
 // only the rows after the newest shown (after_id), so an idle page moves a few bytes a second; "older
-// rows" pages back (before_id). A change of filters starts over. Calls run one at a time (serial).
+// rows" pages back (before_id). A change of filters starts over. Calls run one at a time (inTurn).
 const ACTIVITY_PAGE = 200, ACTIVITY_KEEP = 2000;
-const activity = {filters: null, newest: null, oldest: null};
-
-function serial(work) {
-  let last = Promise.resolve();
-  return () => (last = last.catch(() => {}).then(work));
-}
+const activity = {filters: null, newest: null, oldest: null, last: Promise.resolve()};
+const inTurn = (work) => () => (activity.last = activity.last.catch(() => {}).then(work));
 
 function activityParams(extra) {
   const params = new URLSearchParams(extra);
@@ -431,7 +427,7 @@ function addActivity(rows, atTop) {
   activity.oldest = ids.length ? ids[ids.length - 1] : null;
 }
 
-const refreshActivity = serial(async () => {
+const refreshActivity = inTurn(async () => {
   const filters = activityParams({}).toString();
   if (filters !== activity.filters) { // new filters: start over
     activity.filters = filters;
@@ -457,12 +453,12 @@ const refreshActivity = serial(async () => {
   if (state.selected !== null && !$(`#activity tbody tr[data-id="${state.selected}"]`)) $("#request-detail").hidden = true;
 });
 
-async function olderActivity() {
-  if (activity.oldest === null) return;
+const olderActivity = inTurn(async () => {
+  if (activity.oldest === null || activityParams({}).toString() !== activity.filters) return;
   const page = await api("/admin/requests?" + activityParams({before_id: activity.oldest, limit: ACTIVITY_PAGE}));
   addActivity(page.requests, false);
   $("#activity-older").hidden = !page.more;
-}
+});
 
 // The error rate of the last minutes: the clients' (4xx) apart from the pool's (5xx), and the
 // tenants whose requests were refused most (who sends garbage?)
