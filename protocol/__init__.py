@@ -15,7 +15,7 @@ array of them; see below):
     hello                                   setup     options{}   (the answer to hello)
                                             submit    job, request{...}, endpoint
     ready   capacity, info{}                cancel    job
-    delta   job, text, parts[]              heartbeat
+    delta   job, text, parts[], tokens      heartbeat
     done    job, finish_reason, usage{},    shutdown
             finish_reasons[], result{},
             timings{}
@@ -29,7 +29,8 @@ array of them; see below):
   `error` with job None. Every submitted job ends with exactly one `done` or
   `error`, also when it was cancelled (finish_reason "cancelled").
   An optional field at its default is left off the wire (a plain text delta
-  carries only job and text); see messages.Delta for the typed parts.
+  of one token carries only job and text); see messages.Delta for the typed
+  parts and `tokens` (the output tokens a delta carries, 0..MAX_DELTA_TOKENS).
   kv_events (a vLLM worker with routing "prefix") relays the engine's
   KV-cache events, in order, MAX_KV_EVENTS at most a message; see messages.KvEvents.
 

@@ -68,11 +68,14 @@ class Delta:
     "i" defaults to 0; "lp" (the runtime's logprobs of those tokens: a list of
     entries for chat, its own object for legacy completions) is optional; a tool
     part's "id" and "name" come with its first fragment, "args" is a fragment
-    of the JSON arguments."""
+    of the JSON arguments. `tokens`: the output tokens it carries (as the
+    runtime counted them, else one per runtime event; a merged delta carries
+    their sum), so the live tokens/s counts tokens, not messages."""
     TYPE: ClassVar[str] = "delta"
     job: str
     text: str = ""
     parts: list = field(default_factory=list)
+    tokens: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +126,7 @@ class KvEvents:
 
 
 MAX_KV_EVENTS = 256  # events in one KvEvents message
+MAX_DELTA_TOKENS = 1_000_000  # output tokens one Delta may say it carries (a joined run stays far below)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +147,7 @@ FIELD_TYPES: dict[type, dict[str, Any]] = {
     Ready: {"capacity": int, "info": dict},
     Submit: {"job": str, "request": dict, "endpoint": str},
     Cancel: {"job": str},
-    Delta: {"job": str, "text": str, "parts": list},
+    Delta: {"job": str, "text": str, "parts": list, "tokens": int},
     Done: {"job": str, "finish_reason": str, "usage": dict, "finish_reasons": list, "result": dict, "timings": dict},
     Error: {"job": (str, type(None)), "code": str, "message": str, "param": (str, type(None))},
     Heartbeat: {"inflight": int, "jobs": list, "submits_seen": int},
@@ -221,8 +225,9 @@ def merge_deltas(a: Delta, b: Delta) -> Delta:
     """`b` appended to `a` (same job). Plain text stays plain text; otherwise
     the parts are concatenated in order, and only adjacent text runs of one
     kind and one choice are joined: never across choices, never a tool part."""
+    tokens = a.tokens + b.tokens
     if not a.parts and not b.parts:
-        return Delta(job=a.job, text=a.text + b.text)
+        return Delta(job=a.job, text=a.text + b.text, tokens=tokens)
     parts = list(delta_parts(a))
     for part in delta_parts(b):
         if parts and _mergeable(parts[-1], part):
@@ -233,4 +238,4 @@ def merge_deltas(a: Delta, b: Delta) -> Delta:
             parts[-1] = joined
         else:
             parts.append(part)
-    return Delta(job=a.job, parts=parts)
+    return Delta(job=a.job, parts=parts, tokens=tokens)

@@ -178,10 +178,10 @@ class Worker:
                         if event.text:
                             budget -= len(event.text)
                             self._over_budget(budget)
-                            self.outbox.put_text(job, event.text)
+                            self.outbox.put_text(job, event.text, event.tokens)
                     elif isinstance(event, PartsDelta):
                         if event.parts:
-                            delta = p.Delta(job=job, parts=event.parts)
+                            delta = p.Delta(job=job, parts=event.parts, tokens=event.tokens)
                             budget -= p.delta_size(delta)
                             self._over_budget(budget)
                             self.send(delta)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import logging
 import os
@@ -26,7 +27,7 @@ from procutil.groups import signal_group, stop_group
 from procutil.net import free_port
 from protocol.choices import MAX_CHOICES, choice_limit
 from protocol.errors import ErrorCode, exit_text
-from protocol.messages import runtime_timings
+from protocol.messages import TIMING_MAX, runtime_timings
 from protocol.redact import mask_url_credentials
 from runtime_worker.backends.base import (
     Backend, BackendLoadError, Event, Finished, JobError, OutputLimits, PartsDelta, TextDelta)
@@ -190,6 +191,7 @@ class OpenAIClient:
         finishes: dict[int, str] = {}
         seen = {0}  # choice indexes that produced output (choice 0 always owes a finish_reason)
         usage, timings, produced, done = None, None, 0, False
+        carried = 0  # output tokens the events so far carry (live_count)
         async with aclosing(sse_data(upstream, self.limits.max_upstream_line_bytes)) as lines:
             async for data in lines:
                 if data == b"[DONE]":
@@ -204,12 +206,16 @@ class OpenAIClient:
                     usage = chunk["usage"]
                 if chunk.get("timings"):  # llama-server's, on its last chunk (the usage chunk, if asked for)
                     timings = chunk["timings"]
+                made = live_count(chunk)
                 for choice in chunk.get("choices") or ():
                     index = choice_index(choice, choices)
                     event = choice_event(choice, chat, index=index)
                     if event is not None:
                         seen.add(index)
                         produced += 1
+                        if made is not None:  # the runtime counts: this event carries what it made since
+                            event = dataclasses.replace(event, tokens=max(0, made - carried))
+                            carried = max(carried, made)
                         yield event
                     if choice.get("finish_reason"):
                         finishes[index] = str(choice["finish_reason"])
@@ -282,6 +288,19 @@ def finished(finishes: dict[int, str], usage, produced: int, timings=None) -> Fi
                     timings=runtime_timings(timings) or None,
                     reasoning_tokens=int((usage.get("completion_tokens_details") or {}).get("reasoning_tokens")
                                          or 0))
+
+
+def live_count(chunk: dict) -> int | None:
+    """The output tokens a runtime says it has made so far, from a streamed chunk that
+    holds output: llama-server's per-chunk timings (timings_per_token) or vLLM's running
+    usage (continuous_usage_stats). None when it does not say: each event then counts one."""
+    if not chunk.get("choices"):
+        return None
+    made = runtime_timings(chunk.get("timings")).get("predicted_n")
+    if made is None and isinstance(chunk.get("usage"), dict):
+        made = chunk["usage"].get("completion_tokens")
+    return int(made) if isinstance(made, (int, float)) and not isinstance(made, bool) and 0 <= made < TIMING_MAX \
+        else None
 
 
 def choice_index(choice, choices: int) -> int:

@@ -34,6 +34,7 @@ def coalesce(batch: list[p.Message | bytes]) -> list[p.Message | bytes]:
     open_delta: dict[str, int] = {}  # job -> index in `out` of its delta still open for merging
     sizes: dict[int, int] = {}  # index in `out` -> p.delta_size of what it holds (texts included)
     texts: dict[int, list[str]] = {}  # index in `out` -> its plain-text run, joined at the end
+    counts: dict[int, int] = {}  # index in `out` -> the tokens its plain-text run carries
     for item in batch:
         if isinstance(item, p.Delta):
             at = open_delta.get(item.job)
@@ -41,10 +42,11 @@ def coalesce(batch: list[p.Message | bytes]) -> list[p.Message | bytes]:
                 run = texts.get(at)
                 if run is not None and not item.parts:
                     run.append(item.text)
+                    counts[at] += item.tokens
                     sizes[at] += size
                 else:
                     if run is not None:
-                        out[at] = p.Delta(job=item.job, text="".join(texts.pop(at)))
+                        out[at] = p.Delta(job=item.job, text="".join(texts.pop(at)), tokens=counts.pop(at))
                     out[at] = p.merge_deltas(out[at], item)
                     sizes[at] = p.delta_size(out[at])
                 continue
@@ -52,6 +54,7 @@ def coalesce(batch: list[p.Message | bytes]) -> list[p.Message | bytes]:
             sizes[at] = p.delta_size(item)
             if not item.parts:
                 texts[at] = [item.text]
+                counts[at] = item.tokens
         elif isinstance(item, bytes):
             open_delta.clear()  # a raw frame (fault injection) is opaque: keep every order
         elif (job := getattr(item, "job", None)) is not None:
@@ -59,7 +62,7 @@ def coalesce(batch: list[p.Message | bytes]) -> list[p.Message | bytes]:
         out.append(item)
     for at, run in texts.items():
         if len(run) > 1:
-            out[at] = p.Delta(job=out[at].job, text="".join(run))
+            out[at] = p.Delta(job=out[at].job, text="".join(run), tokens=counts[at])
     return out
 
 
@@ -90,15 +93,16 @@ class _TextRun:
     """Plain text of one job, put token by token (put_text) and sent as one Delta: a
     token costs a list append, not a message."""
 
-    __slots__ = ("job", "texts", "chars")
+    __slots__ = ("job", "texts", "chars", "tokens")
 
     def __init__(self, job: str) -> None:
         self.job = job
         self.texts: list[str] = []
         self.chars = 0
+        self.tokens = 0  # the output tokens its texts carry
 
     def delta(self) -> p.Delta:
-        return p.Delta(job=self.job, text="".join(self.texts))
+        return p.Delta(job=self.job, text="".join(self.texts), tokens=self.tokens)
 
 
 class Outbox:
@@ -121,9 +125,10 @@ class Outbox:
         self._empty.clear()
         self._wake.set()
 
-    def put_text(self, job: str, text: str) -> None:
-        """Queue plain content text of a job's choice 0 (what `put(Delta(job, text))` does,
-        joined to the job's text queued since its last other message)."""
+    def put_text(self, job: str, text: str, tokens: int = 1) -> None:
+        """Queue plain content text of a job's choice 0, `tokens` output tokens (what
+        `put(Delta(job, text, tokens=tokens))` does, joined to the job's text queued
+        since its last other message)."""
         run = self._open_runs.get(job)
         if run is None or run.chars + len(text) > MERGE_LIMIT_CHARS:
             run = self._open_runs[job] = _TextRun(job)
@@ -132,6 +137,7 @@ class Outbox:
             self._wake.set()
         run.texts.append(text)
         run.chars += len(text)
+        run.tokens += tokens
 
     async def run(self) -> None:
         while True:

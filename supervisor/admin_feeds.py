@@ -90,15 +90,21 @@ async def admin_requests(request: Request, model: str | None = Query(None, max_l
 
 @router.get("/admin/requests/summary")
 async def admin_requests_summary(request: Request, window_s: float = Query(300, gt=0, le=86400)):
-    """The error rate over the last `window_s` seconds, and the requests in flight now with their age."""
+    """The error rates over the last `window_s` seconds, the client's (4xx: a bad request, a
+    refused key, a limit, a client that left) apart from the pool's (5xx), the tenants with
+    the most errors, and the requests in flight now with their age."""
     activity = request.app.state.activity
-    counts = await asyncio.to_thread(activity.requests.counts_since, time.time() - window_s)
+    since = time.time() - window_s
+    counts = await asyncio.to_thread(activity.requests.counts_since, since)
+    tenants = await asyncio.to_thread(activity.requests.error_tenants_since, since)
     total = sum(counts.values())
+    by_class = {f"{c}xx": sum(n for st, n in counts.items() if st // 100 == c) for c in (2, 4, 5)}
     errors = sum(n for status, n in counts.items() if status >= 400)
-    return {"window_s": window_s, "requests": total, "errors": errors,
-            "error_rate": round(errors / total, 4) if total else None,
-            "by_class": {f"{c}xx": sum(n for st, n in counts.items() if st // 100 == c) for c in (2, 4, 5)},
-            "in_flight": activity.in_flight()}
+    rate = lambda n: round(n / total, 4) if total else None  # noqa: E731
+    return {"window_s": window_s, "requests": total, "errors": errors, "error_rate": rate(errors),
+            "client_errors": by_class["4xx"], "client_error_rate": rate(by_class["4xx"]),
+            "server_errors": by_class["5xx"], "server_error_rate": rate(by_class["5xx"]),
+            "by_class": by_class, "error_tenants": tenants, "in_flight": activity.in_flight()}
 
 
 @router.get("/admin/events")

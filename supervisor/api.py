@@ -21,7 +21,7 @@ from supervisor.admission import DEFAULT_TENANT, Admission
 from supervisor.config import PoolConfig
 from supervisor.anthropic_shapes import anthropic_model_page
 from supervisor.engine import ModelRouterEngine
-from supervisor.edge.guard import TENANT_KEY, HttpEdge, error_response
+from supervisor.edge.guard import TENANT_KEY, HttpEdge, error_response, tenant_name
 from supervisor.edge.inference import InferenceSurface
 from supervisor.live import Activity
 from supervisor.loop_lag import LoopLag
@@ -91,14 +91,16 @@ def create_app(config: PoolConfig) -> HttpEdge:
                               param=param)
         # the request log names the model the body asked for (clipped there), with the code and message
         named = exc.body.get("model") if isinstance(exc.body, dict) else None
-        metrics.request(named if isinstance(named, str) else None, request.url.path, 400, error=error)
+        metrics.request(named if isinstance(named, str) else None, request.url.path, 400, error=error,
+                        tenant=tenant_name(request.scope))
         return error_response(error)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 400:  # FastAPI could not parse the body (e.g. JSON nested too deep)
-            metrics.request(None, request.url.path, 400)
-            return error_response(PoolError(ErrorCode.INVALID_REQUEST, f"body: {exc.detail}", param="body"))
+            error = PoolError(ErrorCode.INVALID_REQUEST, f"body: {exc.detail}", param="body")
+            metrics.request(None, request.url.path, 400, error=error, tenant=tenant_name(request.scope))
+            return error_response(error)
         return JSONResponse({"error": {"message": str(exc.detail), "type": ERROR_TYPE.get(exc.status_code,
                                        "invalid_request_error"), "param": None, "code": None}},
                             status_code=exc.status_code, headers=exc.headers)

@@ -206,10 +206,11 @@ DEFAULT_LOAD_TIMEOUT_S = {"vllm_serve": 600.0}
 PREFIX_CACHING_BACKENDS = frozenset({"llama_server", "vllm_serve"})
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+NAME_MAX = 64  # a model's name or alias: it is shown in every table, chart and filter of the page
 
 
 class ModelConfig(_Strict):
-    name: str = Field(min_length=1, pattern=NAME_PATTERN.pattern)
+    name: str = Field(min_length=1, max_length=NAME_MAX, pattern=NAME_PATTERN.pattern)
     backend: BackendName
     replicas: int = Field(1, ge=1, le=64)
     target_inflight: int = Field(1, ge=1, le=4096)
@@ -371,6 +372,9 @@ def parse_config(raw: dict, source: str = "<config>") -> PoolConfig:
         for alias in m.aliases:
             if not NAME_PATTERN.match(alias):
                 raise ConfigError(f"{source}: model {m.name!r}: key 'aliases': {alias!r} is not a valid name")
+            if len(alias) > NAME_MAX:
+                raise ConfigError(f"{source}: model {m.name!r}: key 'aliases': {alias[:NAME_MAX]!r}... is "
+                                  f"{len(alias)} characters, over the {NAME_MAX} a name may have")
             if alias in seen:
                 raise ConfigError(f"{source}: model {m.name!r}: key 'aliases': {alias!r} is already "
                                   f"the name or an alias of a model")

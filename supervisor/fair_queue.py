@@ -64,10 +64,10 @@ class TokenMeter:
         self.output = 0  # output tokens charged so far
         queue.charge(tenant, prompt_estimate, 0)
 
-    def delta(self) -> None:
-        """One more piece of output streamed (a runtime sends about one token per delta)."""
-        self.output += 1
-        self.queue.charge(self.tenant, 0, 1)
+    def delta(self, tokens: int = 1) -> None:
+        """One more piece of output streamed: the tokens its delta says it carries."""
+        self.output += tokens
+        self.queue.charge(self.tenant, 0, tokens)
 
     def done(self, usage: dict) -> None:
         """The runtime's own counts: charge what the estimates missed (or give back what they overcounted)."""

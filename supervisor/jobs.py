@@ -164,7 +164,7 @@ class Job:
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         if self.meter is not None:
-            self.meter.delta()
+            self.meter.delta(event.tokens)
         if self._waiter is None:  # no reader waits to take it: held until the handler comes back
             self.unsent_bytes += held_size(event)
             if self.unsent_bytes > self.max_unsent_bytes:
@@ -279,10 +279,12 @@ class Job:
             # the client fell behind: what has piled up goes out as one delta (plain text
             # joined at once; typed parts in order, see protocol.merge_deltas)
             if not event.parts:
-                texts = [event.text]
+                texts, tokens = [event.text], event.tokens
                 while self.events and isinstance(self.events[0], Delta) and not self.events[0].parts:
-                    texts.append(self.events.popleft().text)
-                event = Delta(job=event.job, text="".join(texts))
+                    taken = self.events.popleft()
+                    texts.append(taken.text)
+                    tokens += taken.tokens
+                event = Delta(job=event.job, text="".join(texts), tokens=tokens)
             while self.events and isinstance(self.events[0], Delta):
                 event = p.merge_deltas(event, self.events.popleft())
         return event

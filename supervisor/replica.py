@@ -96,9 +96,10 @@ class Replica(WorkerLink):
         self.last_error: str | None = None
         self.history = CrashHistory()
         self.unknown_job_replies = 0  # late or bogus replies, dropped by job id
-        # output tokens as they stream (the live tokens/s): one per delta; a job's Done adds
-        # what merged deltas (a fast runtime's) held beyond one token each
+        # output tokens as they stream (the live tokens/s): what each delta says it carries; a
+        # job's Done adds what its runtime's usage counts beyond that (settled_tokens, of these)
         self.streamed_tokens = 0
+        self.settled_tokens = 0
         self._job_deltas: dict[str, int] = {}
         self.protocol_errors = 0
         self.submits_sent = 0  # Submits sent to the current worker; its heartbeats say how many it got

@@ -232,6 +232,15 @@ class RequestLog:
             return dict(db.execute("SELECT status, COUNT(*) FROM requests WHERE ts >= ? GROUP BY status",
                                    (since,)).fetchall())
 
+    def error_tenants_since(self, since: float, limit: int = 10) -> list[dict]:
+        """The tenants with the most 4xx (then 5xx) answers since `since`: who sends what the
+        pool refuses. A row refused before its key was known has no tenant (None)."""
+        with closing(self._connect()) as db:
+            rows = db.execute("SELECT tenant, SUM(status BETWEEN 400 AND 499), SUM(status >= 500) FROM requests "
+                              "WHERE ts >= ? AND status >= 400 GROUP BY tenant ORDER BY 2 DESC, 3 DESC LIMIT ?",
+                              (since, limit)).fetchall()
+        return [{"tenant": tenant, "4xx": client, "5xx": server} for tenant, client, server in rows]
+
     def query(self, **filters) -> list[dict]:
         """The rows of one page (see page)."""
         return self.page(**filters)[0]

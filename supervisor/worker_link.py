@@ -93,8 +93,10 @@ class WorkerLink:
         if job is None:
             self.unknown_job_replies += 1  # late reply for a job already ended: dropped
             return
-        if isinstance(outcome, p.Done):
-            self.streamed_tokens += max(0, int(outcome.usage.get("output_tokens", 0) or 0) - deltas)
+        if isinstance(outcome, p.Done):  # the runtime's usage settles what the deltas did not carry
+            settled = max(0, int(outcome.usage.get("output_tokens", 0) or 0) - deltas)
+            self.streamed_tokens += settled
+            self.settled_tokens += settled
         job.finish(outcome)
         if not self.inflight:  # a restart's drain is over
             self._drain_over()
@@ -125,8 +127,8 @@ class WorkerLink:
         match msg:
             case p.Delta(job=job_id):
                 if job := self.inflight.get(job_id):
-                    self.streamed_tokens += 1
-                    self._job_deltas[job_id] = self._job_deltas.get(job_id, 0) + 1
+                    self.streamed_tokens += msg.tokens  # within 0..MAX_DELTA_TOKENS (the codec checked)
+                    self._job_deltas[job_id] = self._job_deltas.get(job_id, 0) + msg.tokens
                     job.push(msg)
                 else:
                     self.unknown_job_replies += 1

@@ -369,8 +369,8 @@ def test_a_1000_character_model_name_leaves_the_layout_intact(make_pool, open_pa
     assert detail["x"] + detail["width"] <= width
     ui.shot("long-name")
 
-    # filters and the error rate: the one request so far is a 4xx
-    expect(page.locator("#error-rate")).to_contain_text("1 requests, 1 errors (100.0%)")
+    # filters and the error rate: the one request so far is a 4xx (a client's error, not the pool's)
+    expect(page.locator("#error-rate")).to_contain_text("1 requests; 4xx 1 (100.0%), 5xx 0 (0.0%)")
     page.select_option("#filter-status", "2xx")
     expect(page.locator("#activity tbody tr")).to_have_count(0, timeout=3000)
     page.select_option("#filter-status", "4xx")
@@ -442,3 +442,177 @@ def test_activity_filters_by_tenant_and_blanks_what_a_runtime_did_not_report(mak
     expect(rows.locator("td.speed.derived").last).to_contain_text("~")  # decode, from the pool's own times
     ui.shot("tenant-filter")
     assert all("401" in e for e in ui.errors), ui.errors  # the page's first call, before the key was typed
+
+
+# -- the page fits the screen, and a refresh leaves what the operator is doing alone ----------------------------
+OVERFLOWS = """() => {
+  const out = [], width = window.innerWidth, page = document.scrollingElement;
+  if (page.scrollWidth > width) out.push(`the page: ${page.scrollWidth} px wide in ${width}`);
+  for (const s of document.querySelectorAll("section")) {
+    if (s.scrollWidth > s.clientWidth) out.push(`${s.querySelector("h2").textContent.trim().slice(0, 20)}: ` +
+                                                 `${s.scrollWidth} px in ${s.clientWidth}`);
+  }
+  return out;
+}"""
+
+
+def assert_fits(page, what: str) -> None:
+    """No sideways scrolling: not the page, not one section."""
+    assert page.evaluate(OVERFLOWS) == [], what
+
+
+def within_width(page, selector: str) -> list[str]:
+    """The elements of `selector` that reach past the viewport's right edge (or its left)."""
+    width = page.viewport_size["width"]
+    out = []
+    for item in page.locator(selector).all():
+        box = item.bounding_box()
+        if box is None or box["x"] < 0 or box["x"] + box["width"] > width:
+            out.append(f"{selector}: {box}")
+    return out
+
+
+@pytest.mark.parametrize("width, height", [(1280, 800), (390, 844)])
+def test_the_page_fits_a_laptop_and_a_phone(pool, open_page, width, height):
+    """At 1280x800 the models table's buttons are on screen with no sideways scroll; at a phone's
+    390 px no section scrolls sideways either (the tables become lists of cards)."""
+    from playwright.sync_api import expect
+
+    for model in ("tiny", "nope"):  # a success and an error in the activity table
+        pool.http.post("/v1/chat/completions", json={"model": model, "max_tokens": 2,
+                                                     "messages": [{"role": "user", "content": "hi"}]})
+    ui = open_page(pool)
+    page = ui.page
+    page.set_viewport_size({"width": width, "height": height})
+    expect(model_row(page, "syn")).to_be_visible()  # loaded, or unloaded by an earlier test's button
+    expect(model_row(page, "tiny").locator(".state")).to_have_text("loaded")
+    expect(page.locator('#workers tr[data-worker="tiny/0"]')).to_be_visible()
+    expect(page.locator('#routing tr[data-worker="tiny/0"]')).to_be_visible()
+    expect(page.locator("#activity tbody tr .code").first).to_have_text("model_not_found", timeout=3000)
+    wait_for(lambda: page.evaluate("state.samples.length") >= 1, 5, what="a live sample")
+    ui.shot(f"fit-{width}")
+    assert_fits(page, f"{width}x{height}")
+    assert page.locator("#models button").count() == 6
+    assert within_width(page, "#models button") == []
+    assert within_width(page, "#error-rate") == []
+    assert ui.errors == []
+
+
+def test_a_long_name_a_failed_model_and_the_error_rates_stay_on_screen(make_pool, open_page, tmp_path):
+    """A configured name as long as the config allows (64), a client's 200-character one and a
+    model that failed to load (its reason in the why column) leave the models' buttons, the
+    replica-choice table, the chart captions, the filters and the error rate on screen at 1280x800
+    and at a phone's width; the error rate shows 4xx and 5xx apart, and who sent the 4xx."""
+    from playwright.sync_api import expect
+
+    name = "a-model-with-a-name-as-long-as-the-config-allows-" + "x" * 14
+    model = synthetic(name, tokens=4, tps=100)
+    model["options"].update(chaos="lone_surrogate", chaos_prompt="boom")  # "boom": the worker fails it, 502
+    ghost = {"name": "ghost", "backend": "llama_server", "options": {"model": str(tmp_path / "no" / "ghost.gguf")}}
+    pool = make_pool([model, ghost], server={"admin_key": "sk-admin"}, wait_ready=False,
+                     tenants=[{"name": "team-a", "keys": ["sk-a"]}])
+    admin, team = {"Authorization": "Bearer sk-admin"}, {"Authorization": "Bearer sk-a"}
+    wait_for(lambda: {m["name"]: m["state"] for m in pool.http.get("/admin/models", headers=admin).json()[
+        "models"]} == {name: "loaded", "ghost": "failed"}, 30, what="one model loaded, one failed")
+    for model_name, content in ((name, "hi"), (name, "boom"), ("m" * 200, "hi")):
+        pool.http.post("/v1/chat/completions", headers=team,
+                       json={"model": model_name, "messages": [{"role": "user", "content": content}]})
+    assert pool.http.post("/v1/chat/completions", headers=team, json={"model": name}).status_code == 400
+    ui = open_page(pool)
+    page = ui.page
+    page.set_viewport_size({"width": 1280, "height": 800})
+    page.fill("#key-input", "sk-admin")
+    page.click("#key-submit")
+    expect(model_row(page, name).locator(".state")).to_have_text("loaded")
+    expect(model_row(page, "ghost").locator(".reason")).to_contain_text("model file not found")
+    expect(page.locator("#activity tbody tr")).to_have_count(4)
+    expect(page.locator(f'#routing tr[data-worker="{name}/0"]')).to_be_visible()
+    wait_for(lambda: page.evaluate("state.samples.length") >= 1, 5, what="a live sample")
+    for width, height in ((1280, 800), (390, 844)):
+        page.set_viewport_size({"width": width, "height": height})
+        ui.shot(f"long-name-{width}")
+        assert_fits(page, f"{width}x{height}")
+        assert within_width(page, "#models button") == []
+        assert within_width(page, "#error-rate") == []
+        assert within_width(page, ".filters select") == []
+        assert within_width(page, "figcaption") == []
+
+    rate = page.locator("#error-rate")
+    expect(rate).to_contain_text("4 requests")
+    expect(rate.locator(".rate-4xx")).to_have_text("4xx 2 (50.0%)")
+    expect(rate.locator(".rate-5xx")).to_have_text("5xx 1 (25.0%)")
+    expect(rate.locator(".rate-5xx")).to_have_class("rate-5xx bad")
+    expect(rate).to_contain_text("4xx by tenant: team-a 2")
+    assert all("401" in e for e in ui.errors), ui.errors  # the page's first call, before the key was typed
+
+
+def test_a_refresh_keeps_a_selection_and_fetches_only_new_rows(pool, open_page):
+    """An error code selected in the activity table, or a model's name, stays selected while the
+    page refreshes (rows that did not change are not rebuilt); after its first fetch the page asks
+    only for the rows after the newest it has; activity fills the window, not nine rows."""
+    from playwright.sync_api import expect
+
+    for i in range(24):
+        pool.http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 1,
+                                                     "messages": [{"role": "user", "content": f"hi {i}"}]})
+    assert pool.http.post("/v1/chat/completions", json={"model": "nope", "messages": [
+        {"role": "user", "content": "x"}]}).status_code == 404
+    failed = wait_for(lambda: (rows := pool.http.get("/admin/requests", params={"limit": 1}).json()["requests"])
+                      and rows[0]["status"] == 404 and rows[0]["id"], 5, what="the 404's row")
+    ui = open_page(pool)
+    page = ui.page
+    page.set_viewport_size({"width": 1280, "height": 800})
+    code = page.locator(f'#activity tr[data-id="{failed}"] .code')
+    expect(code).to_have_text("model_not_found")
+    page.locator("#activity").scroll_into_view_if_needed()
+    scroller, rows = page.locator("#activity").locator(".."), page.locator("#activity tbody tr")
+    bottom = scroller.bounding_box()["y"] + scroller.bounding_box()["height"]
+    assert sum(1 for row in rows.all()[:40] if row.bounding_box()["y"] + 10 < bottom) >= 15
+
+    select = """selector => { const range = document.createRange();
+      range.selectNodeContents(document.querySelector(selector));
+      getSelection().removeAllRanges(); getSelection().addRange(range); return String(getSelection()); }"""
+    assert page.evaluate(select, f'#activity tr[data-id="{failed}"] .code .cut') == "model_not_found"
+    asked = len(ui.requests)
+    assert pool.http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 1, "messages": [
+        {"role": "user", "content": "one more"}]}).status_code == 200
+    expect(page.locator(f'#activity tr[data-id="{failed + 1}"]')).to_be_visible(timeout=3000)
+    fetched = lambda: [r.url for r in ui.requests[asked:] if "/admin/requests?" in r.url]  # noqa: E731
+    # (page.evaluate lets Playwright deliver the page's request events to this thread)
+    wait_for(lambda: page.evaluate("true") and len(fetched()) >= 3, 10, what="three more refreshes")
+    assert page.evaluate("String(getSelection())") == "model_not_found"
+
+    # a model's row changes (its last use, in flight) around a selected name
+    assert page.evaluate(select, '#models tr[data-model="tiny"] td.name .cut') == "tiny"
+    used = model_row(page, "tiny").locator("td").nth(6)
+    before = used.text_content()
+    pool.http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 1,
+                                                 "messages": [{"role": "user", "content": "again"}]})
+    wait_for(lambda: used.text_content() != before, 10, what="the model's row to change")
+    assert page.evaluate("String(getSelection())") == "tiny"
+
+    requests = [r.url for r in ui.requests if "/admin/requests?" in r.url]
+    assert "after_id" not in requests[0] and len(requests) > 3
+    assert all("after_id=" in url for url in requests[1:]), requests
+    assert ui.errors == []
+
+
+def test_activity_pages_back_past_the_newest_200_rows(make_pool, open_page):
+    from playwright.sync_api import expect
+
+    pool = make_pool([synthetic("syn", tokens=1)])
+    for i in range(205):
+        assert pool.http.post("/v1/chat/completions", json={"model": "syn", "messages": [
+            {"role": "user", "content": f"n{i}"}]}).status_code == 200
+    wait_for(lambda: len(pool.http.get("/admin/requests", params={"limit": 300}).json()["requests"]) == 205, 5,
+             what="205 rows in the request log")
+    ui = open_page(pool)
+    page = ui.page
+    rows = page.locator("#activity tbody tr")
+    expect(rows).to_have_count(200)
+    expect(rows.first).to_have_attribute("data-id", "205")
+    page.click("#activity-older")
+    expect(rows).to_have_count(205)
+    expect(rows.last).to_have_attribute("data-id", "1")
+    expect(page.locator("#activity-older")).to_be_hidden()
+    assert ui.errors == []

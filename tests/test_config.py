@@ -29,6 +29,10 @@ GOOD_MODEL = '[[models]]\nname = "a"\nbackend = "synthetic"\n'
      ["model 'b'", "'aliases'", "'a' is already"]),
     (GOOD_MODEL + 'aliases = ["x", "x"]\n', ["model 'a'", "'aliases'", "'x' is already"]),
     (GOOD_MODEL + 'aliases = ["bad name"]\n', ["model 'a'", "'aliases'", "not a valid name"]),
+    # a name fits the page's tables: at most 64 characters, name and aliases alike
+    ('[[models]]\nname = "' + "n" * 65 + '"\nbackend = "synthetic"\n',
+     ["model '" + "n" * 65 + "'", "'name'", "at most 64 characters"]),
+    (GOOD_MODEL + 'aliases = ["' + "x" * 65 + '"]\n', ["model 'a'", "'aliases'", "65 characters, over the 64"]),
     ('[server]\nmemory_budget_mb = 100\n' + GOOD_MODEL + 'memory_mb = 200\n',
      ["model 'a'", "'memory_mb'", "more than the whole server.memory_budget_mb"]),
     ('[server]\ngpu_memory_budget_mb = 100\n' + GOOD_MODEL + 'gpu_memory_mb = 60\n',

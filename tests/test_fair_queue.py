@@ -278,6 +278,17 @@ def test_tokens_are_charged_as_they_stream_not_at_the_end():
     assert queue.counters["a"] == start + 10  # the runtime's count sets the estimate right
 
 
+def test_a_delta_that_joins_several_tokens_is_charged_all_of_them():
+    queue = FairQueue(output_weight=2.0)
+    job = make_job("a", 0)
+    queue.push(job)
+    queue.pop()
+    start = queue.counters["a"]
+    job.push(Delta(job=job.id, text="three tokens", tokens=3))
+    job.push(Delta(job=job.id, text="", tokens=0))
+    assert queue.counters["a"] == start + 6
+
+
 def test_a_reload_that_changes_a_weight_applies_to_the_next_charge():
     table = {"a": Share(1.0)}
     queue = FairQueue(shares_of(table), output_weight=1.0)

@@ -169,3 +169,21 @@ def test_failed_loads_report_llama_server_errors(make_pool, tiny_gguf, llama_ser
     r = pool.http.post("/v1/responses", json={"model": "corrupt", "input": "x"})  # loads on demand: fails again
     assert r.status_code == 503 and r.json()["error"]["code"] == "load_failed"
     assert "failed to load model" in r.json()["error"]["message"]
+
+
+def test_live_tokens_count_tokens_not_chunks(make_pool, tiny_gguf, llama_server_bin):
+    """The live tokens/s counts what llama-server made, token by token as the deltas
+    carry it (its per-chunk timings), not the worker's messages, which join many
+    chunks: nothing is left for the job's end to add in one spike."""
+    pool = make_pool([llama("tiny", tiny_gguf, llama_server_bin, extra_args=IGNORE_EOS)])
+    chunks = 0
+    with httpx.stream("POST", pool.url + "/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "max_tokens": 400, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "messages": [{"role": "user", "content": "count"}]}) as r:
+        for chunk in sse_events(r):
+            chunks += any(c["delta"].get("content") for c in chunk["choices"])
+            usage = chunk.get("usage") or {}
+    assert usage["completion_tokens"] == 400 and 0 < chunks < 400  # the pool's chunks join several tokens
+    worker = pool.workers("tiny")[0]
+    assert worker["output_tokens"] == 400
+    assert worker["output_tokens_at_end"] == 0

@@ -194,6 +194,30 @@ def test_validation_errors_are_logged_with_model_code_and_message(make_pool):
     assert summary["errors"] == 1 and summary["error_rate"] == 1.0 and summary["in_flight"] == []
 
 
+def test_the_error_rate_splits_client_from_server_errors_and_a_bad_request_names_its_tenant(make_pool):
+    """400s are the client's, 5xx the pool's: the summary counts them apart, and a bad body
+    sent with a tenant's key is logged with that tenant (who sends garbage?)."""
+    model = synthetic("syn")
+    model["options"].update(chaos="lone_surrogate", chaos_prompt="boom")  # "boom": the worker fails it, 502
+    admin = {"Authorization": "Bearer sk-admin"}
+    pool = make_pool([model], server={"admin_key": "sk-admin"}, tenants=[{"name": "team-a", "keys": ["sk-a"]}])
+    team = {"Authorization": "Bearer sk-a"}
+    ask = lambda body: httpx.post(pool.url + "/v1/chat/completions", headers=team, json=body, timeout=30)  # noqa: E731
+    assert ask({"model": "syn", "messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+    assert ask({"model": "syn", "messages": "not a list"}).status_code == 400
+    r = httpx.post(pool.url + "/v1/embeddings", headers=team, json={"model": "syn", "input": "x", "stream": True})
+    assert r.status_code == 400
+    assert ask({"model": "syn", "messages": [{"role": "user", "content": "boom"}]}).status_code == 502
+    rows = wait_for(lambda: (got := pool.http.get("/admin/requests", headers=admin).json()["requests"])
+                    and len(got) == 4 and got, 5, what="four rows")
+    refused = [row for row in rows if row["status"] == 400]
+    assert [(row["tenant"], row["error_code"]) for row in refused] == [("team-a", "invalid_request")] * 2
+    summary = pool.http.get("/admin/requests/summary", headers=admin).json()
+    assert (summary["requests"], summary["client_errors"], summary["server_errors"]) == (4, 2, 1)
+    assert (summary["client_error_rate"], summary["server_error_rate"]) == (0.5, 0.25)
+    assert summary["error_tenants"] == [{"tenant": "team-a", "4xx": 2, "5xx": 1}]
+
+
 def follow(*args: str, url: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("LLM_POOL_URL", "LLM_POOL_ADMIN_KEY")}
     return subprocess.Popen([sys.executable, "-m", "supervisor.cli", *args, "--url", url], cwd=ROOT,

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import msgpack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import protocol as p
-from runtime_worker.outbox import MERGE_LIMIT_CHARS, coalesce
+from runtime_worker.outbox import MERGE_LIMIT_CHARS, Outbox, coalesce
 
 MESSAGES = [
     p.Hello(), p.Ready(capacity=4, info={"port": 1}),
@@ -85,7 +87,7 @@ values = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1)
 @given(st.sampled_from(sorted(p.messages.MESSAGE_TYPES)), st.dictionaries(
     st.sampled_from(["v", "job", "text", "pid", "backend", "capacity", "info", "request", "finish_reason",
                      "usage", "code", "message", "inflight", "parts", "endpoint", "finish_reasons", "result",
-                     "param"]), values, max_size=6))
+                     "param", "tokens"]), values, max_size=6))
 def test_decode_never_raises_on_random_maps(kind, fields):
     raw = msgpack.packb({"t": kind, "v": p.PROTOCOL_VERSION, **fields})
     msg = p.decode(raw)
@@ -99,11 +101,41 @@ def test_outbox_merges_a_jobs_pending_deltas_but_never_across_its_end():
              p.Done(job="a", finish_reason="stop"), p.Delta(job="a", text="late"), p.Delta(job="b", text="y"),
              p.Heartbeat(inflight=1), p.Error(job="b", code="runtime_error", message="boom"),
              p.Delta(job="b", text="z")]
-    assert coalesce(batch) == [
-        p.Delta(job="a", text="12"), p.Delta(job="b", text="xy"), p.Done(job="a", finish_reason="stop"),
+    assert coalesce(batch) == [  # a merged delta carries the tokens of its parts
+        p.Delta(job="a", text="12", tokens=2), p.Delta(job="b", text="xy", tokens=2),
+        p.Done(job="a", finish_reason="stop"),
         p.Delta(job="a", text="late"), p.Heartbeat(inflight=1), p.Error(job="b", code="runtime_error",
                                                                          message="boom"),
         p.Delta(job="b", text="z")]
+
+
+def test_a_delta_says_how_many_tokens_it_carries_through_the_outbox():
+    """The live tokens/s counts tokens: text put token by token leaves as one delta that
+    carries their count, and a count travels the wire (one token: the short form)."""
+    async def run() -> list:
+        sent = []
+
+        class Sock:
+            async def send(self, frames):
+                sent.extend(frames)
+        box = Outbox(Sock())
+        for text, tokens in (("a", 1), ("", 0), ("bc", 3), ("d", 1)):
+            box.put_text("j", text, tokens)
+        box.put(p.Delta(job="j", parts=[{"k": "reasoning", "t": "hm"}], tokens=2))
+        task = asyncio.create_task(box.run())
+        await box.flush(5)
+        task.cancel()
+        return [m for frame in sent for m in p.decode_many(frame)]
+
+    got = asyncio.run(run())
+    assert [m.tokens for m in got] == [7]  # one message: the text run merged with the parts after it
+    assert [part["t"] for part in p.messages.delta_parts(got[0])] == ["abcd", "hm"]
+    assert p.decode(p.encode(p.Delta(job="j", text="x", tokens=5))).tokens == 5
+    assert len(msgpack.unpackb(p.encode(p.Delta(job="j", text="x")))) == 4  # no count on the wire for one
+    assert p.decode(frame(t="delta", job="j", text="x", tokens="5")).reason == "delta: field 'tokens' has type str"
+    for nonsense in (-1, p.messages.MAX_DELTA_TOKENS + 1):  # a worker is no more trusted than its runtime
+        refused = p.decode(frame(t="delta", job="j", text="x", tokens=nonsense))
+        assert isinstance(refused, p.ProtocolError) and refused.job == "j" and "tokens" in refused.reason
 
 
 def test_outbox_keeps_raw_frames_in_place_and_caps_merged_text():
@@ -132,9 +164,10 @@ def _coalesce_pairwise(batch):
 
 
 _deltas = st.lists(st.one_of(
-    st.builds(lambda j, t: p.Delta(job=j, text=t), st.sampled_from("ab"), st.text(max_size=3)),
-    st.builds(lambda j, t: p.Delta(job=j, parts=[{"k": "reasoning", "t": t}]), st.sampled_from("ab"),
-              st.text(max_size=3)),
+    st.builds(lambda j, t, n: p.Delta(job=j, text=t, tokens=n), st.sampled_from("ab"), st.text(max_size=3),
+              st.integers(0, 3)),
+    st.builds(lambda j, t, n: p.Delta(job=j, parts=[{"k": "reasoning", "t": t}], tokens=n), st.sampled_from("ab"),
+              st.text(max_size=3), st.integers(0, 3)),
     st.builds(lambda j: p.Done(job=j, finish_reason="stop"), st.sampled_from("ab"))), max_size=12)
 
 
@@ -199,8 +232,8 @@ def test_merging_keeps_each_parts_order_and_never_joins_across_choices_or_kinds(
     [merged] = coalesce(batch)
     assert merged == p.Delta(job="a", parts=[
         text("xy"), {"k": "reasoning", "i": 0, "t": "r"}, text("z"), text("1", 1), text("w"), tool, more,
-        text("lm", lp=[1, 2])])
-    assert coalesce(batch[:2]) == [p.Delta(job="a", text="xy")]
+        text("lm", lp=[1, 2])], tokens=10)  # the ten deltas' tokens
+    assert coalesce(batch[:2]) == [p.Delta(job="a", text="xy", tokens=2)]
     # the supervisor's merge of what piled up for a slow client is the same
     import asyncio
     from supervisor.jobs import Job
@@ -287,7 +320,7 @@ def test_the_outbox_sends_what_is_ready_across_jobs_as_one_frame():
 
     sent = asyncio.run(go())
     assert sent[1] == b"raw" and len(sent) == 3
-    assert p.decode_many(sent[0]) == [p.Delta(job="a", text="13"), p.Delta(job="b", text="2"),
+    assert p.decode_many(sent[0]) == [p.Delta(job="a", text="13", tokens=2), p.Delta(job="b", text="2"),
                                       p.Done(job="b", finish_reason="stop")]
     assert p.decode_many(sent[2]) == [p.Delta(job="a", text="4")]
 

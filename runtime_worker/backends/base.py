@@ -34,14 +34,17 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class TextDelta:
-    """Content text of choice 0: the common, cheap case."""
+    """Content text of choice 0: the common, cheap case. `tokens`: the output tokens
+    it carries, as the runtime counted them (else one: a runtime event per token)."""
     text: str
+    tokens: int = 1
 
 
 @dataclass(frozen=True, slots=True)
 class PartsDelta:
-    """Typed output parts in order (see protocol.messages.Delta)."""
+    """Typed output parts in order (see protocol.messages.Delta); `tokens` as TextDelta's."""
     parts: list
+    tokens: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,7 +88,10 @@ class LlamaServerBackend(OpenAIServerBackend):
         binary = find_llama_server(self.options.get("binary"))
         slots = self.target_inflight
         ctx = int(self.options.get("ctx_size", 2048 * slots))
-        self.server = NativeServer("llama-server", self.log, extra=extra_body(self.options), limits=self.limits)
+        # timings_per_token: each streamed chunk says how many tokens were made so far, so the
+        # live tokens/s counts tokens, not chunks (a chunk can hold several: held-back bytes)
+        extra = {"timings_per_token": True, **extra_body(self.options)}
+        self.server = NativeServer("llama-server", self.log, extra=extra, limits=self.limits)
         self.client = self.server.client
         argv = [binary, "-m", model, "-c", str(ctx), "-np", str(slots),
                 "--host", "127.0.0.1", "--port", str(self.server.port), "--no-webui"]

@@ -27,6 +27,13 @@ NOT_FOUND = {"error": {"message": "Not Found", "type": "not_found_error", "param
 ANTHROPIC_PATHS = ("/v1/messages",)  # the Messages surface answers in Anthropic's envelope
 TENANT_KEY = "llm_pool.tenant"  # in the ASGI scope of each keyed request: admission.Tenant
 
+
+def tenant_name(scope) -> str | None:
+    """The name of the tenant whose key a request carried (None before its key was known):
+    the request log names who sent a request the pool refused, a bad body too."""
+    tenant = scope.get(TENANT_KEY)
+    return tenant.name if tenant is not None else None
+
 # The admin surface: operator actions, and the documents that describe them.
 ADMIN_PATHS = frozenset({"/admin", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 NO_RETRY = frozenset({ErrorCode.INVALID_REQUEST, ErrorCode.CONTEXT_LENGTH_EXCEEDED, ErrorCode.LOAD_FAILED, ErrorCode.MODEL_NOT_LOADED,

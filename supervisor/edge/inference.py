@@ -24,7 +24,7 @@ from supervisor import openai_shapes as shapes
 from supervisor import responses_shapes as rshapes
 from supervisor import runtime_call_shapes as cshapes
 from supervisor.admission import DEFAULT_TENANT
-from supervisor.edge.guard import ANTHROPIC_PATHS, TENANT_KEY, error_response
+from supervisor.edge.guard import ANTHROPIC_PATHS, TENANT_KEY, error_response, tenant_name
 from supervisor.edge.listener import DISCONNECT_KEY, Disconnect
 from supervisor.edge.schemas import document, named_model, request_body
 from supervisor.edge.streams import AnswerJSON, InferenceEndpoint, JobStream, sse_frame, watch_for_disconnect
@@ -79,7 +79,7 @@ class InferenceSurface:
         try:
             body, data = request_body(raw, request.headers.get("content-type"), body_type)
         except PoolError as err:  # logged with the model the body named, its code and message
-            self.metrics.request(named_model(raw), path, err.status, error=err)
+            self.metrics.request(named_model(raw), path, err.status, error=err, tenant=tenant_name(request.scope))
             return error_response(err, path)
         try:
             return await handle(body, data, request)
@@ -145,8 +145,9 @@ class InferenceSurface:
 
     async def create_embeddings(self, body: shapes.EmbeddingRequest, data: dict, request: Request):
         if body.stream:
-            self.metrics.request(None, "/v1/embeddings", 400)
-            raise PoolError(ErrorCode.INVALID_REQUEST, "stream: embeddings are never streamed", param="stream")
+            err = PoolError(ErrorCode.INVALID_REQUEST, "stream: embeddings are never streamed", param="stream")
+            self.metrics.request(body.model, "/v1/embeddings", 400, error=err, tenant=tenant_name(request.scope))
+            raise err
         return await self.serve_job(request, "embeddings", body.model, shapes.job_request(data), None,
                                     lambda choices, done: shapes.embeddings(body.model, done), "embeddings")
 

@@ -117,6 +117,7 @@ function begin() {
   $("#forget-key").hidden = sessionStorage.getItem(KEY) === null;
   state.lastEvent = 0;
   $("#events tbody").replaceChildren();
+  activity.filters = null; // the activity table starts over
   every(1000, refreshModels);
   every(2000, refreshWorkers);
   every(2000, refreshRouting);
@@ -229,8 +230,47 @@ function ago(when) { // unix seconds or an ISO 8601 time
   return Number.isFinite(unix) ? duration(Math.max(0, Date.now() / 1000 - unix)) + " ago" : String(when);
 }
 
+// A name, or a client's or runtime's text, in a cell: clipped to its column (by an inner span: a
+// table cell's own max-width does not hold), the whole of it on hover. `lines`: wrapped up to 3 lines.
+function cut(cls, text, {title = text, lines = false} = {}) {
+  return el("td", {class: cls}, el("span", {class: lines ? "cut lines" : "cut", title: title ?? ""}, text));
+}
+
+// A long name shortened for a chart's caption, legend or filter (the whole of it in a title)
+const short = (name, max = 24) => (name.length > max ? name.slice(0, max - 1) + "…" : name);
+
+const rowKey = (row) => row.dataset.key ?? row.dataset.model ?? row.dataset.worker ?? row.dataset.job ??
+  row.dataset.id ?? row.textContent;
+
+// Show `rows` in a table's body, in order. A row already shown (the same key) keeps its node and
+// only its cells that changed are replaced, so a refresh keeps a text selection (an error code can
+// be copied) and costs the DOM only what changed. Each cell gets its column's name (data-label:
+// the phone layout shows it beside the value).
 function fill(table, rows) {
-  $(table + " tbody").replaceChildren(...rows);
+  const body = $(table + " tbody");
+  const labels = [...$(table).querySelectorAll("thead th")].map((th) => th.textContent);
+  const shown = new Map([...body.children].map((row) => [rowKey(row), row]));
+  const kept = rows.map((row) => {
+    [...row.cells].forEach((cell, i) => { cell.dataset.label = labels[i] ?? ""; });
+    const key = rowKey(row), was = shown.get(key);
+    if (!was || was.cells.length !== row.cells.length) return row;
+    shown.delete(key); // a key shown twice is two rows
+    for (const name of new Set([...row.getAttributeNames(), ...was.getAttributeNames()])) {
+      const value = row.getAttribute(name);
+      if (value === null) was.removeAttribute(name);
+      else if (was.getAttribute(name) !== value) was.setAttribute(name, value);
+    }
+    [...row.cells].forEach((cell, i) => { if (was.cells[i].outerHTML !== cell.outerHTML) was.replaceChild(cell, was.cells[i]); });
+    return was;
+  });
+  kept.forEach((row, i) => { if (body.children[i] !== row) body.insertBefore(row, body.children[i] ?? null); });
+  while (body.children.length > kept.length) body.lastChild.remove();
+}
+
+// Replace a node's content only when it changed (a selection in it survives a refresh that changed nothing)
+function setContent(node, ...children) {
+  const next = el("div", {}, ...children);
+  if (next.innerHTML !== node.innerHTML) node.replaceChildren(...next.childNodes);
 }
 
 // -- models ------------------------------------------------------------------------------------
@@ -242,14 +282,14 @@ async function refreshModels() {
   $("#health").className = health.some((m) => m.state === "failed") ? "health bad" : "health warn";
   fillFilter("#filter-model", models.map((m) => m.name));
   fill("#models", models.map((m) => el("tr", {"data-model": m.name, class: `model-${m.state}`},
-    el("td", {class: "name clip", title: m.name}, m.name), el("td", {}, m.backend), stateCell(m.state),
+    cut("name", m.name), el("td", {}, m.backend), stateCell(m.state),
     num(`${m.ready ?? m.replicas_ready}/${m.configured ?? m.replicas}`), num(m.queue_depth),
     num(`${m.runtime_inflight} / ${m.configured_target_inflight}/${m.effective_target_inflight}`),
     el("td", {}, ago(m.last_used_at)),
     el("td", {}, m.idle_unload_in_s == null ? "-" : duration(m.idle_unload_in_s)),
     el("td", {}, m.memory_mb == null ? "-" : `${m.memory_mb} MB${m.memory_source ? " (" + m.memory_source + ")" : ""}`),
-    el("td", {class: "reason clip", title: m.error || ""}, m.error || ""),
-    el("td", {}, ...["load", "unload", "restart"].map((action) =>
+    cut("reason", m.error || "", {lines: true}),
+    el("td", {class: "actions"}, ...["load", "unload", "restart"].map((action) =>
       el("button", {class: action, "data-action": action, onclick: () => act(m.name, action)}, action))))));
 }
 
@@ -268,7 +308,7 @@ async function act(name, action) {
 async function refreshWorkers() {
   const {workers} = await api("/admin/workers");
   fill("#workers", workers.map((w) => el("tr", {"data-worker": `${w.model}/${w.replica}`},
-    el("td", {class: "clip", title: `${w.model}/${w.replica}`}, `${w.model}/${w.replica}`),
+    cut("replica", `${w.model}/${w.replica}`),
     // a Ray node by its address (hosts may share a name), its id on hover
     el("td", {class: "node", title: w.node_id ? `Ray node ${w.node_id} (${w.node})` : "this host"},
        (w.node_id ? w.node_address : w.node) ?? w.node ?? "-"),
@@ -277,13 +317,13 @@ async function refreshWorkers() {
     num(`${w.inflight}/${w.capacity}`),
     num(bytes(w.rss_bytes)), num(w.cpu_percent == null ? "-" : w.cpu_percent.toFixed(1) + "%"),
     num(w.gpu_memory_bytes == null ? "-" : bytes(w.gpu_memory_bytes)),
-    el("td", {class: "clip"}, w.children.map((c) => `${c.name}:${c.pid} (${bytes(c.rss_bytes)})`).join(", ") || "-"),
-    el("td", {class: "reason clip", title: w.last_error || ""}, w.last_error || ""))));
+    cut("children", w.children.map((c) => `${c.name}:${c.pid} (${bytes(c.rss_bytes)})`).join(", ") || "-"),
+    cut("reason", w.last_error || "", {lines: true}))));
   const targets = ["supervisor", ...workers.map((w) => `${w.model}/${w.replica}`)];
   if (state.logTarget && !targets.includes(state.logTarget)) targets.push(state.logTarget); // stopped: still readable
   const select = $("#log-target");
   if (targets.join() !== [...select.options].map((o) => o.value).join()) {
-    select.replaceChildren(...targets.map((t) => el("option", {value: t}, t)));
+    select.replaceChildren(...targets.map((t) => el("option", {value: t, title: t}, short(t, 40))));
     if (state.logTarget) select.value = state.logTarget;
   }
   if (!state.logTarget && targets.length > 1) {
@@ -298,7 +338,7 @@ const DECISIONS = ["prefix_hit", "session", "balance_fallback", "least_inflight"
 async function refreshRouting() {
   const {workers} = await api("/admin/workers");
   fill("#routing", workers.filter((w) => w.routing).map((w) => el("tr", {"data-worker": `${w.model}/${w.replica}`},
-    el("td", {}, `${w.model}/${w.replica}`), el("td", {class: "policy"}, w.routing.routing),
+    cut("replica", `${w.model}/${w.replica}`), el("td", {class: "policy"}, w.routing.routing),
     ...DECISIONS.map((d) => el("td", {class: `decision-${d} num`}, w.routing.decisions[d] ?? 0)),
     num(`${w.routing.cached_tokens} / ${w.routing.prompt_tokens}`),
     el("td", {class: "hit-ratio num"},
@@ -311,7 +351,7 @@ function fillFilter(id, names) {
   const want = ["", ...names];
   if (want.join("\n") === [...select.options].map((o) => o.value).join("\n")) return;
   const chosen = select.value;
-  select.replaceChildren(...want.map((n) => el("option", {value: n}, n || "all")));
+  select.replaceChildren(...want.map((n) => el("option", {value: n, title: n}, n ? short(n, 32) : "all")));
   select.value = want.includes(chosen) ? chosen : "";
 }
 // Each <select data-param> in the filters row is one query parameter of /admin/requests: a new
@@ -319,6 +359,7 @@ function fillFilter(id, names) {
 for (const select of document.querySelectorAll(".filters select[data-param]")) {
   select.addEventListener("change", () => refreshActivity().catch(() => {}));
 }
+$("#activity-older").addEventListener("click", () => olderActivity().catch((err) => notice(`older rows: ${err.message}`)));
 
 async function refreshTenants() {
   const {tenants} = await api("/admin/tenants");
@@ -340,38 +381,112 @@ function speedsText(r) {
     `(${r.speeds_from ? from : "no figures"}), overall ${r.tokens_per_s ?? "-"} tok/s`;
 }
 
-async function refreshActivity() {
-  const params = new URLSearchParams({limit: "200"});
+// The request log, newest first: the first fetch takes the newest ACTIVITY_PAGE rows, each later one
+// only the rows after the newest shown (after_id), so an idle page moves a few bytes a second; "older
+// rows" pages back (before_id). A change of filters starts over. Calls run one at a time (inTurn).
+const ACTIVITY_PAGE = 200, ACTIVITY_KEEP = 2000;
+const activity = {filters: null, newest: null, oldest: null, last: Promise.resolve()};
+const inTurn = (work) => () => (activity.last = activity.last.catch(() => {}).then(work));
+
+function activityParams(extra) {
+  const params = new URLSearchParams(extra);
   for (const select of document.querySelectorAll(".filters select[data-param]")) {
     if (select.value) params.set(select.dataset.param, select.value);
   }
-  const [{requests}, summary] = await Promise.all([api("/admin/requests?" + params), api("/admin/requests/summary")]);
-  $("#error-rate").textContent = summary.requests
-    ? `last ${duration(summary.window_s)}: ${summary.requests} requests, ${summary.errors} errors ` +
-      `(${(summary.error_rate * 100).toFixed(1)}%)`
-    : `no requests in the last ${duration(summary.window_s)}`;
-  $("#error-rate").className = summary.errors ? "figure bad" : "figure";
-  fill("#inflight", summary.in_flight.map((j) => el("tr", {"data-job": j.id},
-    el("td", {}, j.id.slice(0, 8)), el("td", {class: "clip", title: j.model}, j.model), el("td", {}, j.endpoint),
-    el("td", {}, j.replica ?? "-"), el("td", {}, j.state + (j.streaming ? " (streaming)" : "")),
-    el("td", {class: "age num"}, duration(j.age_s)))));
-  $("#inflight").hidden = summary.in_flight.length === 0;
-  fill("#activity", requests.map((r) => el("tr", {"data-id": r.id, class: r.status >= 400 ? "err" : "",
-                                                onclick: () => showRequest(r)},
+  return params;
+}
+
+function activityRow(r) {
+  return el("tr", {"data-id": r.id, class: r.status >= 400 ? "err" : "", onclick: () => showRequest(r)},
     el("td", {}, new Date(r.ts * 1000).toLocaleTimeString()),
-    el("td", {class: "model clip", title: r.model || ""}, r.model || "-"),
-    el("td", {class: "tenant clip", title: r.tenant || ""}, r.tenant || "-"),
-    el("td", {}, r.endpoint), el("td", {class: "status num"}, r.status), el("td", {class: "code clip", title: r.error_message || ""}, r.error_code || ""),
+    cut("model", r.model || "-", {title: r.model || ""}), cut("tenant", r.tenant || "-", {title: r.tenant || ""}),
+    el("td", {}, r.endpoint), el("td", {class: "status num"}, r.status),
+    cut("code", r.error_code || "", {title: r.error_message || ""}),
     num(ms(r.queued_ms)), num(ms(r.ttft_ms)), num(ms(r.duration_ms)),
     el("td", {class: "tokens-in num"}, r.tokens_in ?? "-"),
     el("td", {class: "cached num"}, r.cached_tokens ?? ""),
     el("td", {class: "tokens-out num"}, r.tokens_out ?? "-"),
     el("td", {class: "num", title: speedsText(r)}, r.tokens_per_s ?? "-"),
-    speedCell(r, r.prefill_tokens_per_s), speedCell(r, r.decode_tokens_per_s))));
-  if (state.selected !== null && !requests.some((r) => r.id === state.selected)) $("#request-detail").hidden = true;
+    speedCell(r, r.prefill_tokens_per_s), speedCell(r, r.decode_tokens_per_s));
+}
+
+// rows (newest first) into the table: at its top (newer) or its bottom (older); finished requests
+// never change, so a row once shown stays as it is
+function addActivity(rows, atTop) {
+  const body = $("#activity tbody");
+  const labels = [...$("#activity").querySelectorAll("thead th")].map((th) => th.textContent);
+  const made = rows.filter((r) => !body.querySelector(`tr[data-id="${r.id}"]`)).map((r) => {
+    const row = activityRow(r);
+    [...row.cells].forEach((cell, i) => { cell.dataset.label = labels[i] ?? ""; });
+    return row;
+  });
+  if (atTop) body.prepend(...made); else body.append(...made);
+  while (body.children.length > ACTIVITY_KEEP) { body.lastChild.remove(); $("#activity-older").hidden = false; }
+  const ids = [...body.children].map((row) => Number(row.dataset.id));
+  activity.newest = ids.length ? Math.max(activity.newest ?? 0, ids[0]) : activity.newest;
+  activity.oldest = ids.length ? ids[ids.length - 1] : null;
+}
+
+const refreshActivity = inTurn(async () => {
+  const filters = activityParams({}).toString();
+  if (filters !== activity.filters) { // new filters: start over
+    activity.filters = filters;
+    activity.newest = activity.oldest = null;
+    $("#activity tbody").replaceChildren();
+  }
+  const ask = activity.newest === null ? {limit: ACTIVITY_PAGE} : {after_id: activity.newest, limit: 500};
+  const [page, summary] = await Promise.all([api("/admin/requests?" + activityParams(ask)),
+                                            api("/admin/requests/summary")]);
+  if (activity.filters !== filters) return; // the filters changed while it was asked for
+  if (activity.newest === null) {
+    $("#activity tbody").replaceChildren();
+    $("#activity-older").hidden = !page.more;
+    activity.newest = 0;
+  }
+  addActivity(page.requests, true);
+  showErrorRate(summary);
+  fill("#inflight", summary.in_flight.map((j) => el("tr", {"data-job": j.id},
+    el("td", {}, j.id.slice(0, 8)), cut("model", j.model), el("td", {}, j.endpoint),
+    cut("replica", j.replica ?? "-"), el("td", {}, j.state + (j.streaming ? " (streaming)" : "")),
+    el("td", {class: "age num"}, duration(j.age_s)))));
+  $("#inflight").hidden = summary.in_flight.length === 0;
+  if (state.selected !== null && !$(`#activity tbody tr[data-id="${state.selected}"]`)) $("#request-detail").hidden = true;
+});
+
+const olderActivity = inTurn(async () => {
+  if (activity.oldest === null || activityParams({}).toString() !== activity.filters) return;
+  const page = await api("/admin/requests?" + activityParams({before_id: activity.oldest, limit: ACTIVITY_PAGE}));
+  addActivity(page.requests, false);
+  $("#activity-older").hidden = !page.more;
+});
+
+// The error rate of the last minutes: the clients' (4xx) apart from the pool's (5xx), and the
+// tenants whose requests were refused most (who sends garbage?)
+function showErrorRate(s) {
+  const box = $("#error-rate");
+  if (!s.requests) {
+    setContent(box, `no requests in the last ${duration(s.window_s)}`);
+    return;
+  }
+  const pct = (rate) => `${(rate * 100).toFixed(1)}%`;
+  const parts = [`last ${duration(s.window_s)}: ${s.requests} requests; `,
+    el("span", {class: "rate-4xx" + (s.client_errors ? " warn" : ""),
+                title: "client errors: bad requests, refused keys, limits, clients that left"},
+       `4xx ${s.client_errors} (${pct(s.client_error_rate)})`), ", ",
+    el("span", {class: "rate-5xx" + (s.server_errors ? " bad" : ""), title: "the pool's own errors"},
+       `5xx ${s.server_errors} (${pct(s.server_error_rate)})`)];
+  const senders = (s.error_tenants || []).filter((t) => t["4xx"]);
+  if (senders.length) {
+    parts.push("; 4xx by tenant: ");
+    senders.forEach((t, i) => parts.push(i ? ", " : "",
+      el("span", {class: "cut", title: t.tenant ?? "refused before its key was known"}, t.tenant ?? "no key"),
+      ` ${t["4xx"]}`));
+  }
+  setContent(box, ...parts);
 }
 
 function showRequest(r) {
+  if (String(window.getSelection())) return; // the click ended a text selection (copying an error code)
   const detail = $("#request-detail");
   state.selected = r.id;
   const parts = [`#${r.id} ${r.model || "-"} ${r.endpoint}: HTTP ${r.status}` + (r.error_code ? ` ${r.error_code}` : "")];
@@ -392,12 +507,14 @@ async function refreshEvents() {
   if (!events.length) return;
   state.lastEvent = events[events.length - 1].id;
   const body = $("#events tbody");
-  for (const e of events) {
+  const labels = [...$("#events").querySelectorAll("thead th")].map((th) => th.textContent);
+  for (const e of events) { // new rows on top: the rows shown are never rebuilt
     const where = (e.model ?? "pool") + (e.replica == null ? "" : `/${e.replica}`);
-    body.prepend(el("tr", {"data-event": e.id, "data-kind": e.kind, class: `level-${e.level}`},
+    const row = el("tr", {"data-event": e.id, "data-kind": e.kind, class: `level-${e.level}`},
       el("td", {}, new Date(e.ts * 1000).toLocaleTimeString()), el("td", {class: "kind"}, e.kind),
-      el("td", {class: "clip", title: where}, where),
-      el("td", {class: "what clip", title: e.message}, e.message), el("td", {}, e.by ?? "")));
+      cut("where", where), cut("what", e.message), el("td", {}, e.by ?? ""));
+    [...row.cells].forEach((cell, i) => { cell.dataset.label = labels[i] ?? ""; });
+    body.prepend(row);
   }
   while (body.childNodes.length > 500) body.lastChild.remove();
 }
@@ -471,14 +588,16 @@ function draw() {
   const last = state.samples[state.samples.length - 1];
   for (const [id, value] of CHARTS) {
     chart(`#chart-${id}`, names, color, value);
-    const now = last ? names.filter((n) => last.models[n]).map((n) => `${n} ${value(last.models[n])}`) : [];
-    $(`#now-${id}`).textContent = now.length ? "now: " + now.join(", ") : "";
+    const shown = last ? names.filter((n) => last.models[n]) : [];
+    const caption = $(`#now-${id}`);
+    caption.textContent = shown.length ? "now: " + shown.map((n) => `${short(n)} ${value(last.models[n])}`).join(", ") : "";
+    caption.title = shown.map((n) => `${n} ${value(last.models[n])}`).join(", ");
   }
   shares(names);
-  $("#legend").replaceChildren(...names.map((n) => {
+  setContent($("#legend"), ...names.map((n) => {
     const swatch = el("i");
     swatch.style.background = color(n); // CSSOM, not a style attribute: the page's CSP allows no inline style
-    return el("span", {}, swatch, n);
+    return el("span", {title: n}, swatch, short(n));
   }));
 }
 
@@ -494,7 +613,7 @@ for (const [id, value] of CHARTS) {
     const tip = $("#chart-tip");
     if (!best) { tip.hidden = true; return; }
     tip.textContent = `${new Date(best.t * 1000).toLocaleTimeString()}: ` +
-      Object.keys(best.models).sort().map((n) => `${n} ${value(best.models[n])}`).join(", ");
+      Object.keys(best.models).sort().map((n) => `${short(n)} ${value(best.models[n])}`).join(", ");
     tip.style.left = `${e.pageX + 12}px`; // CSSOM: the CSP allows no inline style attribute
     tip.style.top = `${e.pageY + 12}px`;
     tip.hidden = false;
@@ -512,10 +631,11 @@ function shares(names) {
     const used = Object.keys(now).map((t) => [t, now[t] - (then[t] || 0)]).filter(([, v]) => v > 0);
     const total = used.reduce((sum, [, v]) => sum + v, 0);
     for (const [t, v] of used.sort((a, b) => b[1] - a[1])) {
-      rows.push(el("tr", {}, el("td", {}, n), el("td", {}, t), num(v), num(`${Math.round(100 * v / total)}%`)));
+      rows.push(el("tr", {"data-key": `${n}\n${t}`}, cut("model", n), cut("tenant", t), num(v),
+                   num(`${Math.round(100 * v / total)}%`)));
     }
   }
-  $("#shares tbody").replaceChildren(...rows);
+  fill("#shares", rows);
 }
 
 function chart(sel, names, color, value) {
