@@ -123,7 +123,8 @@ class Worker:
         self.send(p.Ready(capacity=capacity, info=info))
         reason = await self.backend.wait_dead()
         log.error("runtime died: %s", reason)
-        self.send(p.Error(job=None, code=ErrorCode.RUNTIME_CRASHED, message=reason))
+        self.send(p.Error(job=None, code=ErrorCode.RUNTIME_CRASHED, message=reason,
+                          exit_code=self.backend.runtime_exit_code()))
         self.stop(WorkerExit.CRASH)
 
     def on_frames(self, frames: list[bytes]) -> None:

@@ -243,13 +243,14 @@ def reload(url: Url = DEFAULT_URL, as_json: AsJson = False) -> None:
         typer.echo(f"{key}: {', '.join(result[key]) or '-'}")
 
 
-CHECK_UNHEALTHY = 2  # `check`: the pool serves, but a model is degraded or failed
+CHECK_UNHEALTHY = 2  # `check`: a model is degraded or failed (the pool may still serve the others)
 
 
 @_client
 def check(url: Url = DEFAULT_URL) -> None:
-    """Exit 0 when the pool is ready and every model healthy; 1 when it is not ready (or cannot
-    be reached); 2 when it serves but a model is degraded or failed (each printed with why)."""
+    """Exit 0 when the pool is ready and every model healthy; 2 when a model is degraded or
+    failed (each printed with why, whether or not the others serve); 1 when the pool cannot be
+    reached, or is starting or stopping."""
     body = call(url, "GET", "/ready", timeout=10.0, accept=(503,))
     health = call(url, "GET", "/health", timeout=10.0)
     models = health.get("models") if isinstance(health.get("models"), dict) else {}
@@ -259,19 +260,24 @@ def check(url: Url = DEFAULT_URL) -> None:
         reason = fmt.one_line(m.get("reason"), 200) if m.get("reason") else "no reason recorded"
         return f"{name} {m.get('state', '?')} ({m.get('ready', 0)}/{m.get('configured', 0)} ready): {reason}"
 
-    if body.get("status") != "ready":
-        waiting = body.get("waiting_for") or []
-        failed = [why(n) for n in waiting if (models.get(n) or {}).get("state") == "failed"]
-        raise Failure(("not ready: waiting for " + ", ".join(waiting) if waiting else "not ready (shutting down)")
-                      + ("; " + "; ".join(failed) if failed else ""))
-    unhealthy = health.get("unhealthy") or []
-    if not unhealthy:
-        typer.echo("ready")
-        return
+    unhealthy = [n for n in health.get("unhealthy") or [] if isinstance(n, str)]
+    status = body.get("status")
+    if status == "starting":
+        waiting = ", ".join(body.get("waiting_for") or []) or "its models"
+        raise Failure(f"not ready: starting (loading {waiting})" + "".join(f"; {why(n)}" for n in unhealthy))
+    if status == "shutting_down":
+        raise Failure("not ready: shutting down")
     for name in unhealthy:
         typer.echo(why(name))
-    typer.echo(f"llm-pool: ready, but {len(unhealthy)} model(s) degraded or failed", err=True)
-    raise typer.Exit(CHECK_UNHEALTHY)
+    if status != "ready":
+        typer.echo(f"llm-pool: not ready: no model can serve ({len(unhealthy)} degraded or failed)", err=True)
+        raise typer.Exit(CHECK_UNHEALTHY)
+    if unhealthy:
+        typer.echo(f"llm-pool: ready, but {len(unhealthy)} model(s) degraded or failed", err=True)
+        raise typer.Exit(CHECK_UNHEALTHY)
+    planned = [f"{n} ({', '.join(m['restarting'])} restarting)" for n, m in models.items()
+               if isinstance(m, dict) and m.get("restarting")]
+    typer.echo("ready" + (f"; planned restarts: {'; '.join(planned)}" if planned else ""))
 
 
 SUPERVISOR = "supervisor"  # `llm-pool logs supervisor`: the supervisor's own log

@@ -13,6 +13,7 @@ from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ConfigError, PoolConfig, load_config
 from supervisor.events import EventKind, emit
 from supervisor.jobs import Job
+from supervisor.model_health import readiness
 from supervisor.models import reload as reloading
 from supervisor.models.lifecycle import Lifecycle, LoadDurations
 from supervisor.models.memory import Memory
@@ -53,6 +54,7 @@ class ModelRouterEngine:
         self._drain: asyncio.Future | None = None  # the one drain of a graceful stop
         self._closed = False
         self._tasks: set[asyncio.Task] = set()
+        self.starting: set[str] = set()  # models whose start-up load has not ended yet (/ready waits)
         self.tokenizer = PromptTokenizer()  # token ids for the exact prefix index (routing "prefix" on vLLM)
 
     # -- what other modules read (names kept from before the split) ------------------------------
@@ -124,7 +126,15 @@ class ModelRouterEngine:
         self._spawn(self._heartbeat_loop())
         for entry in self.registry.configured():
             if entry.cfg.load_on_start:
-                self._spawn(self.lifecycle.load_quietly(entry.cfg.name, "start"))
+                self.starting.add(entry.cfg.name)
+                self._spawn(self._start_load(entry.cfg.name))
+
+    async def _start_load(self, name: str) -> None:
+        """One model's start-up load; /ready waits for all of them to end, however they end."""
+        try:
+            await self.lifecycle.load_quietly(name, "start")
+        finally:
+            self.starting.discard(name)
 
     async def drain_all(self, grace_s: float) -> None:
         """First step of a graceful stop: /ready turns 503, every model starts its
@@ -172,9 +182,8 @@ class ModelRouterEngine:
             self.sampler.stop()
 
     def ready(self) -> bool:
-        return not self.shutting_down and all(
-            model_state(e) in (ModelState.LOADED, ModelState.DEGRADED)
-            for e in self.registry.configured() if e.cfg.load_on_start)
+        """/ready: start-up loads settled (loaded or failed) and a model can serve (model_health.readiness)."""
+        return readiness(self)["ready"]
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)

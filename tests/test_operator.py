@@ -12,11 +12,12 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import pytest
 
-from tests.conftest import synthetic
+from tests.conftest import llama, synthetic
 from tests.pool import ROOT, wait_for
 from tests.test_cli import cli, table_rows, with_options
 from tests.test_ops import scrape, value
@@ -109,12 +110,16 @@ def test_a_degraded_model_is_visible_everywhere_and_check_fails(make_pool):
 def test_check_exit_codes(make_pool):
     pool = make_pool([synthetic("a")])
     assert cli("check", url=pool.url).returncode == 0
-    # a model whose load failed: not ready (exit 1), the reason on the one line
+    # a model whose load failed beside one that serves: the pool is ready (the start-up loads
+    # settled, one model serves), and check exits 2 naming the failed one with why
     pool2 = make_pool([synthetic("quick"), with_options(synthetic("stuck", load_timeout_s=1), load_ms=60_000)],
                       wait_ready=False)
     wait_for(lambda: pool2.model("stuck")["state"] == "failed", 30, what="stuck failed")
+    assert pool2.http.get("/ready").status_code == 200
     done = cli("check", url=pool2.url)
-    assert done.returncode == 1 and "waiting for stuck" in done.stderr and "load_timeout_s" in done.stderr
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stdout.startswith("stuck failed (0/1 ready): ") and "load_timeout_s" in done.stdout
+    assert "waiting for" not in done.stdout + done.stderr
 
 
 def test_a_failed_loads_replicas_stay_listed_with_their_reason_and_log(make_pool):
@@ -286,4 +291,98 @@ def test_a_killed_llama_server_is_named_by_its_signal_and_its_client_gets_plain_
     crash = wait_for(lambda: [e for e in events(pool) if e["kind"] == "crashed"], 10, what="the crash event")
     assert "llama-server was killed by SIGKILL" in crash[0]["message"], crash
     assert "llama-server was killed by SIGKILL" in pool.log()
-    wait_for(lambda: pool.workers("tiny")[0]["state"] == "ready", 60, what="restarted")
+    # the reason is the signal, not followed by the runtime's start-up lines (they are in its log)
+    assert "\n" not in crash[0]["message"] and "listening on" not in crash[0]["message"], crash
+    worker = wait_for(lambda: next((w for w in pool.workers("tiny") if w["state"] == "ready"
+                                    and w["restarts"] == 1), None), 60, what="restarted")
+    # its last exit is the runtime's (SIGKILL), not its worker's own code 1
+    assert worker["last_exit"] == "SIGKILL" and worker["last_exit_code"] == -signal.SIGKILL
+    assert worker["worker_exit_code"] == 1
+    log = pool.http.get("/admin/models/tiny/logs", params={"lines": 10_000}).json()["lines"]
+    assert any("listening on" in line for line in log)  # the runtime's output stays in the replica's log
+
+
+def test_the_last_error_line_of_a_runtime_is_its_reason():
+    from runtime_worker.native_server import last_error_line
+    chatter = ["0.00.121.944 I srv  llama_server: listening on http://127.0.0.1:49093",
+               "0.00.100.000 I main: loading model", "build: 1 (abc) with cc"]
+    assert last_error_line(chatter) is None
+    assert last_error_line([*chatter[:1], "0.00.200.000 E llama_model_load: bad magic", *chatter[1:]]) == \
+        "0.00.200.000 E llama_model_load: bad magic"
+    assert last_error_line(["gguf_init_from_file: failed to open GGUF file 'x'", "main: exiting"]) == \
+        "gguf_init_from_file: failed to open GGUF file 'x'"
+    assert last_error_line(["CUDA error: out of memory " + "x" * 1000]).endswith("...")
+    assert len(last_error_line(["fatal " + "x" * 1000])) == 303
+
+
+@pytest.mark.llama
+def test_ready_means_a_model_can_serve_and_check_names_each_broken_model(make_pool, llama_server_bin, tmp_path):
+    """A model with a missing file beside models that serve: the pool is ready (the start-up
+    settled, models serve); /health and check name the failed model and a degraded one, with why."""
+    # not loaded on demand: unloaded, they no longer serve (a load_on_demand model would: a request loads it)
+    pool = make_pool([synthetic("ok", load_on_demand=False), synthetic("syn", replicas=2, load_on_demand=False),
+                      llama("ghost", str(tmp_path / "missing.gguf"), llama_server_bin)], wait_ready=False)
+    wait_for(lambda: pool.http.get("/ready").status_code == 200, 30, what="/ready 200")
+    ready = pool.http.get("/ready").json()
+    assert ready["status"] == "ready" and ready["serving"] == ["ok", "syn"] and ready["not_serving"] == ["ghost"]
+    assert pool.model("ghost")["state"] == "failed"
+
+    broken = break_spawns(pool)
+    os.kill(pool.workers("syn")[1]["pid"], signal.SIGKILL)
+    wait_for(lambda: pool.workers("syn")[1]["state"] == "fatal", 20, what="syn/1 fatal")
+    assert pool.http.get("/ready").status_code == 200  # syn still serves on its other replica
+    health = pool.http.get("/health").json()
+    assert health["unhealthy"] == ["ghost", "syn"] and health["status"] == "failed"
+    assert "model file not found" in health["models"]["ghost"]["reason"]
+    assert "cannot spawn" in health["models"]["syn"]["reason"]
+    done = cli("check", url=pool.url)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("ghost failed (0/1 ready): ") and "model file not found" in lines[0]
+    assert lines[1].startswith("syn degraded (1/2 ready): ") and "cannot spawn" in lines[1]
+    assert "ready, but 2 model(s) degraded or failed" in done.stderr
+    mend_spawns(*broken)
+
+    # nothing serves any more: 503, and check still names the broken one
+    for name in ("ok", "syn"):
+        assert pool.http.post(f"/admin/models/{name}/unload").status_code == 200
+    r = pool.http.get("/ready")
+    assert r.status_code == 503 and r.json()["status"] == "no_model_serves"
+    done = cli("check", url=pool.url)
+    assert done.returncode == 2 and done.stdout.startswith("ghost failed") and "no model can serve" in done.stderr
+
+
+def test_a_planned_restart_is_not_an_alert(make_pool):
+    """An operator's restart drains without turning the model degraded: no warning event,
+    check exits 0 (and says a restart is under way), /ready stays 200. A crash still alerts."""
+    pool = make_pool([synthetic("syn", tps=10, tokens=30, drain_timeout_s=60)])  # 3 s a request
+    result = {}
+    runner = threading.Thread(target=lambda: result.setdefault("r", chat(pool, "syn")))
+    runner.start()
+    wait_for(lambda: pool.model("syn")["runtime_inflight"] == 1, 5, what="the request in flight")
+    restarter = threading.Thread(target=lambda: result.setdefault("restart", pool.http.post(
+        "/admin/models/syn/restart", headers={"X-LLM-Pool-Client": "cli"})))
+    restarter.start()
+    wait_for(lambda: pool.workers("syn")[0]["state"] == "restarting", 5, what="the drain")
+    view = pool.model("syn")
+    assert view["state"] == "loaded" and view["error"] is None
+    [planned] = view["restarting"]
+    assert planned["name"] == "syn/0" and 0 < planned["drain_left_s"] <= 60
+    assert 0 < pool.workers("syn")[0]["restart_drain_left_s"] <= 60
+    health = pool.http.get("/health").json()
+    assert health["status"] == "ok" and health["unhealthy"] == [] and health["models"]["syn"]["restarting"] == ["syn/0"]
+    assert pool.http.get("/ready").status_code == 200
+    done = cli("check", url=pool.url)
+    assert done.returncode == 0 and "syn/0 restarting" in done.stdout, (done.stdout, done.stderr)
+    runner.join(30)
+    restarter.join(30)
+    assert result["r"].status_code == 200 and result["restart"].status_code == 200
+    assert pool.model("syn")["state"] == "loaded" and pool.model("syn")["restarting"] == []
+    time.sleep(1.5)  # a sample of the model's state (one a second) would have seen a degraded model
+    seen = events(pool)
+    assert not [e for e in seen if e["level"] != "info" or e["kind"] == "state"], seen
+
+    # a crash is no planned work: it alerts
+    os.kill(pool.workers("syn")[0]["pid"], signal.SIGKILL)
+    crash = wait_for(lambda: [e for e in events(pool) if e["kind"] == "crashed"], 10, what="the crash event")
+    assert crash[0]["level"] == "error"
