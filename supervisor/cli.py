@@ -320,25 +320,28 @@ def _since_param(text: str | None) -> str | None:
 
 
 def _request_rows(rows: list[dict]) -> list[tuple[str, ...]]:
-    return [(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["ts"])), fmt.clip(r["model"], 40),
-             fmt.clip(r.get("tenant"), 40), fmt.clip(r["endpoint"]),
+    return [(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["ts"])),
+             fmt.clip(r["model"], 40), fmt.clip(r.get("replica"), 44), fmt.clip(r.get("tenant"), 40),
+             fmt.clip(r["endpoint"]),
              str(r["status"]), fmt.clip(r["error_code"]), fmt.ms(r["queued_ms"]), fmt.ms(r["ttft_ms"]),
              fmt.ms(r["duration_ms"]), fmt.dash(r["tokens_in"]), fmt.dash(r.get("cached_tokens")), fmt.dash(r["tokens_out"]),
              fmt.dash(r["tokens_per_s"]), fmt.dash(r.get("prefill_tokens_per_s")), fmt.dash(r.get("decode_tokens_per_s")),
-             fmt.dash(r.get("speeds_from")))
+             fmt.dash(r.get("speeds_from")), fmt.clip(r.get("request_id"), 40))
             for r in rows]
 
 
 # CACHED: of IN, from the runtime's prompt cache ("-": the runtime did not say); PREFILL/S and
 # DECODE/S: tokens/s of each phase, timed by the runtime or derived from the pool's times (FROM)
-REQUEST_HEADERS = ["TIME", "MODEL", "TENANT", "ENDPOINT", "STATUS", "ERROR", "QUEUED", "TTFT", "DURATION", "IN",
-                   "CACHED", "OUT", "TOK/S", "PREFILL/S", "DECODE/S", "FROM"]
+REQUEST_HEADERS = ["TIME", "MODEL", "REPLICA", "TENANT", "ENDPOINT", "STATUS", "ERROR", "QUEUED", "TTFT", "DURATION",
+                   "IN", "CACHED", "OUT", "TOK/S", "PREFILL/S", "DECODE/S", "FROM", "REQUEST ID"]
 
 
 @_client
 def requests(url: Url = DEFAULT_URL, as_json: AsJson = False,
              model: Annotated[str | None, typer.Option("--model", "-m", help="only this model")] = None,
              tenant: Annotated[str | None, typer.Option("--tenant", "-t", help="only this tenant's")] = None,
+             request_id: Annotated[str | None, typer.Option("--id", help="only this request id (its answer's "
+                                                            "x-request-id)")] = None,
              status: Annotated[str | None, typer.Option(help="an HTTP status, a class (4xx, 5xx), 'ok' or "
                                                          "'error'")] = None,
              since: Annotated[str | None, typer.Option(help="e.g. 10m, 2h, 1d, or an ISO 8601 time")] = None,
@@ -348,8 +351,8 @@ def requests(url: Url = DEFAULT_URL, as_json: AsJson = False,
              = False) -> None:
     """Recent requests from the request log, oldest first: status, error, queue wait, TTFT,
     duration, tokens. --follow keeps printing until Ctrl-C (one JSON object a line with --json)."""
-    params = {k: v for k, v in {"model": model, "tenant": tenant, "status": status, "since": _since_param(since),
-                                "limit": limit}.items() if v is not None}
+    params = {k: v for k, v in {"model": model, "tenant": tenant, "id": request_id, "status": status,
+                                "since": _since_param(since), "limit": limit}.items() if v is not None}
     rows = call(url, "GET", "/admin/requests", params=params)["requests"][::-1]
     if as_json and not follow:
         return fmt.print_json(rows)

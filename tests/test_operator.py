@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -386,3 +387,45 @@ def test_a_planned_restart_is_not_an_alert(make_pool):
     os.kill(pool.workers("syn")[0]["pid"], signal.SIGKILL)
     crash = wait_for(lambda: [e for e in events(pool) if e["kind"] == "crashed"], 10, what="the crash event")
     assert crash[0]["level"] == "error"
+
+
+def test_every_answer_carries_a_request_id_and_its_row_finds_it(make_pool):
+    """x-request-id on every answer (request-id too on the Messages routes), the client's own
+    when it is safe; the request log row holds it with the replica that served the request."""
+    pool = make_pool([synthetic("syn", replicas=2)])
+    fresh = re.compile(r"req_[0-9a-f]{32}")
+    r = chat(pool, "syn")
+    assert r.status_code == 200 and fresh.fullmatch(r.headers["x-request-id"])
+    mine = httpx.post(pool.url + "/v1/chat/completions", headers={"x-request-id": "client-abc-123"},
+                      json={"model": "syn", "messages": [{"role": "user", "content": "hi"}]})
+    assert mine.status_code == 200 and mine.headers["x-request-id"] == "client-abc-123"
+    for unsafe in ("has a space", "x" * 129):  # replaced, never echoed
+        got = chat_with_id(pool, unsafe)
+        assert fresh.fullmatch(got.headers["x-request-id"]), got.headers
+    bad = httpx.post(pool.url + "/v1/chat/completions", headers={"x-request-id": "bad-1"},
+                     json={"model": "syn", "messages": "not a list"})
+    assert bad.status_code == 400 and bad.headers["x-request-id"] == "bad-1"
+    for answer in (pool.http.get("/v1/models"), pool.http.get("/nowhere"), pool.http.get("/admin/models"),
+                   pool.http.get("/health")):
+        assert fresh.fullmatch(answer.headers["x-request-id"]), answer
+    message = httpx.post(pool.url + "/v1/messages", headers={"anthropic-version": "2023-06-01"},
+                         json={"model": "syn", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})
+    assert message.status_code == 200 and fresh.fullmatch(message.headers["request-id"])
+    assert message.headers["x-request-id"] == message.headers["request-id"]
+
+    row = wait_for(lambda: (rows := pool.http.get("/admin/requests", params={"id": "client-abc-123"}).json()[
+        "requests"]) and rows, 5, what="the row")
+    [row] = row
+    assert row["request_id"] == "client-abc-123" and row["replica"] in ("syn/0", "syn/1") and row["status"] == 200
+    [refused] = wait_for(lambda: pool.http.get("/admin/requests", params={"id": "bad-1"}).json()["requests"], 5,
+                         what="the 400's row")
+    assert refused["status"] == 400 and refused["replica"] is None
+    assert pool.http.get("/admin/requests", params={"id": "nobody"}).json()["requests"] == []
+    done = cli("requests", "--id", "client-abc-123", url=pool.url)
+    [shown] = table_rows(done.stdout)
+    assert shown["REQUEST ID"] == "client-abc-123" and shown["REPLICA"] == row["replica"]
+
+
+def chat_with_id(pool, rid: str) -> httpx.Response:
+    return httpx.post(pool.url + "/v1/chat/completions", headers={"x-request-id": rid},
+                      json={"model": "syn", "messages": [{"role": "user", "content": "hi"}]})

@@ -22,7 +22,7 @@ from supervisor import anthropic_shapes as ashapes
 from supervisor import openai_shapes as shapes
 from supervisor import responses_shapes as rshapes
 from supervisor.admission import DEFAULT_TENANT
-from supervisor.edge.guard import ANTHROPIC_PATHS, TENANT_KEY, error_response
+from supervisor.edge.guard import TENANT_KEY, error_response
 from supervisor.edge.listener import DISCONNECT_KEY, Disconnect
 from supervisor.edge.schemas import document, named_model, request_body
 from supervisor.edge.streams import AnswerJSON, InferenceEndpoint, JobStream, sse_frame, watch_for_disconnect
@@ -54,8 +54,7 @@ class InferenceSurface:
                 ("/v1/completions", shapes.CompletionRequest, self.completions),
                 ("/v1/embeddings", shapes.EmbeddingRequest, self.create_embeddings),
                 ("/v1/messages", ashapes.MessagesRequest, self.create_message)):
-            endpoint = self.endpoints[path] = InferenceEndpoint(functools.partial(self.answer, path, body_type, handle),
-                                                                ids=path.startswith(ANTHROPIC_PATHS))
+            endpoint = self.endpoints[path] = InferenceEndpoint(functools.partial(self.answer, path, body_type, handle))
             app.add_route(path, endpoint, methods=["POST"], name=handle.__name__, include_in_schema=False)
             documented[path] = (handle.__name__, body_type)
         document(app, documented)
