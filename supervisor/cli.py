@@ -17,13 +17,13 @@ from typing import Annotated
 from urllib.parse import quote
 
 import typer
-from rich.console import Console
-from rich.text import Text
 
 from supervisor import cli_format as fmt
 from supervisor.cli_client import Failure, call, sse_events, until_ctrl_c
-from supervisor.config import ConfigError, load_config
 from supervisor.printable import LOG_FORMAT, PrintableFormatter, printable
+
+# The operator's commands answer in a fraction of a second: what only `serve` needs (the
+# config's schema, the server) or only a table needs (rich) is imported where it is used.
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Serve several local LLMs behind one OpenAI-compatible API.")
@@ -49,6 +49,7 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="TOML config f
           port: int | None = typer.Option(None, help="port (default from config: 8000)"),
           log_level: str = typer.Option("info", help="debug | info | warning | error")) -> None:
     """Run the supervisor and its HTTP API in the foreground."""
+    from supervisor.config import ConfigError, load_config
     try:
         cfg = load_config(config)
     except ConfigError as exc:
@@ -117,6 +118,8 @@ def _target(text: str) -> tuple[str, int | None]:
 def _waiting(work, describe) -> dict:
     """Run the blocking admin call `work` in a thread while a spinner shows
     describe(elapsed_s), polled from the server; return work's result or raise its Failure."""
+    from rich.console import Console
+    from rich.text import Text
     outcome: dict = {}
 
     def run() -> None:
