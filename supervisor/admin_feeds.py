@@ -18,6 +18,7 @@ from fastapi.responses import StreamingResponse
 from protocol.errors import ErrorCode, PoolError
 from supervisor.edge.request_ids import MAX_CHARS as MAX_ID_CHARS
 from supervisor.edge.streams import SSE_HEADERS
+from supervisor.events import fold as fold_events
 
 router = APIRouter()
 
@@ -106,12 +107,14 @@ async def admin_requests_summary(request: Request, window_s: float = Query(300, 
 
 @router.get("/admin/events")
 async def admin_events(request: Request, after_id: int | None = None, model: str | None = None,
-                       limit: int = Query(100, ge=1, le=10_000)):
+                       limit: int = Query(100, ge=1, le=10_000), fold: bool = False):
     """The event timeline, oldest first: the `limit` events after `after_id` (page on with the
-    last id), or the newest `limit` without it."""
+    last id), or the newest `limit` without it. `fold`: repeats within events.FOLD_WINDOW_S
+    fold into one row (`count`, `first_ts`), a crash loop's crashes among them."""
     events = request.app.state.activity.events
     rows = await asyncio.to_thread(events.query, after_id=after_id, model=model, limit=limit)
-    return {"events": rows, "last_id": rows[-1]["id"] if rows else after_id, "dropped": events.dropped}
+    last_id = rows[-1]["id"] if rows else after_id
+    return {"events": fold_events(rows) if fold else rows, "last_id": last_id, "dropped": events.dropped}
 
 
 @router.get("/admin/logs/supervisor")

@@ -45,8 +45,8 @@ def create_app(config: PoolConfig) -> HttpEdge:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         lag.start()
+        activity.start()  # first: the timeline records the supervisor's start
         await engine.start()
-        activity.start()
         yield
         await engine.shutdown(config.server.shutdown_grace_s)
         await activity.close()

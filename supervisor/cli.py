@@ -389,8 +389,11 @@ def _event_line(e: dict) -> str:
         where += f"/{e['replica']}"
     by = f" (asked by {e['by']})" if e.get("by") else ""
     message = e["message"].replace("\n", " | ")
+    count = e.get("count") or 1  # folded repeats (GET /admin/events?fold=true)
+    kind = f"{e['kind']} ×{count}" if count > 1 else e["kind"]
+    repeats = f" (×{count} over {fmt.duration(e['ts'] - e['first_ts'])})" if count > 1 else ""
     return printable(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(e['ts']))}  {e['level']:<7}  "
-                     f"{e['kind']:<14}  {fmt.clip(where, 40):<12}  {message}{by}")
+                     f"{kind:<14}  {fmt.clip(where, 40):<12}  {message}{by}{repeats}")
 
 
 @_client
@@ -399,11 +402,15 @@ def events(url: Url = DEFAULT_URL, as_json: AsJson = False,
            limit: Annotated[int, typer.Option("-n", "--limit", min=1, max=10_000, help="how many (the newest)")]
            = 50,
            follow: Annotated[bool, typer.Option("--follow", "-f", help="then print new ones as they happen")]
-           = False) -> None:
-    """The event timeline, oldest first: loads, unloads, evictions, crashes, restarts (and who
-    asked), reloads, models turning degraded or failed. --follow keeps printing until Ctrl-C."""
+           = False,
+           each: Annotated[bool, typer.Option("--each", help="every event on its own line: repeats (a crash "
+                                              "loop) are not folded")] = False) -> None:
+    """The event timeline, oldest first: the supervisor's start and stop, loads, unloads,
+    evictions, crashes, restarts (and who asked), reloads, models turning degraded or failed.
+    Repeats fold into one line ("crashed ×6 over 15s") unless --each. --follow keeps printing
+    until Ctrl-C."""
     params = {k: v for k, v in {"model": model, "limit": limit}.items() if v is not None}
-    body = call(url, "GET", "/admin/events", params=params)
+    body = call(url, "GET", "/admin/events", params={**params, **({} if each else {"fold": "true"})})
     rows = body["events"]
     if as_json and not follow:
         return fmt.print_json(rows)

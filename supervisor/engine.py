@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 from protocol.errors import ErrorCode, PoolError
@@ -124,10 +125,15 @@ class ModelRouterEngine:
         self.lifecycle.transport.start()
         self.sampler.start()
         self._spawn(self._heartbeat_loop())
-        for entry in self.registry.configured():
+        configured = self.registry.configured()
+        for entry in configured:
             if entry.cfg.load_on_start:
                 self.starting.add(entry.cfg.name)
                 self._spawn(self._start_load(entry.cfg.name))
+        emit(EventKind.STARTED, f"supervisor started (pid {os.getpid()}; {len(configured)} models configured, "
+             f"{len(self.starting)} loading)")
+        if not self.starting:
+            self._started()
 
     async def _start_load(self, name: str) -> None:
         """One model's start-up load; /ready waits for all of them to end, however they end."""
@@ -135,14 +141,29 @@ class ModelRouterEngine:
             await self.lifecycle.load_quietly(name, "start")
         finally:
             self.starting.discard(name)
+            if not self.starting:
+                self._started()
 
-    async def drain_all(self, grace_s: float) -> None:
+    def _started(self) -> None:
+        """The start-up loads settled: the timeline says what serves and what does not."""
+        answer = readiness(self)
+        if "serving" not in answer:  # stopping already
+            return
+        broken = f"; not serving: {', '.join(answer['not_serving'])}" if answer["not_serving"] else ""
+        emit(EventKind.READY, f"supervisor {'ready' if answer['ready'] else 'not ready'}: "
+             f"{len(answer['serving'])} of {len(answer['serving']) + len(answer['not_serving'])} models can serve"
+             f"{broken}", level=logging.INFO if answer["ready"] else logging.ERROR)
+
+    async def drain_all(self, grace_s: float, by: str | None = None) -> None:
         """First step of a graceful stop: /ready turns 503, every model starts its
         unload (new and queued requests get 503), submitted ones get up to `grace_s`
         to finish (or until `stop_draining`). Called again, it waits for the same
         drain: the grace is spent once."""
         self.lifecycle.shutting_down = True
         if self._drain is None:
+            busy = sum(e.executor.runtime_inflight for e in self.models.values() if e.executor)
+            emit(EventKind.STOPPING, f"supervisor stopping: {busy} requests running get up to {grace_s:g}s to "
+                 "finish", by=by)
             for entry in self.models.values():
                 self.lifecycle.stop_intake(entry, "shutdown")
             executors = [e.executor for e in self.models.values() if e.executor]
@@ -180,6 +201,7 @@ class ModelRouterEngine:
                 await self.lifecycle.cluster.close()
             await self.tokenizer.close()
             self.sampler.stop()
+            emit(EventKind.STOPPED, "supervisor stopped (every worker stopped)")
 
     def ready(self) -> bool:
         """/ready: start-up loads settled (loaded or failed) and a model can serve (model_health.readiness)."""

@@ -96,7 +96,8 @@ class Pool:
         """SIGTERM the supervisor (graceful), then check that nothing it started lives."""
         if self.proc is None:
             return
-        leftovers = stop_tree(self.proc, self.seen_pids, timeout)  # kills them, even when failing
+        proc, self.proc = self.proc, None  # stopped once: a pid seen then may belong to another process later
+        leftovers = stop_tree(proc, self.seen_pids, timeout)  # kills them, even when failing
         self.http.close()
         self._log.close()
         assert not leftovers, f"processes left after the supervisor stopped: {leftovers}"

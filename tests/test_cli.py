@@ -236,3 +236,14 @@ def test_llama_server_pool_through_the_cli(make_pool, tiny_gguf, llama_server_bi
     # only the failed load's replica is left: listed (with its reason), no process
     [left] = cli_json("ps", url=url)
     assert left["model"] == "missing" and left["pid"] is None and "model file not found" in left["last_error"]
+
+
+def test_a_url_with_v1_is_taken_as_the_pools_and_a_bad_one_is_named(make_pool):
+    """An OpenAI client's base URL (…/v1) given as --url reaches the admin API beside it,
+    not a 401 for a key; a URL that is not http(s) is named as such."""
+    pool = make_pool([synthetic("syn")])
+    for url in (pool.url + "/v1", pool.url + "/v1/"):
+        done = cli("ps", "--json", url=url)
+        assert done.returncode == 0 and [w["model"] for w in json.loads(done.stdout)] == ["syn"], done.stderr
+    assert cli("check", url=pool.url + "/v1").returncode == 0
+    assert_one_line_error(cli("ps", url="ftp://127.0.0.1:1"), "is not an http:// or https:// URL")

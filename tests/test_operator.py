@@ -429,3 +429,47 @@ def test_every_answer_carries_a_request_id_and_its_row_finds_it(make_pool):
 def chat_with_id(pool, rid: str) -> httpx.Response:
     return httpx.post(pool.url + "/v1/chat/completions", headers={"x-request-id": rid},
                       json={"model": "syn", "messages": [{"role": "user", "content": "hi"}]})
+
+
+def test_fold_folds_repeats_within_the_window_whatever_came_between():
+    from supervisor.events import fold
+
+    def ev(i: int, ts: float, kind: str = "crashed", message: str = "replica m/0 exited unexpectedly with SIGKILL"):
+        return {"id": i, "ts": ts, "kind": kind, "level": "error", "model": "m", "replica": 0, "by": None,
+                "message": message}
+
+    rows = [ev(1, 0), ev(2, 1, "state", "model m is degraded"), ev(3, 3), ev(4, 6), ev(5, 7, "loaded", "m loaded"),
+            ev(6, 500)]  # the last one comes after a quiet window: a row of its own
+    folded = fold(rows, window_s=120)
+    assert [(f["id"], f["kind"], f["count"]) for f in folded] == [(2, "state", 1), (4, "crashed", 3),
+                                                                  (5, "loaded", 1), (6, "crashed", 1)]
+    assert folded[1]["first_ts"] == 0 and folded[1]["ts"] == 6
+    assert fold([]) == []
+
+
+def test_a_crash_loop_is_one_line_and_the_supervisors_start_and_stop_are_events(make_pool):
+    pool = make_pool([synthetic("syn")])
+    for crash in range(3):
+        os.kill(pool.workers("syn")[0]["pid"], signal.SIGKILL)
+        wait_for(lambda: (w := pool.workers("syn")[0])["state"] == "ready" and w["restarts"] == crash + 1, 30,
+                 what=f"restart {crash + 1}")
+    wait_for(lambda: len([e for e in events(pool) if e["kind"] == "crashed"]) == 3, 5, what="three crash events")
+    folded = pool.http.get("/admin/events", params={"fold": "true"}).json()["events"]
+    [loop] = [e for e in folded if e["kind"] == "crashed"]
+    assert loop["count"] == 3 and loop["first_ts"] < loop["ts"]
+    out = cli("events", url=pool.url)
+    [line] = [line for line in out.stdout.splitlines() if "crashed" in line]
+    assert "crashed ×3" in line and "(×3 over " in line, out.stdout
+    assert len([line for line in cli("events", "--each", url=pool.url).stdout.splitlines() if "crashed" in line]) == 3
+
+    kinds = [e["kind"] for e in events(pool)]
+    assert kinds[:1] == ["started"] and "ready" in kinds
+    ready = next(e for e in events(pool) if e["kind"] == "ready")
+    assert ready["message"] == "supervisor ready: 1 of 1 models can serve" and ready["model"] is None
+    path = pool.config_path.parent / "state" / "llm-pool" / "events.sqlite3"
+    pool.stop()
+    import sqlite3
+    from contextlib import closing
+    with closing(sqlite3.connect(path)) as db:
+        rows = [tuple(r) for r in db.execute("SELECT kind, by FROM events ORDER BY id")]
+    assert rows[-1] == ("stopped", None) and ("stopping", "SIGTERM") in rows, rows  # the model's unload between
