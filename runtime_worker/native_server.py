@@ -356,16 +356,19 @@ class OpenAIServerBackend(Backend):
 # the rest is start-up chatter, which is no crash's reason.
 ERROR_LINE = re.compile(r"(?i)\b(error|fatal|fail(ed|ure)?|exception|abort(ed)?|panic|cannot|can't|unable|"
                         r"out of memory|segmentation fault|assert(ion)?|terminate(d)?)\b|^\S+ E ")
+# an error line that only announces the exit ("exiting due to model loading error") names no cause
+EXIT_LINE = re.compile(r"(?i)\b(exiting|shutting down|terminating|cleaning up)\b")
 ERROR_LINE_CHARS = 300
 
 
 def last_error_line(lines) -> str | None:
-    """The last line of `lines` that reports an error, clipped; None when none does."""
-    for line in reversed(lines):
-        if ERROR_LINE.search(line):
-            line = line.strip()
-            return line if len(line) <= ERROR_LINE_CHARS else line[:ERROR_LINE_CHARS] + "..."
-    return None
+    """The last line of `lines` that reports an error, one that names a cause before one that
+    only announces the exit; clipped; None when no line reports an error."""
+    errors = [line.strip() for line in lines if ERROR_LINE.search(line)]
+    line = next((e for e in reversed(errors) if not EXIT_LINE.search(e)), errors[-1] if errors else None)
+    if line is None or len(line) <= ERROR_LINE_CHARS:
+        return line
+    return line[:ERROR_LINE_CHARS] + "..."
 
 
 class NativeServer:

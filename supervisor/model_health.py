@@ -29,6 +29,13 @@ def replica_reasons(entry) -> list[dict]:
 
 
 def replica_reason(r) -> str:
+    why = _reason(r)
+    if r.state is ReplicaState.BACKOFF and r.restart_in_s is not None:  # its back-off's countdown
+        return f"{why}; restarting in {r.restart_in_s:.0f}s"
+    return why
+
+
+def _reason(r) -> str:
     if r.last_error:
         return r.last_error
     if r.state is ReplicaState.RESTARTING:

@@ -118,6 +118,7 @@ class Replica(WorkerLink):
         self._ready: asyncio.Future | None = None
         self._watcher: asyncio.Task | None = None
         self._restart_task: asyncio.Task | None = None
+        self._restart_due = 0.0  # monotonic: when the pending crash restart (_restart_task) starts
 
     # -- state ---------------------------------------------------------------
     def _set(self, new: ReplicaState) -> None:
@@ -144,6 +145,13 @@ class Replica(WorkerLink):
         if self.operator_restart_until is None or self.state is not ReplicaState.RESTARTING:
             return None
         return max(0.0, self.operator_restart_until - self.clock())
+
+    @property
+    def restart_in_s(self) -> float | None:
+        """Seconds until a crash restart backing off starts (its countdown); None when none is pending."""
+        if self.state is not ReplicaState.BACKOFF or not self.restart_pending:
+            return None
+        return max(0.0, self._restart_due - self.clock())
 
     @property
     def free_slots(self) -> int:
@@ -407,6 +415,7 @@ class Replica(WorkerLink):
                  "until an operator restarts it", model=self.cfg.name, replica=self.index, level=logging.ERROR)
             return
         self._set(ReplicaState.BACKOFF)
+        self._restart_due = self.clock() + delay
         self._restart_task = self._task(self._restart_after(delay), f"restart-{self.name}")
 
     async def _restart_after(self, delay: float) -> None:

@@ -312,6 +312,9 @@ def test_the_last_error_line_of_a_runtime_is_its_reason():
         "0.00.200.000 E llama_model_load: bad magic"
     assert last_error_line(["gguf_init_from_file: failed to open GGUF file 'x'", "main: exiting"]) == \
         "gguf_init_from_file: failed to open GGUF file 'x'"
+    assert last_error_line(["E load_model: failed to load model, 'x'", "E llama_server: exiting due to model "
+                            "loading error"]) == "E load_model: failed to load model, 'x'"  # the cause, not the exit
+    assert last_error_line(["E llama_server: exiting due to an error"]) == "E llama_server: exiting due to an error"
     assert last_error_line(["CUDA error: out of memory " + "x" * 1000]).endswith("...")
     assert len(last_error_line(["fatal " + "x" * 1000])) == 303
 
@@ -473,3 +476,17 @@ def test_a_crash_loop_is_one_line_and_the_supervisors_start_and_stop_are_events(
     with closing(sqlite3.connect(path)) as db:
         rows = [tuple(r) for r in db.execute("SELECT kind, by FROM events ORDER BY id")]
     assert rows[-1] == ("stopped", None) and ("stopping", "SIGTERM") in rows, rows  # the model's unload between
+
+
+def test_a_crash_restart_backing_off_shows_its_countdown(make_pool):
+    pool = make_pool([synthetic("syn", replicas=2)])
+    for crash in range(4):  # crashes in a row back off longer each time: 0, 0.5, 1, then 2 s (base_s 0.5)
+        pid = pool.workers("syn")[0]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        if crash < 3:
+            wait_for(lambda: (w := pool.workers("syn")[0])["state"] == "ready" and w["pid"] != pid, 30,
+                     what=f"restart {crash + 1}")
+    worker = wait_for(lambda: (w := pool.workers("syn")[0])["state"] == "backoff" and w, 10, what="backing off")
+    assert worker["restart_in_s"] is not None and worker["restart_in_s"] >= 0
+    [why] = pool.model("syn")["replica_errors"]
+    assert why["state"] == "backoff" and "; restarting in " in why["reason"], why

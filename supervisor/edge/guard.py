@@ -88,7 +88,8 @@ class HttpEdge:
     client goes: `scope[DISCONNECT_KEY]`.
 
     Inference POSTs go straight to their endpoint in `inference`, every other
-    request to `app`."""
+    request to `app`. Every answer from here on carries the request's id
+    (request_ids.py; the listener's own refusals, before a request is whole, do not)."""
 
     def __init__(self, app, server: ServerConfig, admission: Admission, admin_key: str | None,
                  inference: dict | None = None, on_key_refused=None) -> None:
