@@ -19,7 +19,8 @@ array of them; see below):
     done    job, finish_reason, usage{},    shutdown
             finish_reasons[], result{},
             timings{}
-    error   job|None, code, message
+    error   job|None, code, message, param?,
+            exit_code? (a dead runtime's own)
     heartbeat inflight, jobs[], submits_seen
     kv_events events[], reset
 

@@ -96,6 +96,9 @@ class Error:
     code: str  # an ErrorCode value
     message: str
     param: str | None = None  # the request field at fault, when one is
+    # job None, code runtime_crashed: the native runtime's own exit (negative: the signal that
+    # ended it), which the worker's own exit (code 1) would otherwise hide
+    exit_code: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +152,8 @@ FIELD_TYPES: dict[type, dict[str, Any]] = {
     Cancel: {"job": str},
     Delta: {"job": str, "text": str, "parts": list, "tokens": int},
     Done: {"job": str, "finish_reason": str, "usage": dict, "finish_reasons": list, "result": dict, "timings": dict},
-    Error: {"job": (str, type(None)), "code": str, "message": str, "param": (str, type(None))},
+    Error: {"job": (str, type(None)), "code": str, "message": str, "param": (str, type(None)),
+            "exit_code": (int, type(None))},
     Heartbeat: {"inflight": int, "jobs": list, "submits_seen": int},
     KvEvents: {"events": list, "reset": bool},
     Shutdown: {},

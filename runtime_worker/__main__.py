@@ -55,6 +55,7 @@ class Worker:
         self._silence_told = False  # a warning about a silent supervisor was logged
         self.stopping = asyncio.Event()
         self.exit_code = WorkerExit.OK
+        self.killed_runtime: str | None = None  # why this worker killed its own runtime, if it did
 
     def send(self, msg: p.Message) -> None:
         self.outbox.put(msg)
@@ -124,8 +125,11 @@ class Worker:
         log.info("runtime ready in %.2fs, capacity %d", time.monotonic() - started, capacity)
         self.send(p.Ready(capacity=capacity, info=info))
         reason = await self.backend.wait_dead()
+        if self.killed_runtime:  # the worker's own kill: say so, not only the signal
+            reason = f"{reason} ({self.killed_runtime})"
         log.error("runtime died: %s", reason)
-        self.send(p.Error(job=None, code=ErrorCode.RUNTIME_CRASHED, message=reason))
+        self.send(p.Error(job=None, code=ErrorCode.RUNTIME_CRASHED, message=reason,
+                          exit_code=self.backend.runtime_exit_code()))
         self.stop(WorkerExit.CRASH)
 
     def on_frames(self, frames: list[bytes]) -> None:
@@ -262,6 +266,7 @@ class Worker:
             if busy is not None:
                 log.error("the runtime is still busy %.0fs after a cancel left it no job (a cancel it "
                           "does not honour): killing it, so that the worker is restarted", busy)
+                self.killed_runtime = f"by its worker: still busy {busy:.0f}s after a cancel left it no job"
                 signal_group(pid, signal.SIGKILL)  # busy, it would sit out a SIGTERM; it leads its group
                 self.cancel_watch.disarm()  # its death ends the worker (load() sees it) with code 1
 

@@ -383,6 +383,25 @@ class OpenAIServerBackend(Backend):
         return self.client.fetch(request, self.call_paths[endpoint], root=True)
 
 
+# A line of a runtime's output that reports an error (llama.cpp marks its level with " E ");
+# the rest is start-up chatter, which is no crash's reason.
+ERROR_LINE = re.compile(r"(?i)\b(error|fatal|fail(ed|ure)?|exception|abort(ed)?|panic|cannot|can't|unable|"
+                        r"out of memory|segmentation fault|assert(ion)?|terminate(d)?)\b|^\S+ E ")
+# an error line that only announces the exit ("exiting due to model loading error") names no cause
+EXIT_LINE = re.compile(r"(?i)\b(exiting|shutting down|terminating|cleaning up)\b")
+ERROR_LINE_CHARS = 300
+
+
+def last_error_line(lines) -> str | None:
+    """The last line of `lines` that reports an error, one that names a cause before one that
+    only announces the exit; clipped; None when no line reports an error."""
+    errors = [line.strip() for line in lines if ERROR_LINE.search(line)]
+    line = next((e for e in reversed(errors) if not EXIT_LINE.search(e)), errors[-1] if errors else None)
+    if line is None or len(line) <= ERROR_LINE_CHARS:
+        return line
+    return line[:ERROR_LINE_CHARS] + "..."
+
+
 class NativeServer:
     def __init__(self, name: str, log, model: str | None = None, extra: dict | None = None,
                  limits: OutputLimits = OutputLimits()) -> None:
@@ -444,16 +463,19 @@ class NativeServer:
         sys.stderr.write(f"[{self.name}] {text}\n")
 
     async def wait_exit(self) -> str:
-        """Return once the child exits, with its last output as the reason."""
+        """Return once the child exits, with its reason: its signal or exit code, and the last
+        error line of its output (its whole output is in the replica's log)."""
         code = await self.proc.wait()
         if self._relay:
             await asyncio.wait([self._relay], timeout=2)
         how = f"was killed by {exit_text(code)}" if code < 0 else f"exited with {exit_text(code)}"
-        return f"{self.name} {how}:\n{self.error_text()}"
+        return f"{self.name} {how}{self.error_text()}"
 
     def error_text(self) -> str:
-        lines = [l for l in self.tail if l.strip()]
-        return "\n".join(lines[-12:])
+        """': ' and the last line of the child's output that reports an error, or '' when none
+        does (start-up chatter is no reason)."""
+        line = last_error_line(self.tail)
+        return f": {line}" if line else ""
 
     async def wait_healthy(self, deadline_s: float, path: str = "/health") -> None:
         """Poll until `path` answers 200. Refused connections and 503 mean loading."""
@@ -462,7 +484,7 @@ class NativeServer:
             if self.proc.returncode is not None:
                 if self._relay:
                     await asyncio.wait([self._relay], timeout=2)
-                raise BackendLoadError(f"{self.name} exited with {exit_text(self.proc.returncode)} while loading:\n"
+                raise BackendLoadError(f"{self.name} exited with {exit_text(self.proc.returncode)} while loading"
                                        f"{self.error_text()}")
             try:
                 r = await self.get(path, timeout=2)
@@ -471,7 +493,7 @@ class NativeServer:
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                raise BackendLoadError(f"{self.name} not healthy within {deadline_s:.0f}s:\n{self.error_text()}")
+                raise BackendLoadError(f"{self.name} not healthy within {deadline_s:.0f}s{self.error_text()}")
             await asyncio.sleep(0.1)
 
     async def stop(self, timeout_s: float = 5.0) -> None:

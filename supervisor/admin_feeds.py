@@ -16,7 +16,9 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
 from protocol.errors import ErrorCode, PoolError
+from supervisor.edge.request_ids import MAX_CHARS as MAX_ID_CHARS
 from supervisor.edge.streams import SSE_HEADERS
+from supervisor.events import fold as fold_events
 
 router = APIRouter()
 
@@ -71,12 +73,14 @@ async def admin_requests(request: Request, model: str | None = Query(None, max_l
                          after_id: int | None = Query(None, ge=0, le=ROW_ID_MAX),
                          before_id: int | None = Query(None, ge=0, le=ROW_ID_MAX),
                          limit: int = Query(100, ge=1, le=10_000),
-                         tenant: str | None = Query(None, max_length=64)):
+                         tenant: str | None = Query(None, max_length=64),
+                         id: str | None = Query(None, max_length=MAX_ID_CHARS)):
     """The newest finished requests first, from the request log: one page of at most
     `limit` rows and about request_log.QUERY_MAX_BYTES. `more` says whether older
     rows match (ask again with before_id = the last row's id); with after_id, the
     page holds the oldest rows after it (ask again with after_id = the first row's id).
-    `status`: an HTTP status, a class (4xx), 'ok' or 'error'."""
+    `status`: an HTTP status, a class (4xx), 'ok' or 'error'. `id`: the rows of that request
+    id (the x-request-id of its answer)."""
     if status not in (None, "", "ok", "error", "2xx", "3xx", "4xx", "5xx") and not (
             status.isascii() and status.isdigit() and 100 <= int(status) <= 599):
         raise PoolError(ErrorCode.INVALID_REQUEST, "status: an HTTP status, a class (4xx), 'ok' or 'error'",
@@ -84,7 +88,7 @@ async def admin_requests(request: Request, model: str | None = Query(None, max_l
     log = request.app.state.activity.requests
     rows, more = await asyncio.to_thread(log.page, model=model, status=status or None, since=_since(since),
                                          after_id=after_id, before_id=before_id, limit=limit,
-                                         tenant=tenant)
+                                         tenant=tenant, request_id=id)
     return {"requests": rows, "more": more, "dropped": log.dropped}
 
 
@@ -109,12 +113,14 @@ async def admin_requests_summary(request: Request, window_s: float = Query(300, 
 
 @router.get("/admin/events")
 async def admin_events(request: Request, after_id: int | None = None, model: str | None = None,
-                       limit: int = Query(100, ge=1, le=10_000)):
+                       limit: int = Query(100, ge=1, le=10_000), fold: bool = False):
     """The event timeline, oldest first: the `limit` events after `after_id` (page on with the
-    last id), or the newest `limit` without it."""
+    last id), or the newest `limit` without it. `fold`: repeats within events.FOLD_WINDOW_S
+    fold into one row (`count`, `first_ts`), a crash loop's crashes among them."""
     events = request.app.state.activity.events
     rows = await asyncio.to_thread(events.query, after_id=after_id, model=model, limit=limit)
-    return {"events": rows, "last_id": rows[-1]["id"] if rows else after_id, "dropped": events.dropped}
+    last_id = rows[-1]["id"] if rows else after_id
+    return {"events": fold_events(rows) if fold else rows, "last_id": last_id, "dropped": events.dropped}
 
 
 @router.get("/admin/logs/supervisor")

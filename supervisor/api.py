@@ -26,11 +26,10 @@ from supervisor.edge.inference import InferenceSurface
 from supervisor.live import Activity
 from supervisor.loop_lag import LoopLag
 from supervisor.metrics import Metrics
-from supervisor.model_health import pool_health
+from supervisor.model_health import pool_health, readiness
 from supervisor.observe import SAMPLE_EVERY_S
 from supervisor.printable import LOG_FORMAT, PrintableFormatter
 from supervisor.request_bounds import clip
-from supervisor.states import ModelState
 from supervisor.tenants import Tenants
 
 log = logging.getLogger("llm_pool.api")
@@ -46,8 +45,8 @@ def create_app(config: PoolConfig) -> HttpEdge:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         lag.start()
+        activity.start()  # first: the timeline records the supervisor's start
         await engine.start()
-        activity.start()
         yield
         await engine.shutdown(config.server.shutdown_grace_s)
         await activity.close()
@@ -126,10 +125,9 @@ def create_app(config: PoolConfig) -> HttpEdge:
 
     @app.get("/ready")
     async def ready():
-        if engine.ready():
-            return {"status": "ready"}
-        waiting = [n for n, e in engine.models.items()
-                   if e.cfg.load_on_start and engine.model_state(e) not in (ModelState.LOADED, ModelState.DEGRADED)]
-        return JSONResponse({"status": "not_ready", "waiting_for": waiting}, status_code=503)
+        """200 once the start-up loads settled and while a model can serve; 503 while starting,
+        stopping, or when no model can serve (model_health.readiness)."""
+        answer = readiness(engine)
+        return JSONResponse(answer, status_code=200 if answer.pop("ready") else 503)
 
     return edge

@@ -17,13 +17,13 @@ from typing import Annotated
 from urllib.parse import quote
 
 import typer
-from rich.console import Console
-from rich.text import Text
 
 from supervisor import cli_format as fmt
 from supervisor.cli_client import Failure, call, sse_events, until_ctrl_c
-from supervisor.config import ConfigError, load_config
 from supervisor.printable import LOG_FORMAT, PrintableFormatter, printable
+
+# The operator's commands answer in a fraction of a second: what only `serve` needs (the
+# config's schema, the server) or only a table needs (rich) is imported where it is used.
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Serve several local LLMs behind one OpenAI-compatible API.")
@@ -49,6 +49,7 @@ def serve(config: Path = typer.Option(..., "--config", "-c", help="TOML config f
           port: int | None = typer.Option(None, help="port (default from config: 8000)"),
           log_level: str = typer.Option("info", help="debug | info | warning | error")) -> None:
     """Run the supervisor and its HTTP API in the foreground."""
+    from supervisor.config import ConfigError, load_config
     try:
         cfg = load_config(config)
     except ConfigError as exc:
@@ -117,6 +118,8 @@ def _target(text: str) -> tuple[str, int | None]:
 def _waiting(work, describe) -> dict:
     """Run the blocking admin call `work` in a thread while a spinner shows
     describe(elapsed_s), polled from the server; return work's result or raise its Failure."""
+    from rich.console import Console
+    from rich.text import Text
     outcome: dict = {}
 
     def run() -> None:
@@ -243,13 +246,14 @@ def reload(url: Url = DEFAULT_URL, as_json: AsJson = False) -> None:
         typer.echo(f"{key}: {', '.join(result[key]) or '-'}")
 
 
-CHECK_UNHEALTHY = 2  # `check`: the pool serves, but a model is degraded or failed
+CHECK_UNHEALTHY = 2  # `check`: a model is degraded or failed (the pool may still serve the others)
 
 
 @_client
 def check(url: Url = DEFAULT_URL) -> None:
-    """Exit 0 when the pool is ready and every model healthy; 1 when it is not ready (or cannot
-    be reached); 2 when it serves but a model is degraded or failed (each printed with why)."""
+    """Exit 0 when the pool is ready and every model healthy; 2 when a model is degraded or
+    failed (each printed with why, whether or not the others serve); 1 when the pool cannot be
+    reached, or is starting or stopping."""
     body = call(url, "GET", "/ready", timeout=10.0, accept=(503,))
     health = call(url, "GET", "/health", timeout=10.0)
     models = health.get("models") if isinstance(health.get("models"), dict) else {}
@@ -259,19 +263,24 @@ def check(url: Url = DEFAULT_URL) -> None:
         reason = fmt.one_line(m.get("reason"), 200) if m.get("reason") else "no reason recorded"
         return f"{name} {m.get('state', '?')} ({m.get('ready', 0)}/{m.get('configured', 0)} ready): {reason}"
 
-    if body.get("status") != "ready":
-        waiting = body.get("waiting_for") or []
-        failed = [why(n) for n in waiting if (models.get(n) or {}).get("state") == "failed"]
-        raise Failure(("not ready: waiting for " + ", ".join(waiting) if waiting else "not ready (shutting down)")
-                      + ("; " + "; ".join(failed) if failed else ""))
-    unhealthy = health.get("unhealthy") or []
-    if not unhealthy:
-        typer.echo("ready")
-        return
+    unhealthy = [n for n in health.get("unhealthy") or [] if isinstance(n, str)]
+    status = body.get("status")
+    if status == "starting":
+        waiting = ", ".join(body.get("waiting_for") or []) or "its models"
+        raise Failure(f"not ready: starting (loading {waiting})" + "".join(f"; {why(n)}" for n in unhealthy))
+    if status == "shutting_down":
+        raise Failure("not ready: shutting down")
     for name in unhealthy:
         typer.echo(why(name))
-    typer.echo(f"llm-pool: ready, but {len(unhealthy)} model(s) degraded or failed", err=True)
-    raise typer.Exit(CHECK_UNHEALTHY)
+    if status != "ready":
+        typer.echo(f"llm-pool: not ready: no model can serve ({len(unhealthy)} degraded or failed)", err=True)
+        raise typer.Exit(CHECK_UNHEALTHY)
+    if unhealthy:
+        typer.echo(f"llm-pool: ready, but {len(unhealthy)} model(s) degraded or failed", err=True)
+        raise typer.Exit(CHECK_UNHEALTHY)
+    planned = [f"{n} ({', '.join(m['restarting'])} restarting)" for n, m in models.items()
+               if isinstance(m, dict) and m.get("restarting")]
+    typer.echo("ready" + (f"; planned restarts: {'; '.join(planned)}" if planned else ""))
 
 
 SUPERVISOR = "supervisor"  # `llm-pool logs supervisor`: the supervisor's own log
@@ -314,25 +323,28 @@ def _since_param(text: str | None) -> str | None:
 
 
 def _request_rows(rows: list[dict]) -> list[tuple[str, ...]]:
-    return [(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["ts"])), fmt.clip(r["model"], 40),
-             fmt.clip(r.get("tenant"), 40), fmt.clip(r["endpoint"]),
+    return [(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["ts"])),
+             fmt.clip(r["model"], 40), fmt.clip(r.get("replica"), 44), fmt.clip(r.get("tenant"), 40),
+             fmt.clip(r["endpoint"]),
              str(r["status"]), fmt.clip(r["error_code"]), fmt.ms(r["queued_ms"]), fmt.ms(r["ttft_ms"]),
              fmt.ms(r["duration_ms"]), fmt.dash(r["tokens_in"]), fmt.dash(r.get("cached_tokens")), fmt.dash(r["tokens_out"]),
              fmt.dash(r["tokens_per_s"]), fmt.dash(r.get("prefill_tokens_per_s")), fmt.dash(r.get("decode_tokens_per_s")),
-             fmt.dash(r.get("speeds_from")))
+             fmt.dash(r.get("speeds_from")), fmt.clip(r.get("request_id"), 40))
             for r in rows]
 
 
 # CACHED: of IN, from the runtime's prompt cache ("-": the runtime did not say); PREFILL/S and
 # DECODE/S: tokens/s of each phase, timed by the runtime or derived from the pool's times (FROM)
-REQUEST_HEADERS = ["TIME", "MODEL", "TENANT", "ENDPOINT", "STATUS", "ERROR", "QUEUED", "TTFT", "DURATION", "IN",
-                   "CACHED", "OUT", "TOK/S", "PREFILL/S", "DECODE/S", "FROM"]
+REQUEST_HEADERS = ["TIME", "MODEL", "REPLICA", "TENANT", "ENDPOINT", "STATUS", "ERROR", "QUEUED", "TTFT", "DURATION",
+                   "IN", "CACHED", "OUT", "TOK/S", "PREFILL/S", "DECODE/S", "FROM", "REQUEST ID"]
 
 
 @_client
 def requests(url: Url = DEFAULT_URL, as_json: AsJson = False,
              model: Annotated[str | None, typer.Option("--model", "-m", help="only this model")] = None,
              tenant: Annotated[str | None, typer.Option("--tenant", "-t", help="only this tenant's")] = None,
+             request_id: Annotated[str | None, typer.Option("--id", help="only this request id (its answer's "
+                                                            "x-request-id)")] = None,
              status: Annotated[str | None, typer.Option(help="an HTTP status, a class (4xx, 5xx), 'ok' or "
                                                          "'error'")] = None,
              since: Annotated[str | None, typer.Option(help="e.g. 10m, 2h, 1d, or an ISO 8601 time")] = None,
@@ -342,8 +354,8 @@ def requests(url: Url = DEFAULT_URL, as_json: AsJson = False,
              = False) -> None:
     """Recent requests from the request log, oldest first: status, error, queue wait, TTFT,
     duration, tokens. --follow keeps printing until Ctrl-C (one JSON object a line with --json)."""
-    params = {k: v for k, v in {"model": model, "tenant": tenant, "status": status, "since": _since_param(since),
-                                "limit": limit}.items() if v is not None}
+    params = {k: v for k, v in {"model": model, "tenant": tenant, "id": request_id, "status": status,
+                                "since": _since_param(since), "limit": limit}.items() if v is not None}
     rows = call(url, "GET", "/admin/requests", params=params)["requests"][::-1]
     if as_json and not follow:
         return fmt.print_json(rows)
@@ -377,8 +389,11 @@ def _event_line(e: dict) -> str:
         where += f"/{e['replica']}"
     by = f" (asked by {e['by']})" if e.get("by") else ""
     message = e["message"].replace("\n", " | ")
+    count = e.get("count") or 1  # folded repeats (GET /admin/events?fold=true)
+    kind = f"{e['kind']} ×{count}" if count > 1 else e["kind"]
+    repeats = f" (×{count} over {fmt.duration(e['ts'] - e['first_ts'])})" if count > 1 else ""
     return printable(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(e['ts']))}  {e['level']:<7}  "
-                     f"{e['kind']:<14}  {fmt.clip(where, 40):<12}  {message}{by}")
+                     f"{kind:<14}  {fmt.clip(where, 40):<12}  {message}{by}{repeats}")
 
 
 @_client
@@ -387,11 +402,15 @@ def events(url: Url = DEFAULT_URL, as_json: AsJson = False,
            limit: Annotated[int, typer.Option("-n", "--limit", min=1, max=10_000, help="how many (the newest)")]
            = 50,
            follow: Annotated[bool, typer.Option("--follow", "-f", help="then print new ones as they happen")]
-           = False) -> None:
-    """The event timeline, oldest first: loads, unloads, evictions, crashes, restarts (and who
-    asked), reloads, models turning degraded or failed. --follow keeps printing until Ctrl-C."""
+           = False,
+           each: Annotated[bool, typer.Option("--each", help="every event on its own line: repeats (a crash "
+                                              "loop) are not folded")] = False) -> None:
+    """The event timeline, oldest first: the supervisor's start and stop, loads, unloads,
+    evictions, crashes, restarts (and who asked), reloads, models turning degraded or failed.
+    Repeats fold into one line ("crashed ×6 over 15s") unless --each. --follow keeps printing
+    until Ctrl-C."""
     params = {k: v for k, v in {"model": model, "limit": limit}.items() if v is not None}
-    body = call(url, "GET", "/admin/events", params=params)
+    body = call(url, "GET", "/admin/events", params={**params, **({} if each else {"fold": "true"})})
     rows = body["events"]
     if as_json and not follow:
         return fmt.print_json(rows)

@@ -7,9 +7,6 @@ import json
 import os
 
 import typer
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
 from supervisor.printable import printable
 
@@ -47,6 +44,9 @@ def print_json(data) -> None:
 
 
 def table(headers: list[str], rows: list[tuple[str, ...]]) -> None:
+    from rich.console import Console  # here, not at the top: a command that prints no table starts faster
+    from rich.table import Table
+    from rich.text import Text
     console = Console()
     if not console.is_terminal and "COLUMNS" not in os.environ:
         console.width = 10_000  # piped: one line per row, never wrapped, for grep and awk

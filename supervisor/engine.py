@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ConfigError, PoolConfig, load_config
 from supervisor.events import EventKind, emit
 from supervisor.jobs import Job
+from supervisor.model_health import readiness
 from supervisor.models import reload as reloading
 from supervisor.models.lifecycle import Lifecycle, LoadDurations
 from supervisor.models.memory import Memory
@@ -53,6 +55,7 @@ class ModelRouterEngine:
         self._drain: asyncio.Future | None = None  # the one drain of a graceful stop
         self._closed = False
         self._tasks: set[asyncio.Task] = set()
+        self.starting: set[str] = set()  # models whose start-up load has not ended yet (/ready waits)
         self.tokenizer = PromptTokenizer()  # token ids for the exact prefix index (routing "prefix" on vLLM)
 
     # -- what other modules read (names kept from before the split) ------------------------------
@@ -122,17 +125,45 @@ class ModelRouterEngine:
         self.lifecycle.transport.start()
         self.sampler.start()
         self._spawn(self._heartbeat_loop())
-        for entry in self.registry.configured():
+        configured = self.registry.configured()
+        for entry in configured:
             if entry.cfg.load_on_start:
-                self._spawn(self.lifecycle.load_quietly(entry.cfg.name, "start"))
+                self.starting.add(entry.cfg.name)
+                self._spawn(self._start_load(entry.cfg.name))
+        emit(EventKind.STARTED, f"supervisor started (pid {os.getpid()}; {len(configured)} models configured, "
+             f"{len(self.starting)} loading)")
+        if not self.starting:
+            self._started()
 
-    async def drain_all(self, grace_s: float) -> None:
+    async def _start_load(self, name: str) -> None:
+        """One model's start-up load; /ready waits for all of them to end, however they end."""
+        try:
+            await self.lifecycle.load_quietly(name, "start")
+        finally:
+            self.starting.discard(name)
+            if not self.starting:
+                self._started()
+
+    def _started(self) -> None:
+        """The start-up loads settled: the timeline says what serves and what does not."""
+        answer = readiness(self)
+        if "serving" not in answer:  # stopping already
+            return
+        broken = f"; not serving: {', '.join(answer['not_serving'])}" if answer["not_serving"] else ""
+        emit(EventKind.READY, f"supervisor {'ready' if answer['ready'] else 'not ready'}: "
+             f"{len(answer['serving'])} of {len(answer['serving']) + len(answer['not_serving'])} models can serve"
+             f"{broken}", level=logging.INFO if answer["ready"] else logging.ERROR)
+
+    async def drain_all(self, grace_s: float, by: str | None = None) -> None:
         """First step of a graceful stop: /ready turns 503, every model starts its
         unload (new and queued requests get 503), submitted ones get up to `grace_s`
         to finish (or until `stop_draining`). Called again, it waits for the same
         drain: the grace is spent once."""
         self.lifecycle.shutting_down = True
         if self._drain is None:
+            busy = sum(e.executor.runtime_inflight for e in self.models.values() if e.executor)
+            emit(EventKind.STOPPING, f"supervisor stopping: {busy} requests running get up to {grace_s:g}s to "
+                 "finish", by=by)
             for entry in self.models.values():
                 self.lifecycle.stop_intake(entry, "shutdown")
             executors = [e.executor for e in self.models.values() if e.executor]
@@ -170,11 +201,11 @@ class ModelRouterEngine:
                 await self.lifecycle.cluster.close()
             await self.tokenizer.close()
             self.sampler.stop()
+            emit(EventKind.STOPPED, "supervisor stopped (every worker stopped)")
 
     def ready(self) -> bool:
-        return not self.shutting_down and all(
-            model_state(e) in (ModelState.LOADED, ModelState.DEGRADED)
-            for e in self.registry.configured() if e.cfg.load_on_start)
+        """/ready: start-up loads settled (loaded or failed) and a model can serve (model_health.readiness)."""
+        return readiness(self)["ready"]
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)

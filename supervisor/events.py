@@ -42,6 +42,11 @@ class EventKind(StrEnum):
     RESTART_FAILED = "restart_failed"
     RELOADED = "reloaded"
     STATE = "state"  # a model's shown state changed (degraded, failed, recovered)
+    # the supervisor itself: its process started, its start-up loads settled, its stop began, it stopped
+    STARTED = "started"
+    READY = "ready"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
 
 
 def tenant_actor(tenant: str) -> str:
@@ -57,6 +62,28 @@ def emit(kind: EventKind, message: str, *, model: str | None = None, replica: in
     log.log(level, "%s%s", message, who,
             extra={"pool_event": {"kind": str(kind), "model": model, "replica": replica, "by": by,
                                   "message": message}})
+
+
+FOLD_WINDOW_S = 120.0  # a repeat this soon after the last of its kind folds into it (a crash loop)
+_FOLD_KEY = ("kind", "level", "model", "replica", "by", "message")
+
+
+def fold(rows: list[dict], window_s: float = FOLD_WINDOW_S) -> list[dict]:
+    """Rows (oldest first) with each run of repeats folded into one: an event the same as
+    one at most `window_s` before it (kind, level, model, replica, who asked, message),
+    whatever came between, joins it. A folded row is its newest repeat, in that one's
+    place, with `count` and `first_ts` (the first repeat's time): "crashed x6 over 15 s"."""
+    out: list[dict] = []
+    latest: dict[tuple, dict] = {}  # per key, its folded row
+    for row in rows:
+        key = tuple(row.get(k) for k in _FOLD_KEY)
+        last = latest.get(key)
+        if last is not None and row["ts"] - last["ts"] <= window_s:
+            last.update(id=row["id"], ts=row["ts"], count=last["count"] + 1)
+        else:  # the first of its kind, or one after a quiet window: a row of its own
+            latest[key] = new = {**row, "count": 1, "first_ts": row["ts"]}
+            out.append(new)
+    return sorted(out, key=lambda f: f["id"])
 
 
 def clip(text: str | None, limit: int) -> str | None:

@@ -13,6 +13,7 @@ from collections import deque
 
 from protocol import Done, runtime_timings
 from protocol.errors import PoolError
+from supervisor.edge.request_ids import REQUEST_ID
 from supervisor.events import EventKind, EventLog, emit
 from supervisor.state_dir import make_private_dir
 from supervisor.jobs import Job
@@ -134,7 +135,8 @@ class Activity:
                 output = truncate("".join(job.transcript))
         self.requests.append((time.time(), (model or "")[:200], endpoint, status, error and error.code.value,
                               error and error.message, queued, ttft, duration, tokens_in, tokens_out, prompt, output,
-                              job.tenant if job is not None else tenant, cached, prefill, decode))
+                              job.tenant if job is not None else tenant, cached, prefill, decode,
+                              REQUEST_ID.get(), job.replica.name if job is not None and job.replica else None))
 
     # -- live samples ----------------------------------------------------------------------------
     def sample(self) -> dict:

@@ -29,10 +29,18 @@ def replica_reasons(entry) -> list[dict]:
 
 
 def replica_reason(r) -> str:
+    why = _reason(r)
+    if r.state is ReplicaState.BACKOFF and r.restart_in_s is not None:  # its back-off's countdown
+        return f"{why}; restarting in {r.restart_in_s:.0f}s"
+    return why
+
+
+def _reason(r) -> str:
     if r.last_error:
         return r.last_error
     if r.state is ReplicaState.RESTARTING:
-        return "restarting (asked by the operator)"
+        left = r.restart_drain_left_s
+        return "restarting (asked by the operator" + (f"; its drain ends within {left:.0f}s)" if left else ")")
     if r.last_exit_code is not None and r.state is not ReplicaState.STARTING:
         return f"exited with {exit_text(r.last_exit_code)}"
     return {ReplicaState.STARTING: "starting", ReplicaState.DRAINING: "draining",
@@ -54,7 +62,15 @@ def model_health(entry) -> dict:
     ex = entry.executor
     ready = sum(r.state is ReplicaState.READY for r in ex.replicas) if ex else 0
     reasons = replica_reasons(entry) if state in UNHEALTHY or entry.state is ModelState.LOADING else []
-    return {"state": state, "ready": ready, "configured": entry.cfg.replicas, "replica_errors": reasons}
+    # planned work, shown apart from faults: each replica in an operator's restart, and its drain's countdown
+    restarting = [{"replica": r.index, "name": r.name, "state": r.state.value, "drain_left_s": _round(
+        r.restart_drain_left_s)} for r in (ex.replicas if ex else ()) if r.in_operator_restart]
+    return {"state": state, "ready": ready, "configured": entry.cfg.replicas, "replica_errors": reasons,
+            "restarting": restarting}
+
+
+def _round(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 1)
 
 
 def reason_text(view: dict) -> str | None:
@@ -67,6 +83,32 @@ def reason_text(view: dict) -> str | None:
     return "; ".join(dict.fromkeys(parts)) or None
 
 
+def can_serve(entry) -> bool:
+    """Whether a request for this model is served now or soon: a loaded model with a ready
+    replica (or one in an operator's restart: planned work, its queue waits for it), or a
+    load_on_demand model that a request loads. A failed or down model does not."""
+    state = entry.state
+    if state in (ModelState.LOADED, ModelState.DEGRADED):
+        return any(r.state is ReplicaState.READY or r.in_operator_restart for r in entry.executor.replicas)
+    return entry.cfg.load_on_demand and state in (ModelState.UNLOADED, ModelState.LOADING,
+                                                  ModelState.AUTO_UNLOADING)
+
+
+def readiness(engine) -> dict:
+    """GET /ready's answer: `ready` once the start-up loads have settled (each loaded or
+    failed) and while at least one model can serve; not ready while starting or stopping.
+    `status`: ready, starting (with `waiting_for`), shutting_down or no_model_serves."""
+    if engine.shutting_down:
+        return {"ready": False, "status": "shutting_down"}
+    if engine.starting:
+        return {"ready": False, "status": "starting", "waiting_for": sorted(engine.starting)}
+    entries = engine.registry.configured()
+    serving = [e.cfg.name for e in entries if can_serve(e)]
+    not_serving = [e.cfg.name for e in entries if not can_serve(e)]
+    return {"ready": bool(serving), "status": "ready" if serving else "no_model_serves",
+            "serving": serving, "not_serving": not_serving}
+
+
 def pool_health(engine) -> dict:
     """GET /health: the whole picture in one JSON object (200 while the process lives)."""
     models = {}
@@ -75,7 +117,7 @@ def pool_health(engine) -> dict:
         h = model_health(entry)
         h["error"] = entry.error
         models[name] = {"state": h["state"], "ready": h["ready"], "configured": h["configured"],
-                        "reason": reason_text(h)}
+                        "reason": reason_text(h), "restarting": [r["name"] for r in h["restarting"]]}
     bad = sorted(n for n, m in models.items() if m["state"] in UNHEALTHY)
     status = ("shutting_down" if engine.shutting_down else "failed" if any(
         models[n]["state"] == ModelState.FAILED.value for n in bad) else DEGRADED if bad else "ok")

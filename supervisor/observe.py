@@ -157,8 +157,11 @@ async def worker_views(replicas: list[Replica], sampler: ProcessSampler) -> list
             "model": r.cfg.name, "replica": r.index, "backend": r.cfg.backend, "pid": r.pid,
             "node": LOCAL_NODE, "node_id": None, "node_address": None,
             "state": r.state.value, "restarts": r.restarts, "last_exit_code": r.last_exit_code,
-            # "SIGKILL" for an exit by signal (the code is then negative), else "code N"
+            # "SIGKILL" for an exit by signal (the code is then negative), else "code N"; the
+            # runtime's own exit when its worker reported that its runtime died
             "last_exit": None if r.last_exit_code is None else exit_text(r.last_exit_code),
+            "worker_exit_code": r.worker_exit_code, "restart_drain_left_s": r.restart_drain_left_s,
+            "restart_in_s": r.restart_in_s,  # a crash restart's back-off countdown
             "uptime_s": round(time.time() - r.started_at, 1) if r.pid and r.started_at else None,
             "inflight": len(r.inflight), "capacity": r.capacity, "runtime_capacity": r.runtime_capacity,
             "newcomer_slots": r.newcomer_slots,

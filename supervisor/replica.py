@@ -92,7 +92,11 @@ class Replica(WorkerLink):
         self.last_heard = 0.0
         self.connected = False  # the current worker has spoken: it can be sent to
         self.restarts = 0
+        # the last exit shown: the runtime's own when its worker reported it died (SIGKILL), else
+        # the worker's; the restart policy reads the worker's (a boot failure is its code 3)
         self.last_exit_code: int | None = None
+        self.worker_exit_code: int | None = None
+        self.runtime_exit_code: int | None = None  # of the current worker's runtime, once it died
         self.last_error: str | None = None
         self.history = CrashHistory()
         self.unknown_job_replies = 0  # late or bogus replies, dropped by job id
@@ -103,6 +107,10 @@ class Replica(WorkerLink):
         self._job_deltas: dict[str, int] = {}
         self.protocol_errors = 0
         self.submits_sent = 0  # Submits sent to the current worker; its heartbeats say how many it got
+        # an operator's restart of this replica while it served, from its drain to its new worker's
+        # start (planned work: its model is not degraded by it): the monotonic time its drain ends;
+        # None when none is under way
+        self.operator_restart_until: float | None = None
         # a restart's drain: resolved when it may end, True when a stop ends the restart too
         self._drained: asyncio.Future | None = None
         # One lifecycle action at a time (start, stop, operator or crash restart), so a
@@ -111,6 +119,7 @@ class Replica(WorkerLink):
         self._ready: asyncio.Future | None = None
         self._watcher: asyncio.Task | None = None
         self._restart_task: asyncio.Task | None = None
+        self._restart_due = 0.0  # monotonic: when the pending crash restart (_restart_task) starts
 
     # -- state ---------------------------------------------------------------
     def _set(self, new: ReplicaState) -> None:
@@ -126,6 +135,24 @@ class Replica(WorkerLink):
         """Running, or about to run again (a crash restart is pending)."""
         return self.state in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING,
                               ReplicaState.RESTARTING, ReplicaState.BACKOFF)
+
+    @property
+    def in_operator_restart(self) -> bool:
+        return self.operator_restart_until is not None
+
+    @property
+    def restart_drain_left_s(self) -> float | None:
+        """Seconds left of an operator restart's drain (the countdown to drain_timeout_s)."""
+        if self.operator_restart_until is None or self.state is not ReplicaState.RESTARTING:
+            return None
+        return max(0.0, self.operator_restart_until - self.clock())
+
+    @property
+    def restart_in_s(self) -> float | None:
+        """Seconds until a crash restart backing off starts (its countdown); None when none is pending."""
+        if self.state is not ReplicaState.BACKOFF or not self.restart_pending:
+            return None
+        return max(0.0, self._restart_due - self.clock())
 
     @property
     def free_slots(self) -> int:
@@ -176,29 +203,38 @@ class Replica(WorkerLink):
         async with self._lock:
             if self.state is ReplicaState.DRAINING:
                 raise LoadFailed(f"replica {self.name} is draining; not restarted")
-            if self.state in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.KILLING):
-                # out of rotation, its model's queue kept for it; its exit from now on is planned
-                self._set(ReplicaState.RESTARTING)
-            if self.state is ReplicaState.RESTARTING and drain_timeout_s and self.inflight:
-                self._drained = drained = asyncio.get_running_loop().create_future()
-                try:
-                    await asyncio.wait_for(asyncio.shield(drained), drain_timeout_s)
-                except TimeoutError:
-                    log.warning("replica %s: %d jobs still running after drain_timeout_s=%g; cutting them",
-                                self.name, len(self.inflight), drain_timeout_s)
-                finally:
-                    self._drained = None
-                if self.state is ReplicaState.STOPPING or (drained.done() and drained.result()):
-                    # stopped (shutdown, unload) meanwhile; a crash meanwhile leaves it STOPPED: restarted
-                    raise LoadFailed(f"replica {self.name} was stopped while it drained; not restarted")
-                if self.inflight:
-                    self._fail_all(ErrorCode.RUNTIME_RESTARTED, f"replica {self.name} was restarted by the "
-                                   f"operator; the request did not finish within drain_timeout_s "
-                                   f"({drain_timeout_s:g}s)")
-            await self._stop()
-            self.history = CrashHistory()
-            self.restarts += 1
-            await self._start()
+            if self.state is ReplicaState.READY:  # a serving replica's restart is planned work; a broken one's a repair
+                self.operator_restart_until = self.clock() + (drain_timeout_s or 0.0)
+            try:
+                await self._operator_restart(drain_timeout_s)
+            finally:  # done or failed: the model's state follows its replicas again
+                self.operator_restart_until = None
+                self.owner.replica_changed()
+
+    async def _operator_restart(self, drain_timeout_s: float | None) -> None:  # holds self._lock
+        if self.state in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.KILLING):
+            # out of rotation, its model's queue kept for it; its exit from now on is planned
+            self._set(ReplicaState.RESTARTING)
+        if self.state is ReplicaState.RESTARTING and drain_timeout_s and self.inflight:
+            self._drained = drained = asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.wait_for(asyncio.shield(drained), drain_timeout_s)
+            except TimeoutError:
+                log.warning("replica %s: %d jobs still running after drain_timeout_s=%g; cutting them",
+                            self.name, len(self.inflight), drain_timeout_s)
+            finally:
+                self._drained = None
+            if self.state is ReplicaState.STOPPING or (drained.done() and drained.result()):
+                # stopped (shutdown, unload) meanwhile; a crash meanwhile leaves it STOPPED: restarted
+                raise LoadFailed(f"replica {self.name} was stopped while it drained; not restarted")
+            if self.inflight:
+                self._fail_all(ErrorCode.RUNTIME_RESTARTED, f"replica {self.name} was restarted by the "
+                               f"operator; the request did not finish within drain_timeout_s "
+                               f"({drain_timeout_s:g}s)")
+        await self._stop()
+        self.history = CrashHistory()
+        self.restarts += 1
+        await self._start()
 
     def drain(self) -> None:
         """No new jobs (the executor stops sending them); running ones finish.
@@ -214,6 +250,7 @@ class Replica(WorkerLink):
         self.owner.replica_restarted(self)
         self.capacity = 0
         self.last_error = None
+        self.runtime_exit_code = None
         self.submits_sent = 0
         self.connected = False
         self._ready = ready = asyncio.get_running_loop().create_future()
@@ -318,7 +355,8 @@ class Replica(WorkerLink):
         code = await proc.wait()
         proc.kill_tree()  # whatever it left behind (a native child, vLLM's engine processes)
         self.transport.unregister(self.identity)
-        self.last_exit_code = code
+        self.worker_exit_code = code
+        self.last_exit_code = code if self.runtime_exit_code is None else self.runtime_exit_code
         up_since = self.ready_at
         self.ready_at = None
         self.capacity = 0
@@ -358,14 +396,17 @@ class Replica(WorkerLink):
                          f"({exit_text(code)}) during the request")
 
     def _crash_event(self, code: int) -> None:
-        why = f": {self.last_error.splitlines()[0]}" if self.last_error else ""
-        emit(EventKind.CRASHED, f"replica {self.name} exited unexpectedly with {exit_text(code)}{why}",
-             model=self.cfg.name, replica=self.index, level=logging.ERROR)
+        if self.runtime_exit_code is not None and self.last_error:  # its runtime died: the worker said how
+            what = f"replica {self.name} crashed: {self.last_error.splitlines()[0]}"
+        else:
+            why = f": {self.last_error.splitlines()[0]}" if self.last_error else ""
+            what = f"replica {self.name} exited unexpectedly with {exit_text(code)}{why}"
+        emit(EventKind.CRASHED, what, model=self.cfg.name, replica=self.index, level=logging.ERROR)
 
     def _crashed(self, up_since: float | None) -> None:
         """A crash of a wanted replica: back off and restart, or give up (fatal)."""
         delay = restart_delay(self.policy, self.history, now=self.clock(), up_since=up_since,
-                              exit_code=self.last_exit_code)
+                              exit_code=self.worker_exit_code)
         if delay is None:
             exit_ = exit_text(self.last_exit_code)
             self.last_error = (f"too many crashes (last exit {exit_}): {self.last_error}" if self.last_error
@@ -375,6 +416,7 @@ class Replica(WorkerLink):
                  "until an operator restarts it", model=self.cfg.name, replica=self.index, level=logging.ERROR)
             return
         self._set(ReplicaState.BACKOFF)
+        self._restart_due = self.clock() + delay
         self._restart_task = self._task(self._restart_after(delay), f"restart-{self.name}")
 
     async def _restart_after(self, delay: float) -> None:

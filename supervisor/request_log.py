@@ -35,7 +35,7 @@ REFUSED_ROWS_PER_S = 10
 
 COLUMNS = ("ts", "model", "endpoint", "status", "error_code", "error_message", "queued_ms", "ttft_ms",
            "duration_ms", "tokens_in", "tokens_out", "prompt", "output", "tenant", "cached_tokens",
-           "runtime_prefill_tps", "runtime_decode_tps")
+           "runtime_prefill_tps", "runtime_decode_tps", "request_id", "replica")
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -55,19 +55,24 @@ CREATE TABLE IF NOT EXISTS requests (
     tenant TEXT,                 -- who asked (a configured tenant name); NULL: refused before a tenant was known
     cached_tokens INTEGER,       -- of tokens_in, from the runtime's prompt cache; NULL: the runtime did not say
     runtime_prefill_tps REAL,    -- prompt tokens/s and output tokens/s as the runtime timed them
-    runtime_decode_tps REAL      -- (llama-server's timings); NULL: it gave none
+    runtime_decode_tps REAL,     -- (llama-server's timings); NULL: it gave none
+    request_id TEXT,             -- the answer's x-request-id (the client's own when it sent a safe one)
+    replica TEXT                 -- the replica that served it (model/index); NULL: it never reached one
 );
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 """
+# after ADDED_COLUMNS: a log written by an older version has no request_id column before that
+INDEXES = "CREATE INDEX IF NOT EXISTS requests_request_id ON requests (request_id);"
 # Each stored text column is cut to this many characters (what runs past says how much more)
 TEXT_LIMITS = {"model": 200, "endpoint": 64, "error_code": 64, "error_message": 1024, "tenant": 200,
+               "request_id": 128, "replica": 220,
                "prompt": BODY_CHARS + 64, "output": BODY_CHARS + 64}  # room for truncate()'s note
 _LIMITS = tuple(TEXT_LIMITS.get(name) for name in COLUMNS)  # None: not a text column
 _KEEP = tuple("\n\t" if name in ("prompt", "output") else "" for name in COLUMNS)
 # columns added since the first schema: a log written by an older version gets them on open
 # tenant: also "(unknown key)" (tenants.UNKNOWN_KEY) for a 401 whose key no tenant holds; NULL with no key
 ADDED_COLUMNS = {"tenant": "TEXT", "cached_tokens": "INTEGER", "runtime_prefill_tps": "REAL",
-                 "runtime_decode_tps": "REAL"}
+                 "runtime_decode_tps": "REAL", "request_id": "TEXT", "replica": "TEXT"}
 
 
 def truncate(text: str | None, limit: int = BODY_CHARS) -> str | None:
@@ -153,6 +158,7 @@ class RequestLog:
             for column, kind in ADDED_COLUMNS.items():
                 if column not in have:
                     db.execute(f"ALTER TABLE requests ADD COLUMN {column} {kind}")
+            db.executescript(INDEXES)
             db.execute("PRAGMA journal_mode=WAL")  # readers do not wait for the writer
 
     def _connect(self) -> sqlite3.Connection:
@@ -247,7 +253,7 @@ class RequestLog:
 
     def page(self, *, model: str | None = None, status: str | None = None, since: float | None = None,
              after_id: int | None = None, before_id: int | None = None, limit: int = 100,
-             tenant: str | None = None,
+             tenant: str | None = None, request_id: str | None = None,
              max_bytes: int = QUERY_MAX_BYTES) -> tuple[list[dict], bool]:
         """(rows, whether more rows match), newest first. `status`: an HTTP status, a class
         ("4xx"), or "ok" (below 400) or "error".
@@ -261,6 +267,9 @@ class RequestLog:
         if tenant:
             where.append("tenant = ?")
             args.append(tenant)
+        if request_id:
+            where.append("request_id = ?")
+            args.append(request_id)
         if status == "ok":
             where.append("status < 400")
         elif status == "error":

@@ -62,7 +62,7 @@ class DrainingServer(uvicorn.Server):
     async def _drain_then_exit(self, sig) -> None:
         try:
             log.info("draining for up to %.0fs before exit", self.grace_s)
-            await self.engine.drain_all(self.grace_s)
+            await self.engine.drain_all(self.grace_s, by=signal.Signals(sig).name if sig else None)
             # the workers go before uvicorn stops: what still runs ends with an error and its
             # connection closes, so uvicorn has no connection left to wait for
             await self.engine.shutdown(self.grace_s)

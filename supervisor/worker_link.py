@@ -134,8 +134,9 @@ class WorkerLink:
                     self.unknown_job_replies += 1
             case p.Done(job=job_id):
                 self._finish(job_id, msg)
-            case p.Error(job=None, message=message):
+            case p.Error(job=None, message=message, exit_code=exit_code):
                 self.last_error = message
+                self.runtime_exit_code = exit_code  # its runtime died: that exit is the one to show
                 if self._ready and not self._ready.done():
                     self._ready.set_exception(LoadFailed(message))
             case p.Error(job=job_id, code=code, message=message, param=param):

@@ -50,16 +50,16 @@ class Pool:
         return self
 
     def _ready(self) -> bool:
-        """/ready is 200; a model that failed to load fails the wait at once, with its error."""
-        if self.http.get("/ready").status_code == 200:
-            return True
+        """/ready is 200 (the start-up loads settled); a model that failed to load fails the
+        wait, with its error (/ready is 200 while another model serves)."""
+        ready = self.http.get("/ready").status_code == 200
         models = self.http.get("/admin/models")
         if models.status_code != 200:  # an admin key is set: /ready alone decides
-            return False
+            return ready
         failed = {m["name"]: m.get("error") for m in models.json()["models"] if m["state"] == "failed"}
         if failed:
             raise AssertionError(f"models failed to load: {failed}")
-        return False
+        return ready
 
     def _healthy(self) -> bool:
         if self.proc.poll() is not None:
@@ -96,7 +96,8 @@ class Pool:
         """SIGTERM the supervisor (graceful), then check that nothing it started lives."""
         if self.proc is None:
             return
-        leftovers = stop_tree(self.proc, self.seen_pids, timeout)  # kills them, even when failing
+        proc, self.proc = self.proc, None  # stopped once: a pid seen then may belong to another process later
+        leftovers = stop_tree(proc, self.seen_pids, timeout)  # kills them, even when failing
         self.http.close()
         self._log.close()
         assert not leftovers, f"processes left after the supervisor stopped: {leftovers}"

@@ -167,13 +167,12 @@ def test_check_and_errors_without_a_pool():
 
 
 def test_check_names_the_models_it_waits_for(make_pool):
-    # "stuck" never comes up (its load outlasts load_timeout_s), so the pool never gets ready
-    pool = make_pool([synthetic("quick"),
-                      with_options(synthetic("stuck", load_timeout_s=1), load_ms=60_000)],
-                     wait_ready=False)
-    wait_for(lambda: pool.model("stuck")["state"] == "failed", 30, what="stuck failed")
-    assert pool.model("quick")["state"] == "loaded"
-    assert_one_line_error(cli("check", url=pool.url), "llm-pool: not ready: waiting for stuck")
+    # "slow" is still loading (60 s): the start-up has not settled, so the pool is not ready yet
+    pool = make_pool([synthetic("quick"), with_options(synthetic("slow"), load_ms=60_000)], wait_ready=False)
+    wait_for(lambda: pool.model("quick")["state"] == "loaded", 30, what="quick loaded")
+    r = pool.http.get("/ready")
+    assert r.status_code == 503 and r.json() == {"status": "starting", "waiting_for": ["slow"]}
+    assert_one_line_error(cli("check", url=pool.url), "llm-pool: not ready: starting (loading slow)")
 
 
 def test_admin_key(make_pool):
@@ -237,3 +236,14 @@ def test_llama_server_pool_through_the_cli(make_pool, tiny_gguf, llama_server_bi
     # only the failed load's replica is left: listed (with its reason), no process
     [left] = cli_json("ps", url=url)
     assert left["model"] == "missing" and left["pid"] is None and "model file not found" in left["last_error"]
+
+
+def test_a_url_with_v1_is_taken_as_the_pools_and_a_bad_one_is_named(make_pool):
+    """An OpenAI client's base URL (…/v1) given as --url reaches the admin API beside it,
+    not a 401 for a key; a URL that is not http(s) is named as such."""
+    pool = make_pool([synthetic("syn")])
+    for url in (pool.url + "/v1", pool.url + "/v1/"):
+        done = cli("ps", "--json", url=url)
+        assert done.returncode == 0 and [w["model"] for w in json.loads(done.stdout)] == ["syn"], done.stderr
+    assert cli("check", url=pool.url + "/v1").returncode == 0
+    assert_one_line_error(cli("ps", url="ftp://127.0.0.1:1"), "is not an http:// or https:// URL")

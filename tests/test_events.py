@@ -40,7 +40,8 @@ def test_events_are_kept_bounded_clipped_and_paged(tmp_path, caplog):
 
 def entry(state: ModelState, replicas: list[ReplicaState] | None, configured: int = 2, error=None):
     reps = [SimpleNamespace(index=i, name=f"m/{i}", state=s, last_error=None if s is ReplicaState.READY else "boom",
-                            last_exit_code=-9, restarting=False,
+                            last_exit_code=-9, restarting=False, in_operator_restart=False,
+                            restart_drain_left_s=None,
                             live=s in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING,
                                        ReplicaState.BACKOFF))
             for i, s in enumerate(replicas or [])]

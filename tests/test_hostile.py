@@ -176,7 +176,10 @@ def test_a_runtime_still_busy_after_a_cancel_is_restarted(make_pool, tiny_gguf, 
     wait_for(lambda: pool.model("tiny")["runtime_inflight"] == 0, 10, what="slot freed")
     worker = wait_for(lambda: next((w for w in pool.workers("tiny") if w["restarts"] == 1
                                     and w["state"] == "ready"), None), 60, what="the busy runtime restarted")
-    assert worker["last_exit_code"] == 1
+    # its worker killed the runtime and exited: the runtime's exit is the one shown, the reason says who
+    assert worker["last_exit_code"] == -signal.SIGKILL and worker["worker_exit_code"] == 1
+    crash = [e for e in pool.http.get("/admin/events").json()["events"] if e["kind"] == "crashed"]
+    assert crash and "by its worker: still busy" in crash[-1]["message"], crash
     log = "\n".join(pool.http.get("/admin/models/tiny/logs", params={"lines": 500}).json()["lines"])
     assert "still busy" in log and "does not honour" in log
     assert pool.http.post(CHAT, json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],

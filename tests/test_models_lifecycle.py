@@ -48,7 +48,10 @@ def test_a_request_loads_an_unloaded_model_and_waiters_share_the_load(make_pool)
 
 
 def test_load_on_demand_off_keeps_409(make_pool):
-    pool = make_pool([lazy("off", load_on_demand=False)])
+    # its one model neither loaded nor loaded on demand: the pool serves nothing, so it is not ready
+    pool = make_pool([lazy("off", load_on_demand=False)], wait_ready=False)
+    ready = pool.http.get("/ready")
+    assert ready.status_code == 503 and ready.json()["status"] == "no_model_serves"
     r = post(pool, "off")
     assert r.status_code == 409 and r.json()["error"]["code"] == "model_not_loaded"
     assert pool.model("off")["state"] == "unloaded"

@@ -109,12 +109,16 @@ def test_a_degraded_model_is_visible_everywhere_and_check_fails(make_pool):
 def test_check_exit_codes(make_pool):
     pool = make_pool([synthetic("a")])
     assert cli("check", url=pool.url).returncode == 0
-    # a model whose load failed: not ready (exit 1), the reason on the one line
+    # a model whose load failed beside one that serves: the pool is ready (the start-up loads
+    # settled, one model serves), and check exits 2 naming the failed one with why
     pool2 = make_pool([synthetic("quick"), with_options(synthetic("stuck", load_timeout_s=1), load_ms=60_000)],
                       wait_ready=False)
     wait_for(lambda: pool2.model("stuck")["state"] == "failed", 30, what="stuck failed")
+    assert pool2.http.get("/ready").status_code == 200
     done = cli("check", url=pool2.url)
-    assert done.returncode == 1 and "waiting for stuck" in done.stderr and "load_timeout_s" in done.stderr
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stdout.startswith("stuck failed (0/1 ready): ") and "load_timeout_s" in done.stdout
+    assert "waiting for" not in done.stdout + done.stderr
 
 
 def test_a_failed_loads_replicas_stay_listed_with_their_reason_and_log(make_pool):
@@ -310,4 +314,13 @@ def test_a_killed_llama_server_is_named_by_its_signal_and_its_client_gets_plain_
     crash = wait_for(lambda: [e for e in events(pool) if e["kind"] == "crashed"], 10, what="the crash event")
     assert "llama-server was killed by SIGKILL" in crash[0]["message"], crash
     assert "llama-server was killed by SIGKILL" in pool.log()
-    wait_for(lambda: pool.workers("tiny")[0]["state"] == "ready", 60, what="restarted")
+    # the reason is the signal, not followed by the runtime's start-up lines (they are in its log)
+    assert "\n" not in crash[0]["message"] and "listening on" not in crash[0]["message"], crash
+    worker = wait_for(lambda: next((w for w in pool.workers("tiny") if w["state"] == "ready"
+                                    and w["restarts"] == 1), None), 60, what="restarted")
+    # its last exit is the runtime's (SIGKILL), not its worker's own code 1
+    assert worker["last_exit"] == "SIGKILL" and worker["last_exit_code"] == -signal.SIGKILL
+    assert worker["worker_exit_code"] == 1
+    log = pool.http.get("/admin/models/tiny/logs", params={"lines": 10_000}).json()["lines"]
+    assert any("listening on" in line for line in log)  # the runtime's output stays in the replica's log
+

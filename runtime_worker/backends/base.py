@@ -170,6 +170,12 @@ class Backend(abc.ABC):
         proc = getattr(server, "proc", None)
         return proc.pid if proc is not None and proc.returncode is None else None
 
+    def runtime_exit_code(self) -> int | None:
+        """A native runtime child's exit code once it exited (negative: the signal that ended
+        it), for the supervisor to show instead of the worker's own; None otherwise."""
+        proc = getattr(getattr(self, "server", None), "proc", None)
+        return proc.returncode if proc is not None else None
+
     async def wait_dead(self) -> str:
         """Return (with a reason) if the runtime dies on its own, e.g. a native
         server child crashed. The worker then exits so the supervisor restarts it."""

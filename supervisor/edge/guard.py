@@ -17,9 +17,9 @@ from starlette.routing import Match, Mount
 from protocol.errors import ErrorCode, PoolError
 from supervisor.admission import Admission, key_matches, presented_key
 from supervisor.anthropic_shapes import error_envelope
-from supervisor.openai_shapes import new_id
 from supervisor.config import ServerConfig
 from supervisor.edge.listener import DISCONNECT_KEY, current_connection, warnings
+from supervisor.edge.request_ids import REQUEST_ID, request_id, with_request_id
 from supervisor.tenants import UNKNOWN_KEY
 
 # an unknown path: the app's own 404, given before the body is read
@@ -45,8 +45,9 @@ def is_admin_path(path: str) -> bool:
 
 
 def anthropic_error_response(err: PoolError) -> JSONResponse:
+    """Anthropic's envelope (its request-id header is the edge's: request_ids.py)."""
     status, body = error_envelope(err)
-    headers = {"request-id": new_id("req")}
+    headers = {}
     if err.retry_after_s is not None:
         headers["retry-after"] = str(int(err.retry_after_s))
     return JSONResponse(body, status_code=status, headers=headers)
@@ -94,7 +95,8 @@ class HttpEdge:
     client goes: `scope[DISCONNECT_KEY]`.
 
     Inference POSTs go straight to their endpoint in `inference`, every other
-    request to `app`."""
+    request to `app`. Every answer from here on carries the request's id
+    (request_ids.py; the listener's own refusals, before a request is whole, do not)."""
 
     def __init__(self, app, server: ServerConfig, admission: Admission, admin_key: str | None,
                  inference: dict | None = None, on_key_refused=None) -> None:
@@ -118,14 +120,20 @@ class HttpEdge:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        # every answer carries the request's id (request_ids.py), and its request-log row too
+        rid = request_id(scope["headers"])
+        token = REQUEST_ID.set(rid.decode("ascii"))
+        send = with_request_id(send, rid, scope["path"].startswith(ANTHROPIC_PATHS))
         connection = current_connection.get()
-        if connection is None:  # another server than BoundedConnection's: no disconnect notice
-            return await self._serve(scope, receive, send)
-        scope[DISCONNECT_KEY] = request = connection.begin_request()
+        request = None
+        if connection is not None:  # else another server than BoundedConnection's: no disconnect notice
+            scope[DISCONNECT_KEY] = request = connection.begin_request()
         try:
             return await self._serve(scope, receive, send)
         finally:
-            connection.end_request(request)
+            if request is not None:
+                connection.end_request(request)
+            REQUEST_ID.reset(token)
 
     async def _serve(self, scope, receive, send):
         """Key and browser rules, the route, then the body; every refusal before the body is read."""

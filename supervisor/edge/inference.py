@@ -24,7 +24,7 @@ from supervisor import openai_shapes as shapes
 from supervisor import responses_shapes as rshapes
 from supervisor import runtime_call_shapes as cshapes
 from supervisor.admission import DEFAULT_TENANT
-from supervisor.edge.guard import ANTHROPIC_PATHS, TENANT_KEY, error_response, tenant_name
+from supervisor.edge.guard import TENANT_KEY, error_response, tenant_name
 from supervisor.edge.listener import DISCONNECT_KEY, Disconnect
 from supervisor.edge.schemas import document, named_model, request_body
 from supervisor.edge.streams import AnswerJSON, InferenceEndpoint, JobStream, sse_frame, watch_for_disconnect
@@ -63,8 +63,7 @@ class InferenceSurface:
                 ("/v1/messages/count_tokens", ashapes.CountTokensRequest, self.count_tokens),
                 *((path, cshapes.RerankRequest if label == "rerank" else cshapes.RuntimeCall,
                    functools.partial(self.runtime_call, label)) for path, label in cshapes.PATHS.items())):
-            endpoint = self.endpoints[path] = InferenceEndpoint(functools.partial(self.answer, path, body_type, handle),
-                                                                ids=path.startswith(ANTHROPIC_PATHS))
+            endpoint = self.endpoints[path] = InferenceEndpoint(functools.partial(self.answer, path, body_type, handle))
             name = getattr(handle, "__name__", None) or f"{handle.func.__name__}_{handle.args[0]}"
             app.add_route(path, endpoint, methods=["POST"], name=name, include_in_schema=False)
             documented[path] = (name, body_type)

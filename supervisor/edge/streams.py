@@ -13,7 +13,6 @@ from starlette.requests import Request
 
 from supervisor.edge.listener import DISCONNECT_KEY, Disconnect
 from supervisor.jobs import Job
-from supervisor.openai_shapes import new_id
 
 log = logging.getLogger("llm_pool.inference")
 
@@ -108,27 +107,11 @@ class InferenceEndpoint:
     """One inference route's endpoint as an ASGI app (Starlette's Route takes an ASGI
     app as its endpoint, as it does an HTTPEndpoint): no per-request wrapper but the
     Request. `handle(request)` answers every error itself, in the error envelope.
-    `ids`: every answer carries a `request-id` header (Anthropic's clients log it)."""
+    (Every answer's request id headers are the edge's: request_ids.py.)"""
 
-    def __init__(self, handle, ids: bool = False) -> None:
+    def __init__(self, handle) -> None:
         self.handle = handle
-        self.ids = ids
 
     async def __call__(self, scope, receive, send) -> None:
         response = await self.handle(Request(scope, receive))
-        if self.ids:
-            send = with_request_id(send)
         await response(scope, receive, send)
-
-
-def with_request_id(send):
-    """`send` that adds a `request-id` header to the response's start, unless it has one."""
-    request_id = new_id("req").encode()
-
-    async def send_with_id(message) -> None:
-        if message["type"] == "http.response.start":
-            headers = list(message.get("headers", ()))
-            if not any(name == b"request-id" for name, _ in headers):
-                message = {**message, "headers": [*headers, (b"request-id", request_id)]}
-        await send(message)
-    return send_with_id

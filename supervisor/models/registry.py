@@ -117,13 +117,16 @@ class ModelEntry:
             self.observer(self, old, state)
 
     def replicas_changed(self) -> None:
-        """A loaded model follows its replicas: LOADED with all ready, DEGRADED with
-        fewer, DOWN with none running or about to restart."""
+        """A loaded model follows its replicas: LOADED with all ready (or in an operator's
+        restart of a serving replica), DEGRADED with fewer, DOWN with none running or about
+        to restart."""
         if self.state not in RUNNING:
             return
         replicas = self.executor.replicas
         ready = sum(r.state is ReplicaState.READY for r in replicas)
-        if ready >= self.cfg.replicas:
+        # a replica in an operator's restart (it served when asked) is planned work, not a fault
+        planned = sum(r.state is not ReplicaState.READY and r.in_operator_restart for r in replicas)
+        if ready + planned >= self.cfg.replicas and self.state is not ModelState.DOWN:
             new = ModelState.LOADED
         elif any(r.live for r in replicas):
             new = ModelState.DEGRADED

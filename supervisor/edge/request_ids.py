@@ -1,0 +1,43 @@
+"""Every answer's request id, which the client and the operator share: the
+`x-request-id` header (OpenAI's) on every answer, and `request-id` (Anthropic's)
+too on the Messages routes. A client that sends a safe `x-request-id` (printable
+ASCII, no spaces, at most MAX_CHARS) gets it back and finds it in the request log;
+any other is replaced by a fresh `req_...` id. The request log row of the request
+(live.Activity.finished) reads it from `REQUEST_ID`, the context of the request's
+task, so no stage in between carries it."""
+
+from __future__ import annotations
+
+import re
+from contextvars import ContextVar
+from random import getrandbits
+
+MAX_CHARS = 128
+_SAFE = re.compile(rb"[\x21-\x7e]{1,%d}" % MAX_CHARS)
+HEADER = b"x-request-id"
+ANTHROPIC_HEADER = b"request-id"
+
+# the id of the request this task serves (set by the edge); None outside a request
+REQUEST_ID: ContextVar[str | None] = ContextVar("llm_pool.request_id", default=None)
+
+
+def request_id(headers) -> bytes:
+    """The client's x-request-id when it is safe, else a fresh one."""
+    for name, value in headers:
+        if name == HEADER:
+            if _SAFE.fullmatch(value):
+                return value
+            break
+    return b"req_%032x" % getrandbits(128)  # as unique as a uuid4; not a secret: no system call
+
+
+def with_request_id(send, rid: bytes, anthropic: bool):
+    """`send` that adds the id's headers to the response's start. A plain function that
+    returns `send`'s awaitable: no coroutine of its own for each body chunk."""
+    extra = [(HEADER, rid), (ANTHROPIC_HEADER, rid)] if anthropic else [(HEADER, rid)]
+
+    def send_with_id(message):
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), *extra]}
+        return send(message)
+    return send_with_id
