@@ -166,6 +166,37 @@ class FairQueue:
         """Queued jobs per backlogged tenant."""
         return {tenant: len(lane.jobs) for tenant, lane in self._lanes.items()}
 
+    def ahead(self, tenant: str, index: int | None = None) -> int:
+        """About how many queued jobs go before the `index`th job of `tenant`'s lane (None: a
+        new one, at its end): every job of a higher band, and in its own band, from each other
+        lane as many as this lane has before it, one more from a lane that would go first
+        (`_next_tenant`'s order now): the discipline's turns as round robin, weights left out.
+        An estimate for the predictions and the queue position a waiting stream shows."""
+        lane = self._lanes.get(tenant)
+        index = (len(lane.jobs) if lane is not None else 0) if index is None else index
+        band = self.shares(tenant).priority
+        mine = (self.counters.get(tenant, 0.0), self._served.get(tenant, 0),
+                lane.jobs[0][0] if lane is not None else self._seq + 1)
+        count = index
+        for other, queued in self._lanes.items():
+            if other == tenant:
+                continue
+            priority = self.shares(other).priority
+            if priority > band:
+                count += len(queued.jobs)
+            elif priority == band:
+                first = (self.counters.get(other, 0.0), self._served.get(other, 0), queued.jobs[0][0]) < mine
+                count += min(len(queued.jobs), index + first)
+        return count
+
+    def position(self, job: Job) -> int | None:
+        """`ahead` for a queued job; None when it is not queued here."""
+        lane = self._lanes.get(job.tenant)
+        for i, (_, queued) in enumerate(lane.jobs if lane is not None else ()):
+            if queued is job:
+                return self.ahead(job.tenant, i)
+        return None
+
     def __len__(self) -> int:
         return self._len
 
