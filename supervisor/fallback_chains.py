@@ -3,7 +3,8 @@
 A model's `fallbacks = ["b", "c"]` are tried in order, with the same request
 and tenant, when the model cannot serve (FALLS_BACK: failed, no healthy
 replica, queue full, unloading, the deadline unmeetable) or its runtime fails
-before a byte of the answer reached the client (a crash, a 5xx, a timeout);
+before a byte of the answer reached the client (a crash, a 5xx, a timeout); a
+fallback out of the tenant's scope is skipped;
 `context_fallback = "big"` takes a request refused for its context length.
 A fallback's own fallbacks follow it (depth first), each model once. The
 config is refused when the chains loop (`chain_error`)."""
@@ -70,6 +71,8 @@ class Chain:
                 self.pending = [cfg.context_fallback] if cfg is not None and cfg.context_fallback else []
             elif err.code in FALLS_BACK:
                 self.pending = [*(cfg.fallbacks if cfg is not None else ()), *self.pending]
+            elif err.code is ErrorCode.MODEL_NOT_FOUND and len(self.tried) > 1:
+                pass  # a fallback out of the tenant's scope: skipped (the client hears the first model's error)
             else:
                 return None
         seen = {getattr(self.config_of(name), "name", name) for name, _ in self.tried}

@@ -28,7 +28,7 @@ from supervisor.fallback_chains import Chain
 from supervisor.jobs import Job
 from supervisor.latency_predictor import ModelPredictor
 from supervisor.tenants import Tenants
-from tests.conftest import synthetic
+from tests.conftest import llama, synthetic
 from tests.pool import wait_for
 
 CHAT = {"messages": [{"role": "user", "content": "hello there"}]}
@@ -197,6 +197,10 @@ def test_a_chain_tries_fallbacks_depth_first_once_each_and_only_for_errors_anoth
     chain = Chain("e", by_name.get)
     chain.attempt(chain.next_after(None))
     assert chain.next_after(PoolError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, "long")) == "big"
+    chain = Chain("a", by_name.get)  # a fallback out of the tenant's scope (its 404) is skipped
+    chain.attempt(chain.next_after(None))
+    chain.attempt(chain.next_after(PoolError(ErrorCode.NO_HEALTHY_REPLICA, "down")))
+    assert chain.next_after(PoolError(ErrorCode.MODEL_NOT_FOUND, "no such model")) == "c"
 
 
 # -- end to end on synthetic workers -----------------------------------------------------------------------
@@ -338,3 +342,23 @@ def test_a_waiting_stream_says_where_it_is_and_fails_with_its_family_s_error_eve
         list(oai.chat.completions.create(model="cold", stream=True, extra_headers={"x-slo-ttft-ms": "800"}, **CHAT))
     for t in threads:
         t.join(30)
+
+
+@pytest.mark.llama
+def test_a_prompt_too_long_for_its_model_goes_to_its_context_fallback(llama_server_bin, tiny_gguf, make_pool):
+    """llama-server refuses the prompt before its first byte (context_length_exceeded): the
+    model's context_fallback serves it, on both API families."""
+    pool = make_pool([llama("small", tiny_gguf, llama_server_bin, ctx=256, context_fallback="roomy"),
+                      synthetic("roomy", tokens=4)])
+    long = "hello " * 300
+    client = openai.OpenAI(base_url=pool.url + "/v1", api_key="unused", max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model="small", max_tokens=5, messages=[{"role": "user", "content": long}])
+    assert raw.headers["x-llm-pool-served-by"] == "roomy" and raw.parse().model == "roomy"
+    row = row_of(pool, model="roomy", status=200)
+    assert row["fallback_chain"] == "small (context_length_exceeded) -> roomy", row
+    message = anthropic.Anthropic(base_url=pool.url, api_key="unused", max_retries=0).messages.create(
+        model="small", max_tokens=5, messages=[{"role": "user", "content": long}])
+    assert message.model == "roomy" and message.content[0].text
+    short = client.chat.completions.create(model="small", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+    assert short.model == "small"  # a prompt that fits stays on its model

@@ -175,7 +175,7 @@ class InferenceSurface:
             # a Response skips FastAPI's generic encoder; the request is counted (metrics, request
             # log) once its answer is written, not while the client waits for it
             return AnswerJSON(to_json(choices, done), headers=dict(self.answer_headers(job)),
-                                   background=BackgroundTask(self.count_after_answer, job, done, endpoint))
+                              background=BackgroundTask(self.count_after_answer, job, done, endpoint))
         finally:
             if streaming is None:  # else the stream owns the job until its last write
                 self.engine.cancel(job)  # a no-op once the job has finished
@@ -189,10 +189,11 @@ class InferenceSurface:
 
     @staticmethod
     def answer_headers(job: Job) -> list[tuple[str, str]]:
-        """Who served (after any fallback) and the queue wait predicted at admission."""
+        """Who served (after any fallback), and the queue wait and TTFT predicted at admission."""
         headers = [("x-llm-pool-served-by", job.model)]
         if job.prediction is not None:
-            headers.append(("x-queue-wait-predicted-ms", str(round(job.prediction.wait_s * 1000))))
+            headers += [("x-queue-wait-predicted-ms", str(round(job.prediction.wait_s * 1000))),
+                        ("x-ttft-predicted-ms", str(round(job.prediction.ttft_s * 1000)))]
         return headers
 
     # -- 4. waiting for the job, with the client -------------------------------------------------------------------
