@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from protocol import Done, runtime_timings
 from protocol.errors import ErrorCode, PoolError
@@ -55,17 +56,15 @@ def request_slo(headers, tenant_spec, model_cfg) -> Slo:
     return NO_SLO if ttft is None and tpot is None else Slo(ttft, tpot)
 
 
-@dataclass(frozen=True, slots=True)
-class Prediction:
+class Prediction(NamedTuple):
     """For a new request: its place, its queue wait, and the best TTFT and time per output
-    token over the model's replicas (seconds; tpot None while unknown)."""
+    token over the model's replicas (seconds; tpot None while unknown); margin_s: what the
+    deadline check adds to the TTFT (the predictor's recent under-prediction, p90)."""
     position: int
     wait_s: float
     ttft_s: float
     tpot_s: float | None
-
-    def headers(self) -> list[tuple[bytes, bytes]]:
-        return [(b"x-queue-wait-predicted-ms", str(round(self.wait_s * 1000)).encode())]
+    margin_s: float = 0.0
 
 
 def predict(entry, tenant: str, frame_bytes: int, now: float | None = None, ahead: int | None = None) -> Prediction:
@@ -73,30 +72,33 @@ def predict(entry, tenant: str, frame_bytes: int, now: float | None = None, ahea
     is `frame_bytes` long, with the model as it is now (`ahead`: a queued one's place)."""
     now = time.monotonic() if now is None else now
     predictor, ex = entry.predictor, entry.executor
-    ready = [r for r in ex.replicas if r.state is ReplicaState.READY] if ex is not None else []
+    names, slots, free = [], 0, 0  # the ready replicas
+    for r in ex.replicas if ex is not None else ():
+        if r.state is ReplicaState.READY:
+            names.append(r.name)
+            slots += r.capacity
+            free += r.free_slots
     if ahead is None:
-        ahead = (ex.queue.ahead(tenant) if ex is not None else 0) + len(entry.waiting)
-    if ready:
-        slots, free, load_left = sum(r.capacity for r in ready), sum(r.free_slots for r in ready), 0.0
-    else:  # a cold model: its load first, then every configured slot is free
+        ahead = (len(ex.queue) and ex.queue.ahead(tenant) if ex is not None else 0) + len(entry.waiting)
+    load_left = 0.0
+    if not names:  # a cold model: its load first, then every configured slot is free
+        names = [""]
         slots = free = entry.cfg.target_inflight * entry.cfg.replicas
         started = entry.load_started if entry.state is ModelState.LOADING and entry.load_started else now
         load_left = max(0.0, (entry.load_seconds or 0.0) - (now - started))
     wait = predictor.wait_s(ahead, slots, free, load_left)
-    tokens = predictor.prompt_tokens(frame_bytes)
-    names = [r.name for r in ready] or [""]
-    ttft = min(wait + predictor.prefill_s(name, tokens) for name in names)
-    tpots = [t for t in (predictor.tpot_s(name) for name in names) if t is not None]
-    return Prediction(ahead, wait, ttft, min(tpots) if tpots else None)
+    first, tpot = predictor.fastest(names, predictor.prompt_tokens(frame_bytes))
+    return Prediction(ahead, wait, wait + first, tpot, predictor.margin_s)
 
 
 def unmeetable(model: str, slo: Slo, prediction: Prediction) -> PoolError | None:
     """The error of a request whose prediction misses its deadline on every replica; None if it fits."""
-    if slo.ttft_ms is not None and prediction.ttft_s * 1000 > slo.ttft_ms:
+    late_s = prediction.ttft_s + prediction.margin_s - (slo.ttft_ms or 0) / 1000
+    if slo.ttft_ms is not None and late_s > 0:
         return PoolError(ErrorCode.DEADLINE_UNMEETABLE, f"model {model!r} cannot meet x-slo-ttft-ms "
                          f"{slo.ttft_ms:g}: its predicted time to first token is {prediction.ttft_s * 1000:.0f} ms "
-                         f"({prediction.position} requests ahead)",
-                         retry_after_s=retry_after_s(prediction.ttft_s - slo.ttft_ms / 1000))
+                         f"(+{prediction.margin_s * 1000:.0f} ms margin; {prediction.position} requests ahead)",
+                         retry_after_s=retry_after_s(late_s))
     if slo.tpot_ms is not None and prediction.tpot_s is not None and prediction.tpot_s * 1000 > slo.tpot_ms:
         return PoolError(ErrorCode.DEADLINE_UNMEETABLE, f"model {model!r} cannot meet x-slo-tpot-ms "
                          f"{slo.tpot_ms:g}: its predicted time per output token is {prediction.tpot_s * 1000:.1f} ms",

@@ -67,8 +67,20 @@ def test_the_predictor_learns_from_recorded_rows():
     assert p.wait_s(ahead=3, slots=2, free=1) == pytest.approx(3 * p.service_s.value / 2)
     assert p.wait_s(ahead=0, slots=2, free=1) == 0
     assert p.wait_s(ahead=0, slots=2, free=2, load_left_s=4.0) == 4.0  # a cold model waits for its load
-    assert p.prefill_s("m/0", 1000) == pytest.approx(1000 / speeds.prefill_tps.value)
+    # hand-over to first token against prompt tokens: 0.1 s at 50 tokens twice, then 0.04 s at 200
+    # (a cached prompt): the fitted line never falls with more tokens (its slope is clamped at 0)
+    assert p.prefill_s("m/0", 50) == pytest.approx(speeds.first_token.y)
     assert p.prefill_s("m/1", 1000) == p.prefill_s("m/0", 1000)  # a replica with no history: as the others
+    assert p.fastest(["m/0", "m/1"], 50) == (p.prefill_s("m/0", 50), speeds.tpot_s.value)
+
+
+def test_the_first_token_line_learns_a_fixed_and_a_per_token_cost():
+    p = ModelPredictor(clock=lambda: 0.0)
+    for tokens in (100, 300, 500, 100, 300, 500, 100, 300, 500) * 3:  # 20 ms + 1 ms a token
+        p.observe("r", {"queued_ms": 5.0, "ttft_ms": 5.0 + 20 + tokens, "duration_ms": 1000.0, "tokens_in": tokens,
+                        "tokens_out": 1})
+    assert p.prefill_s("r", 1000) == pytest.approx(1.020, rel=1e-6)
+    assert p.prefill_s("r", 0) == pytest.approx(0.020, rel=1e-6)
 
 
 def test_a_predictor_with_no_history_predicts_no_wait():
@@ -156,6 +168,21 @@ def test_unmeetable_says_when_it_would_fit():
     late = unmeetable("m", Slo(ttft_ms=500), Prediction(2, 3.1, 3.4, None))
     assert late.retry_after_s == 3 and "3400 ms" in late.message
     assert unmeetable("m", Slo(ttft_ms=500, tpot_ms=10), Prediction(0, 0.0, 0.2, None)) is None  # tpot unknown
+    # a predictor that has run short lately adds its margin: 0.4 s predicted + 0.2 s is late for 500 ms
+    assert unmeetable("m", Slo(ttft_ms=500), Prediction(0, 0.0, 0.4, None, 0.2)).retry_after_s == 1
+    assert unmeetable("m", Slo(ttft_ms=500), Prediction(0, 0.0, 0.4, None, 0.05)) is None
+
+
+def test_the_deadline_margin_is_the_recent_under_prediction():
+    p = ModelPredictor(clock=lambda: 0.0)
+    for late_ms in [0.0] * 5 + [200.0] * 5:  # half on time, half 200 ms later than predicted
+        p.observe("r", {"queued_ms": 0.0, "ttft_ms": 100.0 + late_ms, "duration_ms": 500.0, "tokens_in": 10,
+                        "tokens_out": 2, "predicted_ttft_ms": 100.0})
+    assert p.margin_s == pytest.approx(0.2) and p.view()["deadline_margin_ms"] == 200.0
+    for _ in range(256):  # then a window of predictions that run long: no margin (never below 0)
+        p.observe("r", {"queued_ms": 0.0, "ttft_ms": 50.0, "duration_ms": 500.0, "tokens_in": 10, "tokens_out": 2,
+                        "predicted_ttft_ms": 100.0})
+    assert p.margin_s == 0.0
 
 
 # -- the chains ------------------------------------------------------------------------------------------
