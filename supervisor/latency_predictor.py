@@ -206,7 +206,9 @@ class ModelPredictor:
         def ms(x: float | None) -> float | None:
             return None if x is None else round(x * 1000, 1)
         waits, ttfts = list(self.wait_errors), list(self.ttft_errors)
-        return {"method": "ewma", "requests_observed": self.observed, "deadline_margin_ms": ms(self.margin_s),
+        age = None if self.last_at is None else round(self.clock() - self.last_at, 1)
+        return {"method": "ewma", "requests_observed": self.observed, "last_observed_s_ago": age,
+                "deadline_margin_ms": ms(self.margin_s),
                 "service_ms": ms(self.service_s.value),
                 "prompt_tokens_per_byte": None if self.tokens_per_byte.value is None
                 else round(self.tokens_per_byte.value, 3),

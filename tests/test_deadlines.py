@@ -47,7 +47,7 @@ ROWS = [
 
 
 def test_the_predictor_learns_from_recorded_rows():
-    clock = iter([10.0, 11.0, 12.0])
+    clock = iter([10.0, 11.0, 12.0, 15.5])
     p = ModelPredictor(clock=lambda: next(clock))
     for row in ROWS:
         p.observe("m/0", row, frame_bytes=400)
@@ -61,6 +61,7 @@ def test_the_predictor_learns_from_recorded_rows():
     # tokens per frame byte: 50/400, 50/400, 200/400
     assert p.prompt_tokens(400) == int(400 * (0.125 + 0.2 * (0.5 - 0.125)))
     view = p.view()
+    assert view["last_observed_s_ago"] == 3.5  # the clock read at the view, 15.5, against 12.0
     assert view["queue_wait_error_ms"] == {"p50": 300.0, "p90": 300.0, "samples": 1}
     assert view["ttft_error_ms"] == {"p50": 60.0, "p90": 60.0, "samples": 1}
     # 3 ahead, 1 free of 2 slots: 3 must end first, at 2 per service time
@@ -164,6 +165,37 @@ def test_admission_refuses_an_unmeetable_deadline_before_the_queue_and_gives_bac
     assert plain.slo_deadline is None and engine.queued[-1] is plain
 
 
+def test_admission_with_a_learned_predictor_queues_until_the_next_would_be_late():
+    """The real prediction (deadlines.predict) over a fair queue and a predictor taught by
+    recorded rows (1 s a request): one slot, busy; each admitted request waits 1 s more."""
+    from supervisor.deadlines import predict
+    from supervisor.states import ModelState, ReplicaState
+    p = ModelPredictor(clock=lambda: 0.0)
+    for _ in range(3):
+        p.observe("m/0", {"queued_ms": 0.0, "ttft_ms": 0.0, "duration_ms": 1000.0, "tokens_in": 10, "tokens_out": 5})
+    engine = PredictedEngine(None)
+    tenants = Tenants(parse_config({"tenants": [{"name": "std", "keys": ["k1"]},
+                                                {"name": "gold", "keys": ["k2"], "priority": 1}]}))
+    queue = FairQueue(tenants.share)
+    engine.model.executor = SimpleNamespace(queue=queue, replicas=[
+        SimpleNamespace(state=ReplicaState.READY, capacity=1, free_slots=0, name="m/0", info={})])
+    engine.model.predictor, engine.model.waiting, engine.model.state = p, [], ModelState.LOADED
+    engine.predict = lambda entry, tenant, frame_bytes: predict(entry, tenant, frame_bytes, now=0.0)
+    engine.enqueue = lambda entry, job, tokens=None: queue.push(job)
+    pool = Admission(engine, tenants)
+    tenant = tenants.by_name["std"]
+    admitted = [asyncio.run(pool.admit(tenant, "m", dict(CHAT), "chat", {"x-slo-ttft-ms": "2500"}))
+                for _ in range(2)]
+    assert [job.prediction.wait_s for job in admitted] == [pytest.approx(1.0), pytest.approx(2.0)]
+    with pytest.raises(PoolError) as late:  # a third would wait 3 s
+        asyncio.run(pool.admit(tenant, "m", dict(CHAT), "chat", {"x-slo-ttft-ms": "2500"}))
+    assert late.value.code is ErrorCode.DEADLINE_UNMEETABLE and late.value.retry_after_s == 1 and len(queue) == 2
+    high = asyncio.run(pool.admit(tenant, "m", dict(CHAT), "chat", {"x-slo-ttft-ms": "5000"}))
+    assert high.prediction.position == 2 and len(queue) == 3  # a longer deadline still fits
+    gold = asyncio.run(pool.admit(tenants.by_name["gold"], "m", dict(CHAT), "chat", {"x-slo-ttft-ms": "2500"}))
+    assert gold.prediction.position == 0 and gold.prediction.wait_s == pytest.approx(1.0)  # its band goes first
+
+
 def test_unmeetable_says_when_it_would_fit():
     late = unmeetable("m", Slo(ttft_ms=500), Prediction(2, 3.1, 3.4, None))
     assert late.retry_after_s == 3 and "3400 ms" in late.message
@@ -203,6 +235,16 @@ def test_a_loop_in_the_fallback_chains_is_refused_at_load():
     with pytest.raises(ConfigError, match=r"a loop: a -> big -> a"):
         parse_config({"models": looped})
     parse_config({"models": models(a=["b", "c"], b=["c"], c=[])})  # a diamond is no loop
+
+
+def test_a_reload_applies_deadlines_and_fallbacks_in_place():
+    from supervisor.models.reload import diff
+    old = parse_config({"models": models(a=[], b=[])})
+    new = parse_config({"models": [{**synthetic("a"), "fallbacks": ["b"], "slo_ttft_ms": 500.0,
+                                    "context_fallback": "b"}, synthetic("b")]})
+    change = diff(old, new)
+    assert sorted(change.kept) == ["a", "b"]
+    assert change.changed == []
 
 
 def test_a_chain_tries_fallbacks_depth_first_once_each_and_only_for_errors_another_model_helps():
@@ -263,7 +305,7 @@ def test_a_saturated_model_spills_deadline_requests_to_its_fallback(make_pool):
     assert prediction["requests_observed"] >= 2 and 800 <= prediction["service_ms"] <= 3000, prediction
     workers = pool.http.get("/admin/workers").json()["workers"]
     assert next(w for w in workers if w["model"] == "busy")["prediction"]["predicted_tpot_ms"] > 50
-    threads = occupy(pool, "busy", 2) + occupy(pool, "lonely", 2)  # one running, one queued: ~2 s of wait
+    threads = occupy(pool, "busy", 2) + occupy(pool, "lonely", 3)  # one running, the rest queued: 2-3 s of wait
     r = pool.http.post("/v1/chat/completions", json={"model": "busy", **CHAT}, headers={"x-slo-ttft-ms": "800"})
     assert r.status_code == 200 and r.json()["model"] == "spare", r.text
     assert r.headers["x-llm-pool-served-by"] == "spare" and "x-queue-wait-predicted-ms" in r.headers
