@@ -431,3 +431,21 @@ def test_a_prompt_too_long_for_its_model_goes_to_its_context_fallback(llama_serv
     assert message.model == "roomy" and message.content[0].text
     short = client.chat.completions.create(model="small", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
     assert short.model == "small"  # a prompt that fits stays on its model
+
+
+def test_a_stream_waiting_for_a_cold_load_says_so_until_its_first_token(make_pool):
+    pool = make_pool([{**synthetic("cold", tokens=3), "load_on_start": False,
+                       "options": {"capacity": 1, "output_tokens": 3, "load_ms": 1500}}],
+                     server={"sse_ping_s": 0.3, "stream_head_hold_s": 0.2})
+    started = time.monotonic()
+    with httpx.stream("POST", pool.url + "/v1/chat/completions", timeout=30,
+                      json={"model": "cold", "stream": True, **CHAT}) as r:
+        assert r.status_code == 200 and r.headers["x-llm-pool-served-by"] == "cold"
+        lines = [line for line in r.iter_lines() if line]
+    waiting = [line for line in lines if line.startswith(": queued position=0 predicted_start_ms=")]
+    # the opening (the role chunk), pings while it loaded, then the text
+    first_text = next(i for i, line in enumerate(lines) if '"content":"' in line and '"content":""' not in line)
+    assert lines[0].startswith("data: ") and '"role":"assistant"' in lines[0], lines[0]
+    last_wait = max(i for i, line in enumerate(lines) if line.startswith(": "))
+    assert len(waiting) >= 2 and last_wait < first_text, lines
+    assert lines[-1] == "data: [DONE]" and time.monotonic() - started >= 1.5
