@@ -27,6 +27,7 @@ class ErrorCode(StrEnum):
     QUEUE_FULL = "queue_full"
     MODEL_UNLOADING = "model_unloading"
     QUEUE_TIMEOUT = "queue_timeout"
+    DEADLINE_UNMEETABLE = "deadline_unmeetable"  # the request's x-slo-* deadline cannot be met (or passed queued)
     NO_HEALTHY_REPLICA = "no_healthy_replica"
     RUNTIME_CRASHED = "runtime_crashed"
     RUNTIME_RESTARTED = "runtime_restarted"  # an operator restart's drain ran out while the job ran
@@ -57,6 +58,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.RATE_LIMIT_EXCEEDED: 429,
     ErrorCode.MODEL_UNLOADING: 503,
     ErrorCode.QUEUE_TIMEOUT: 503,
+    ErrorCode.DEADLINE_UNMEETABLE: 503,
     ErrorCode.NO_HEALTHY_REPLICA: 503,
     ErrorCode.LOAD_FAILED: 503,
     ErrorCode.INSUFFICIENT_MEMORY: 503,

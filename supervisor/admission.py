@@ -20,6 +20,7 @@ import hmac
 
 from protocol import Done
 from protocol.errors import ErrorCode, PoolError
+from supervisor.deadlines import NO_SLO, request_slo, unmeetable
 from supervisor.jobs import Job
 from supervisor.models.capabilities import CALLS, check_serves
 from supervisor.models.views import served_context
@@ -103,21 +104,23 @@ class Admission:
             raise PoolError(ErrorCode.MODEL_NOT_FOUND, f"model {model!r} does not exist", param="model")
         return entry
 
-    async def admit(self, tenant: Tenant, model: str, request: dict, endpoint: str,
+    async def admit(self, tenant: Tenant, model: str, request: dict, endpoint: str, headers=None,
                     session: str | None = None) -> Job:
         """The job for this request, queued on its model; PoolError when it is refused. One
         call, in this order: the model's name resolved once (Registry.lookup) and its scope →
         the output limit (400) → limits (429: rpm, max_inflight) → bounds and the job
         (engine.make_job) → the tpm reserve (the prompt's estimate and the most output it
-        may produce; 429) → the prompt's token ids where routing needs them → the queue.
-        What was counted is given back when a later step refuses; the reserve settles to
-        the real usage at the job's end."""
+        may produce; 429) → the prompt's token ids where routing needs them → the prediction
+        against the request's deadlines (503 deadline_unmeetable; deadlines.py: `headers`
+        carry x-slo-*) → the queue. What was counted is given back when a later step
+        refuses; the reserve settles to the real usage at the job's end."""
         entry = self.check_scope(tenant, model)
         if endpoint in CALLS:  # the runtime's own calls: 400 where the model's backend has none; no output
             check_serves(entry.cfg, endpoint)
             output = 0
         else:
             output = output_reserve(request, served_context(entry))  # 400 before it counts against any limit
+        slo = request_slo(headers or {}, tenant.spec, entry.cfg)
         tenant.admit()
         reserved = 0
         try:
@@ -126,6 +129,13 @@ class Admission:
             estimate = len(job.frame) // PROMPT_BYTES_PER_TOKEN
             reserved = tenant.reserve_tokens(estimate + output)
             tokens = await self.engine.prompt_tokens(entry, request, endpoint)  # None where routing needs none
+            job.prediction = self.engine.predict(entry, tenant.name, len(job.frame))
+            if slo is not NO_SLO:
+                refused = unmeetable(entry.cfg.name, slo, job.prediction)
+                if refused is not None:
+                    raise refused
+                if slo.ttft_ms is not None:
+                    job.set_slo(slo.ttft_ms)
             self.engine.enqueue(entry, job, tokens)
         except BaseException:  # refused (queue full, ...) or the client left: it used nothing
             tenant.refused()

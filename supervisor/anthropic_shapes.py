@@ -27,7 +27,7 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_
                 "content_filter": "refusal"}
 # The pool's error codes as Anthropic's error types; 529 overloaded_error where the
 # API would say it is overloaded (a full queue, no replica that can serve)
-OVERLOADED = frozenset({ErrorCode.QUEUE_FULL, ErrorCode.NO_HEALTHY_REPLICA})
+OVERLOADED = frozenset({ErrorCode.QUEUE_FULL, ErrorCode.NO_HEALTHY_REPLICA, ErrorCode.DEADLINE_UNMEETABLE})
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",
                429: "rate_limit_error", 431: "invalid_request_error", 529: "overloaded_error"}

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator, model_validator
 
 from protocol import MAX_FRAME_BYTES
+from supervisor.fallback_chains import chain_error
 
 BackendName = Literal["synthetic", "llama_server", "openai_remote", "vllm_serve", "exllamav3"]
 
@@ -53,7 +54,10 @@ class ServerConfig(_Strict):
     # answer there too); past either, only that job fails (502)
     max_upstream_line_bytes: int = Field(8 * 1024 * 1024, ge=4096, le=MAX_FRAME_BYTES // 2)
     shutdown_grace_s: float = Field(30.0, ge=0)
-    sse_ping_s: float = Field(15.0, gt=0)  # a stream quiet this long gets a ": ping" comment line
+    sse_ping_s: float = Field(10.0, gt=0)  # a stream quiet (or waiting) this long gets a ping (a comment line)
+    # a stream's response head waits this long for its first event: a failure before is a plain HTTP
+    # error (and may fall back to another model); past it the 200 stream starts and says it waits
+    stream_head_hold_s: float = Field(2.0, gt=0)
     state_dir: str | None = None  # replica logs and the request log; default: the user's state dir
     request_log_max_rows: int = Field(100_000, ge=1)  # the request log keeps the newest rows...
     request_log_days: float = Field(7.0, gt=0)  # ...and none older than this
@@ -249,6 +253,13 @@ class ModelConfig(_Strict):
     # runtime with a prompt cache (llama_server, vllm_serve), else "least_inflight"
     routing: Literal["least_inflight", "prefix", "session"] | None = None
     prefix_cache_tokens: int | None = Field(None, ge=1)  # per replica, for "prefix"; default: the runtime's
+    # Deadlines and fallbacks (supervisor/deadlines.py): a request's default deadlines (a tenant's
+    # or the request's x-slo-ttft-ms / x-slo-tpot-ms come first), and the models that serve it
+    # when this one cannot (in order), or when its prompt does not fit this model's context
+    slo_ttft_ms: float | None = Field(None, gt=0)
+    slo_tpot_ms: float | None = Field(None, gt=0)
+    fallbacks: list[str] = Field(default_factory=list)
+    context_fallback: str | None = None
     options: dict = Field(default_factory=dict)  # checked against BACKEND_OPTIONS by parse_config
 
     @model_validator(mode="before")
@@ -303,6 +314,8 @@ class TenantConfig(_Strict):
     rpm: int = Field(0, ge=0)  # requests per minute; 0: unlimited
     tpm: int = Field(0, ge=0)  # tokens per minute (prompt + output); 0: unlimited
     max_inflight: int = Field(0, ge=0)  # running or queued at once, pool-wide; 0: unlimited
+    slo_ttft_ms: float | None = Field(None, gt=0)  # its requests' default deadlines (before the model's)
+    slo_tpot_ms: float | None = Field(None, gt=0)
 
     @field_validator("keys")
     @classmethod
@@ -402,6 +415,8 @@ def parse_config(raw: dict, source: str = "<config>") -> PoolConfig:
         raise ConfigError(f"{source}: key 'server.memory_budget_mb': the models with load_on_start declare "
                           f"{at_start:g} MB together, more than the budget ({budget:g} MB)")
     _check_tenants(source, cfg)
+    if (wrong := chain_error(cfg.models)) is not None:
+        raise ConfigError(f"{source}: {wrong}")
     for i, m in enumerate(cfg.models):
         try:
             BACKEND_OPTIONS[m.backend].model_validate(m.options)

@@ -10,8 +10,10 @@ import logging
 import os
 import time
 
+from protocol import Done
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ConfigError, PoolConfig, load_config
+from supervisor.deadlines import Prediction, learned_row, predict
 from supervisor.events import EventKind, emit
 from supervisor.jobs import Job
 from supervisor.model_health import readiness
@@ -299,6 +301,27 @@ class ModelRouterEngine:
         job = self.make_job(entry, request, endpoint, tenant)
         self.enqueue(entry, job)
         return job
+
+    def learn(self, job: Job, done: Done) -> None:
+        """A request served: its model's predictor learns from it (latency_predictor.py)."""
+        entry = self.models.get(job.model)
+        if entry is not None and job.submitted_at is not None:
+            replica = job.replica.name if job.replica is not None else None
+            entry.predictor.observe(replica, learned_row(job, done, time.monotonic()), len(job.frame))
+
+    def predict(self, entry: ModelEntry, tenant: str, frame_bytes: int) -> Prediction:
+        return predict(entry, tenant, frame_bytes)
+
+    def waiting(self, job: Job) -> Prediction | None:
+        """A queued job's place and predicted wait from now (None: it is not queued)."""
+        entry = self.models.get(job.model)
+        if entry is None:
+            return None
+        if job in entry.waiting:
+            position = entry.waiting.index(job)
+        else:
+            position = entry.executor.position(job) if entry.executor is not None else None
+        return None if position is None else predict(entry, job.tenant, len(job.frame), ahead=position)
 
     def cancel(self, job: Job) -> None:
         entry = self.models.get(job.model)

@@ -46,10 +46,11 @@ def _equal_shares(tenant: str) -> Share:  # noqa: ARG001 -- every tenant alike
 
 
 class _Lane:
-    __slots__ = ("jobs",)
+    __slots__ = ("jobs", "band")
 
-    def __init__(self) -> None:
+    def __init__(self, band: int) -> None:
         self.jobs: deque[tuple[int, Job]] = deque()  # (arrival number, job), FIFO
+        self.band = band  # its tenant's priority as of the last decision (for `ahead`'s estimate)
 
 
 class TokenMeter:
@@ -166,6 +167,39 @@ class FairQueue:
         """Queued jobs per backlogged tenant."""
         return {tenant: len(lane.jobs) for tenant, lane in self._lanes.items()}
 
+    def ahead(self, tenant: str, index: int | None = None) -> int:
+        """About how many queued jobs go before the `index`th job of `tenant`'s lane (None: a
+        new one, at its end): every job of a higher band, and in its own band, from each other
+        lane as many as this lane has before it, one more from a lane that would go first
+        (`_next_tenant`'s order now): the discipline's turns as round robin, weights left out.
+        An estimate for the predictions and the queue position a waiting stream shows; on
+        every admission, so one pass over the lanes with no call (their bands as of the last
+        decision: a reload's new priorities count from the next one)."""
+        lanes, counters, served = self._lanes, self.counters, self._served
+        lane = lanes.get(tenant)
+        index = (len(lane.jobs) if lane is not None else 0) if index is None else index
+        band = self.shares(tenant).priority
+        mine = (counters.get(tenant, 0.0), served.get(tenant, 0), lane.jobs[0][0] if lane is not None else self._seq + 1)
+        count = index
+        for other, queued in lanes.items():
+            priority = queued.band
+            if priority < band or other == tenant:
+                continue
+            n = len(queued.jobs)
+            if priority > band or n <= index:
+                count += n
+            else:  # one more from a lane whose head would go before this one's
+                count += index + ((counters.get(other, 0.0), served.get(other, 0), queued.jobs[0][0]) < mine)
+        return count
+
+    def position(self, job: Job) -> int | None:
+        """`ahead` for a queued job; None when it is not queued here."""
+        lane = self._lanes.get(job.tenant)
+        for i, (_, queued) in enumerate(lane.jobs if lane is not None else ()):
+            if queued is job:
+                return self.ahead(job.tenant, i)
+        return None
+
     def __len__(self) -> int:
         return self._len
 
@@ -184,7 +218,7 @@ class FairQueue:
             floor = min(waiting) if waiting else self._floor.get(band)
             if floor is not None and self.counters.get(tenant, 0.0) < floor:
                 self.counters[tenant] = floor
-            lane = self._lanes[tenant] = _Lane()
+            lane = self._lanes[tenant] = _Lane(band)
         return lane
 
     def _next_tenant(self, eligible: Callable[[str], bool] | None = None) -> str | None:
@@ -195,8 +229,8 @@ class FairQueue:
         for tenant, lane in self._lanes.items():
             if eligible is not None and not eligible(tenant):
                 continue
-            key = (-self.shares(tenant).priority, self.counters.get(tenant, 0.0), self._served.get(tenant, 0),
-                   lane.jobs[0][0])
+            lane.band = priority = self.shares(tenant).priority
+            key = (-priority, self.counters.get(tenant, 0.0), self._served.get(tenant, 0), lane.jobs[0][0])
             if best_key is None or key < best_key:
                 best, best_key = tenant, key
         return best

@@ -38,6 +38,12 @@ class JobQueue(Protocol):
     def take_all(self) -> list[Job]:
         """Empty the queue, returning its jobs in dispatch order."""
 
+    def ahead(self, tenant: str, index: int | None = None) -> int:
+        """About how many jobs go before the `index`th queued job of `tenant` (None: a new one)."""
+
+    def position(self, job: Job) -> int | None:
+        """`ahead` for a queued job; None when it is not queued."""
+
     def __len__(self) -> int: ...
 
     def __iter__(self) -> Iterator[Job]: ...
@@ -78,6 +84,18 @@ class FifoQueue:
         jobs = list(self._jobs)
         self._jobs.clear()
         return jobs
+
+    def ahead(self, tenant: str, index: int | None = None) -> int:
+        if index is None:
+            return len(self._jobs)
+        mine = [i for i, job in enumerate(self._jobs) if job.tenant == tenant]
+        return mine[index] if index < len(mine) else len(self._jobs)
+
+    def position(self, job: Job) -> int | None:
+        try:
+            return self._jobs.index(job)
+        except ValueError:
+            return None
 
     def __len__(self) -> int:
         return len(self._jobs)

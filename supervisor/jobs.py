@@ -13,6 +13,7 @@ import protocol as p
 from protocol import Delta, Done
 from protocol.errors import ErrorCode, PoolError
 from protocol.choices import choice_limit
+from supervisor.deadlines import expired as slo_expired
 from supervisor.request_bounds import clip
 from supervisor.states import JOB_TRANSITIONS, JobState, transition
 
@@ -100,7 +101,8 @@ class Job:
                  "deadline", "queue_deadline", "cancel_requested", "first_token_at", "attempts", "submit_seq",
                  "_waiter", "submitted_at", "transcript", "queue_reason", "_timer", "_timer_at", "counted",
                  "max_choices", "max_output_bytes", "output_bytes", "max_unsent_bytes", "unsent_bytes", "tenant",
-                 "meter", "on_end", "prompt_tokens", "session")
+                 "meter", "on_end", "prompt_tokens", "session", "slo_deadline", "slo_ttft_ms", "prediction",
+                 "chain")
 
     def __init__(self, model: str, request: dict, timeout_s: float, queue_timeout_s: float | None = None,
                  endpoint: str = "chat", max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
@@ -146,6 +148,20 @@ class Job:
         self.tenant = tenant  # who asked (admission); its queue lane and share
         self.meter = None  # charges its tokens to its tenant as they come (fair_queue.TokenMeter), once handed out
         self.on_end = None  # on_end(job, outcome) once it ends, however (admission: the tenant's limits)
+        self.slo_deadline: float | None = None  # monotonic: its TTFT deadline; queued past it, it leaves (deadlines.py)
+        self.slo_ttft_ms: float | None = None
+        self.prediction = None  # deadlines.Prediction made at admission, when made
+        self.chain = None  # fallback_chains.Chain: the models its request tried before this one
+
+    def set_slo(self, ttft_ms: float) -> None:
+        """Its TTFT deadline: a queued job leaves the queue when it passes (`next_event`, and
+        the executor never hands it to a slot then)."""
+        self.slo_ttft_ms = ttft_ms
+        self.slo_deadline = self.created_at + ttft_ms / 1000
+        self.queue_deadline = min(self.queue_deadline or self.slo_deadline, self.slo_deadline)
+
+    def expired(self, now: float) -> bool:
+        return self.slo_deadline is not None and now >= self.slo_deadline
 
     def push(self, event: Delta) -> None:
         if self.state is JobState.FINISHED:  # e.g. ended over its bounds, its Cancel on the way: nobody reads it
@@ -252,6 +268,8 @@ class Job:
             if self.state is JobState.QUEUED and self.queue_deadline:
                 if now >= self.queue_deadline:
                     on_timeout(self)
+                    if self.expired(now):
+                        raise slo_expired(self.model, self.slo_ttft_ms)
                     if self.queue_reason is not None:
                         raise self.queue_reason
                     raise PoolError(ErrorCode.QUEUE_TIMEOUT, "the request waited in the queue longer "

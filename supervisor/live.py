@@ -136,7 +136,8 @@ class Activity:
         self.requests.append((time.time(), (model or "")[:200], endpoint, status, error and error.code.value,
                               error and error.message, queued, ttft, duration, tokens_in, tokens_out, prompt, output,
                               job.tenant if job is not None else tenant, cached, prefill, decode,
-                              REQUEST_ID.get(), job.replica.name if job is not None and job.replica else None))
+                              REQUEST_ID.get(), job.replica.name if job is not None and job.replica else None,
+                              job.chain.text() if job is not None and job.chain and job.chain.fell_back else None))
 
     # -- live samples ----------------------------------------------------------------------------
     def sample(self) -> dict:

@@ -120,6 +120,7 @@ class Metrics:
 
     def job_done(self, job: Job, done: Done, endpoint: str) -> None:
         self.request(job.model, endpoint, 200, job, done)
+        self.engine.learn(job, done)  # the model's latency predictor
         now = time.monotonic()
         model = self._model(job.model)
         if job.first_token_at is not None:

@@ -35,7 +35,7 @@ REFUSED_ROWS_PER_S = 10
 
 COLUMNS = ("ts", "model", "endpoint", "status", "error_code", "error_message", "queued_ms", "ttft_ms",
            "duration_ms", "tokens_in", "tokens_out", "prompt", "output", "tenant", "cached_tokens",
-           "runtime_prefill_tps", "runtime_decode_tps", "request_id", "replica")
+           "runtime_prefill_tps", "runtime_decode_tps", "request_id", "replica", "fallback_chain")
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -57,7 +57,8 @@ CREATE TABLE IF NOT EXISTS requests (
     runtime_prefill_tps REAL,    -- prompt tokens/s and output tokens/s as the runtime timed them
     runtime_decode_tps REAL,     -- (llama-server's timings); NULL: it gave none
     request_id TEXT,             -- the answer's x-request-id (the client's own when it sent a safe one)
-    replica TEXT                 -- the replica that served it (model/index); NULL: it never reached one
+    replica TEXT,                -- the replica that served it (model/index); NULL: it never reached one
+    fallback_chain TEXT          -- the models tried when another served it: "a (queue_full) -> b"
 );
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 """
@@ -65,14 +66,14 @@ CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 INDEXES = "CREATE INDEX IF NOT EXISTS requests_request_id ON requests (request_id);"
 # Each stored text column is cut to this many characters (what runs past says how much more)
 TEXT_LIMITS = {"model": 200, "endpoint": 64, "error_code": 64, "error_message": 1024, "tenant": 200,
-               "request_id": 128, "replica": 220,
+               "request_id": 128, "replica": 220, "fallback_chain": 1024,
                "prompt": BODY_CHARS + 64, "output": BODY_CHARS + 64}  # room for truncate()'s note
 _LIMITS = tuple(TEXT_LIMITS.get(name) for name in COLUMNS)  # None: not a text column
 _KEEP = tuple("\n\t" if name in ("prompt", "output") else "" for name in COLUMNS)
 # columns added since the first schema: a log written by an older version gets them on open
 # tenant: also "(unknown key)" (tenants.UNKNOWN_KEY) for a 401 whose key no tenant holds; NULL with no key
 ADDED_COLUMNS = {"tenant": "TEXT", "cached_tokens": "INTEGER", "runtime_prefill_tps": "REAL",
-                 "runtime_decode_tps": "REAL", "request_id": "TEXT", "replica": "TEXT"}
+                 "runtime_decode_tps": "REAL", "request_id": "TEXT", "replica": "TEXT", "fallback_chain": "TEXT"}
 
 
 def truncate(text: str | None, limit: int = BODY_CHARS) -> str | None:

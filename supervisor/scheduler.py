@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 from protocol import LIGHT_CALLS_PER_WORKER, LIGHT_ENDPOINTS
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ModelConfig
+from supervisor.deadlines import expired as slo_expired
 from supervisor.fair_queue import FairQueue
 from supervisor.job_queue import JobQueue
 from supervisor.jobs import Job
@@ -68,6 +70,10 @@ class Executor:
     @property
     def queue_depth(self) -> int:
         return len(self.queue)
+
+    def position(self, job: Job) -> int | None:
+        """About how many queued jobs go before `job` (FairQueue.ahead); None: not queued here."""
+        return self.queue.position(job)
 
     # -- intake ----------------------------------------------------------------------
     def start(self) -> None:
@@ -191,6 +197,10 @@ class Executor:
         never start: the drain fails them."""
         while self.queue and self.accepting_new_requests:
             job = self.queue.peek()
+            if job.slo_deadline is not None and job.expired(time.monotonic()):  # its deadline passed queued
+                self.queue.remove(job)
+                job.finish(slo_expired(job.model, job.slo_ttft_ms))
+                continue
             replica = self.choice.choose(self.replicas, job)
             if replica is None:
                 break
@@ -212,6 +222,10 @@ class Executor:
             job = self.queue.pop(lambda tenant: tenant not in running)
             if job is None:
                 return
+            if job.slo_deadline is not None and job.expired(time.monotonic()):
+                job.meter.refund()  # charged as it was handed out; it is not served
+                job.finish(slo_expired(job.model, job.slo_ttft_ms))
+                continue
             self._hand_over(job, max(spare, key=lambda r: r.free_newcomer_slots))
 
     def _hand_over(self, job: Job, replica: Replica) -> None:

@@ -41,6 +41,8 @@ class TenantSpec:
     rpm: int = 0
     tpm: int = 0
     max_inflight: int = 0
+    slo_ttft_ms: float | None = None  # its requests' default deadlines (supervisor/deadlines.py)
+    slo_tpot_ms: float | None = None
     share: Share = field(init=False)
     scope: dict[str, bool] = field(init=False, default_factory=dict, compare=False)  # model name -> may use
 
@@ -231,7 +233,8 @@ class Tenants:
                 raise ConfigError(f"tenant {name!r}: a key of tenant {keys[key.encode()]!r} too")
 
         for t in config.tenants:
-            specs.append(TenantSpec(t.name, t.weight, t.priority, tuple(t.models), t.rpm, t.tpm, t.max_inflight))
+            specs.append(TenantSpec(t.name, t.weight, t.priority, tuple(t.models), t.rpm, t.tpm, t.max_inflight,
+                                    t.slo_ttft_ms, t.slo_tpot_ms))
             for key in t.keys:
                 add_key(key, t.name)
             withhold_env(t.key_env)  # never in a worker's environment

@@ -101,7 +101,7 @@ class ContextEngine:
 
     def __init__(self, *contexts) -> None:
         replicas = [SimpleNamespace(info={"n_ctx_per_slot": n}) for n in contexts] + [SimpleNamespace(info={})]
-        self.model = SimpleNamespace(cfg=SimpleNamespace(name="m", aliases=()),
+        self.model = SimpleNamespace(cfg=SimpleNamespace(name="m", aliases=(), slo_ttft_ms=None, slo_tpot_ms=None),
                                      executor=SimpleNamespace(replicas=replicas))
         self.queued = []
 
@@ -113,6 +113,9 @@ class ContextEngine:
 
     async def prompt_tokens(self, entry, request, endpoint):
         return None
+
+    def predict(self, entry, tenant, frame_bytes):
+        return None  # no deadline asked: admission only records it
 
     def enqueue(self, entry, job, tokens=None):
         self.queued.append(job)

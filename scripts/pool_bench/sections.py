@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from pool_bench import capacity, fairness, memory, messages, peer, prefix, relay, scale, streaming, ttft
+from pool_bench import (capacity, deadlines, fairness, memory, messages, peer, prefix, relay, scale, streaming,
+                        ttft)
 from pool_bench.bench import Bench
 
 SECTIONS: dict[str, Callable[[Bench], None]] = {
@@ -20,5 +21,6 @@ SECTIONS: dict[str, Callable[[Bench], None]] = {
     "8": fairness.run,  # tenants: VTC service difference fair vs FIFO, light p99 under a flood, 3:1, admission µs
     "9": scale.section,  # 10,000 streams at 1 tok/s: a bare SSE server vs the pool, clients in 4 processes
     "10": messages.run,  # Messages against chat: relay CPU per token (synthetic), added TTFT (llama-server)
+    "11": deadlines.run,  # deadlines + fallbacks vs FIFO under 2x overload, admission CPU, SmolLM2 prediction error
 }
-ON_REQUEST = frozenset({"7", "8", "9", "10"})  # run only when --sections names them (minutes each; the quick test skips them)
+ON_REQUEST = frozenset({"7", "8", "9", "10", "11"})  # run only when --sections names them (minutes each; the quick test skips them)

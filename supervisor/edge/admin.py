@@ -64,7 +64,11 @@ async def admin_reload(request: Request):
 async def admin_workers(request: Request):
     engine = request.app.state.engine
     replicas = [r for e in engine.models.values() for r in shown_replicas(e)]  # a failed load's too
-    return {"workers": await worker_views(replicas, engine.sampler)}
+    views = await worker_views(replicas, engine.sampler)
+    for view, r in zip(views, replicas):  # what the model's latency predictor learned of this replica
+        entry = engine.models.get(r.cfg.name)
+        view["prediction"] = entry.predictor.replica_view(r.name) if entry is not None else None
+    return {"workers": views}
 
 
 @router.get("/admin/models/{name}/logs")

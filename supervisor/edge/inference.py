@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -28,12 +29,16 @@ from supervisor.edge.guard import TENANT_KEY, error_response, tenant_name
 from supervisor.edge.listener import DISCONNECT_KEY, Disconnect
 from supervisor.edge.schemas import document, named_model, request_body
 from supervisor.edge.streams import AnswerJSON, InferenceEndpoint, JobStream, sse_frame, watch_for_disconnect
+from supervisor.fallback_chains import Chain
 from supervisor.jobs import Job
-from supervisor.models.capabilities import capabilities, native_messages
+from supervisor.models.capabilities import CALLS, capabilities, native_messages
+from supervisor.states import JobState
 from supervisor.metrics import CLIENT_CLOSED
 
 
 SESSION_HEADER = "x-claude-code-session-id"  # a Messages client's session: a key for routing = "session"
+WAITING = "waiting"  # first_event: no event yet within stream_head_hold_s
+MESSAGES_PING = sse_frame({"event": "ping", "data": '{"type": "ping"}'})
 
 
 def include_usage(body) -> bool:
@@ -52,6 +57,7 @@ class InferenceSurface:
         self.admission = admission
         self.metrics = metrics
         self.sse_ping_s = config.server.sse_ping_s
+        self.head_hold_s = config.server.stream_head_hold_s
         self.endpoints: dict[str, InferenceEndpoint] = {}
         documented: dict[str, tuple[str, type[msgspec.Struct]]] = {}  # path -> (operation, body Struct)
         for path, body_type, handle in (
@@ -86,60 +92,57 @@ class InferenceSurface:
             return error_response(err, path)
 
     # -- 2. the endpoints: what each asks of a job and how its answer is shaped -----------------------------------
+    # A stream's shape is made once the model that serves is known (a fallback's name is the answer's `model`)
     async def create_response(self, body: rshapes.ResponsesRequest, data: dict, request: Request):
-        return await self.serve_job(request, "responses", body.model, rshapes.job_request_from_responses(body, data),
-                                    rshapes.ResponsesStream(body) if body.stream else None,
+        return await self.serve_job(request, "responses", body, rshapes.job_request_from_responses(body, data),
+                                    (lambda: rshapes.ResponsesStream(body)) if body.stream else None,
                                     lambda choices, done: rshapes.response_json(body, choices, done))
 
     async def chat_completions(self, body: shapes.ChatRequest, data: dict, request: Request):
         return await self.serve_job(
-            request, "chat_completions", body.model, shapes.job_request(data),
-            shapes.ChatStream(body.model, include_usage(body)) if body.stream else None,
+            request, "chat_completions", body, shapes.job_request(data),
+            (lambda: shapes.ChatStream(body.model, include_usage(body))) if body.stream else None,
             lambda choices, done: shapes.chat_completion(body.model, choices, done))
 
     async def completions(self, body: shapes.CompletionRequest, data: dict, request: Request):
         return await self.serve_job(
-            request, "completions", body.model, shapes.job_request(data),
-            shapes.CompletionStream(body.model, include_usage(body)) if body.stream else None,
+            request, "completions", body, shapes.job_request(data),
+            (lambda: shapes.CompletionStream(body.model, include_usage(body))) if body.stream else None,
             lambda choices, done: shapes.text_completion(body.model, choices, done), "completions")
 
     async def create_message(self, body: ashapes.MessagesRequest, data: dict, request: Request):
-        """On the runtime's own /v1/messages where it has one (the body as sent), else translated
-        to chat; either way shaped here. Session keys: the client's session header, else
-        metadata.user_id."""
-        native = self._native_messages(body.model)
-        return await self.serve_job(
-            request, "messages", body.model,
-            ashapes.native_request(data) if native else ashapes.job_request_from_messages(body, data),
-            ashapes.MessagesStream(body) if body.stream else None,
-            lambda choices, done: ashapes.message_json(body, choices, done),
-            "messages" if native else "chat", session=request.headers.get(SESSION_HEADER) or ashapes.user_of(body))
+        """On the runtime's own /v1/messages where the serving model has one (the body as sent),
+        else translated to chat; either way shaped here. Session keys: the client's session
+        header, else metadata.user_id."""
+        def job_for(model: str) -> tuple[dict, str]:  # a fallback may be of another backend
+            if self._native_messages(model):
+                return ashapes.native_request(data), "messages"
+            return ashapes.job_request_from_messages(body, data), "chat"
+        return await self.serve_job(request, "messages", body, job_for,
+                                    (lambda: ashapes.MessagesStream(body)) if body.stream else None,
+                                    lambda choices, done: ashapes.message_json(body, choices, done),
+                                    session=request.headers.get(SESSION_HEADER) or ashapes.user_of(body))
 
     def _native_messages(self, model: str) -> bool:
-        try:
-            return native_messages(self.engine.entry(model).cfg)
-        except PoolError:  # no such model: admission answers it (and counts it)
-            return False
+        cfg = self.model_config(model)
+        return cfg is not None and native_messages(cfg)
 
     async def count_tokens(self, body: ashapes.CountTokensRequest, data: dict, request: Request):
         """{"input_tokens": N}: llama-server's own count of the body as sent; elsewhere the
         runtime's /tokenize of the chat it would get (the same translation as /v1/messages)."""
-        try:
-            cfg = self.engine.entry(body.model).cfg
-        except PoolError:  # no such model: admission answers it (and counts it)
-            cfg = None
+        cfg = self.model_config(body.model)  # None: no such model, which admission answers (and counts)
         if cfg is None or native_messages(cfg) or "count_tokens" not in capabilities(cfg):
             # the runtime's own count; admission refuses a model that has none
-            return await self.serve_job(request, "count_tokens", body.model, cshapes.call_request(data), None,
+            return await self.serve_job(request, "count_tokens", body, cshapes.call_request(data), None,
                                         lambda choices, done: cshapes.call_answer(body.model, done.result),
                                         "count_tokens")
         return await self.serve_job(
-            request, "count_tokens", body.model, ashapes.tokenize_request(body), None,
+            request, "count_tokens", body, ashapes.tokenize_request(body), None,
             lambda choices, done: {"input_tokens": cshapes.token_count(done.result)}, "tokenize")
 
     async def runtime_call(self, label: str, body, data: dict, request: Request):
         """/tokenize, /detokenize, /apply-template, /v1/rerank: the runtime's own call, answered whole."""
-        return await self.serve_job(request, label, body.model, cshapes.call_request(data), None,
+        return await self.serve_job(request, label, body, cshapes.call_request(data), None,
                                     lambda choices, done: cshapes.call_answer(body.model, done.result), label)
 
     async def create_embeddings(self, body: shapes.EmbeddingRequest, data: dict, request: Request):
@@ -147,19 +150,58 @@ class InferenceSurface:
             err = PoolError(ErrorCode.INVALID_REQUEST, "stream: embeddings are never streamed", param="stream")
             self.metrics.request(body.model, "/v1/embeddings", 400, error=err, tenant=tenant_name(request.scope))
             raise err
-        return await self.serve_job(request, "embeddings", body.model, shapes.job_request(data), None,
+        return await self.serve_job(request, "embeddings", body, shapes.job_request(data), None,
                                     lambda choices, done: shapes.embeddings(body.model, done), "embeddings")
 
-    # -- 3. admission, then the job ------------------------------------------------------------------------------
-    async def serve_job(self, request: Request, endpoint: str, model: str, job_request: dict, sse_shape, to_json,
+    # -- 3. admission, then the job, on the model or its fallbacks ---------------------------------------------
+    async def serve_job(self, request: Request, endpoint: str, body, job_request, sse_shape, to_json,
                         job_endpoint: str = "chat", session: str | None = None):
-        """Run one inference request: as SSE when `sse_shape` is given, else as
-        the JSON that `to_json(choices, done)` builds. However the handler ends
-        (a client gone at any moment, an error, a cancelled task), the job is
-        cancelled unless finished: no slot outlives its request."""
+        """Run one inference request: as SSE when `sse_shape` (a shape's factory) is given,
+        else as the JSON that `to_json(choices, done)` builds. `job_request` is the runtime's
+        request, or, where its shape depends on the model that serves, a function of that
+        model's name giving (request, job endpoint). The model `body` names is tried first,
+        then its fallbacks (fallback_chains.Chain), while nothing of an answer has reached
+        the client: the one that serves names itself in the answer's `model` and
+        `x-llm-pool-served-by`. The runtime's own calls (tokenize, ...) answer for their
+        model's tokenizer alone: they have no fallbacks. However the handler ends (a client
+        gone at any moment, an error, a cancelled task), the job is cancelled unless
+        finished: no slot outlives its request."""
+        asked = body.model
+        chain = Chain(asked, self.model_config if job_endpoint not in CALLS else lambda name: None)
+        first_error = err = None
+        while (model := chain.next_after(err)) is not None:
+            chain.attempt(model)
+            if model != asked:
+                body.model = self.model_config(model).name
+            job_for = job_request if callable(job_request) else lambda model: (job_request, job_endpoint)
+            try:
+                return await self.attempt(request, endpoint, model, *job_for(model), sse_shape, to_json, chain,
+                                          session)
+            except PoolError as failed:
+                err = failed
+                first_error = first_error or failed
+                chain.failed(failed)
+                if chain.last_job is not None and chain.last_job.expired(time.monotonic()):
+                    break  # its deadline passed while it waited: no other model can meet it now
+        body.model = asked
+        if chain.fell_back:  # every model failed: the first one's error, saying what was tried
+            first_error = PoolError(first_error.code, f"{first_error.message} (tried: {chain.text()})",
+                                    param=first_error.param, retry_after_s=first_error.retry_after_s)
+        tenant = request.scope.get(TENANT_KEY, DEFAULT_TENANT)
+        job = None if chain.fell_back else chain.last_job  # a job's row has its times (queued, ...)
+        self.metrics.request(asked, endpoint, first_error.status, job, error=first_error, tenant=tenant.name)
+        raise first_error
+
+    async def attempt(self, request: Request, endpoint: str, model: str, job_request: dict, job_endpoint: str,
+                      sse_shape, to_json, chain: Chain, session: str | None):
+        """One model's try: its answer; PoolError while nothing was sent (another model
+        may try). A stream's head waits at most stream_head_hold_s for the job's first event."""
         if sse_shape is None and job_endpoint in ("chat", "completions"):
             job_request["stream"] = False  # wanted whole: a runtime that can answer whole does (its own bytes)
-        job = await self.admit(request, endpoint, model, job_request, job_endpoint, session)
+        tenant = request.scope.get(TENANT_KEY, DEFAULT_TENANT)
+        job = chain.last_job = await self.admission.admit(tenant, model, job_request, job_endpoint, request.headers,
+                                                          session)
+        job.chain = chain
         streaming = None
         try:
             if sse_shape is not None:
@@ -167,7 +209,7 @@ class InferenceSurface:
                 if first is None:
                     return self.client_gone(job, endpoint)
                 streaming = JobStream(job, functools.partial(self.end_stream, endpoint=endpoint),
-                                      self.sse_body(job, endpoint, sse_shape, first))
+                                      self.sse_body(job, endpoint, sse_shape(), first), self.answer_headers(job))
                 return streaming
             result = await self.unless_disconnected(request, job, self.collect(job))
             if result is None:
@@ -175,24 +217,27 @@ class InferenceSurface:
             choices, done = result
             # a Response skips FastAPI's generic encoder; the request is counted (metrics, request
             # log) once its answer is written, not while the client waits for it
-            return AnswerJSON(to_json(choices, done),
+            return AnswerJSON(to_json(choices, done), headers=dict(self.answer_headers(job)),
                               background=BackgroundTask(self.count_after_answer, job, done, endpoint))
-        except PoolError as err:
-            self.metrics.request(model, endpoint, err.status, job, error=err)
-            raise
         finally:
             if streaming is None:  # else the stream owns the job until its last write
                 self.engine.cancel(job)  # a no-op once the job has finished
 
-    async def admit(self, request: Request, endpoint: str, model: str, job_request: dict, job_endpoint: str,
-                    session: str | None = None) -> Job:
-        """The job, queued by admission for the request's tenant (the guard found it by its key)."""
-        tenant = request.scope.get(TENANT_KEY, DEFAULT_TENANT)
+    def model_config(self, name: str):
+        """A model's config by its name or an alias; None when there is none."""
         try:
-            return await self.admission.admit(tenant, model, job_request, job_endpoint, session)
-        except PoolError as err:
-            self.metrics.request(model, endpoint, err.status, error=err, tenant=tenant.name)
-            raise
+            return self.engine.entry(name).cfg
+        except PoolError:
+            return None
+
+    @staticmethod
+    def answer_headers(job: Job) -> list[tuple[str, str]]:
+        """Who served (after any fallback), and the queue wait and TTFT predicted at admission."""
+        headers = [("x-llm-pool-served-by", job.model)]
+        if job.prediction is not None:
+            headers += [("x-queue-wait-predicted-ms", str(round(job.prediction.wait_s * 1000))),
+                        ("x-ttft-predicted-ms", str(round(job.prediction.ttft_s * 1000)))]
+        return headers
 
     # -- 4. waiting for the job, with the client -------------------------------------------------------------------
     async def collect(self, job: Job) -> tuple[shapes.Choices, Done]:
@@ -202,11 +247,16 @@ class InferenceSurface:
         return choices, event
 
     async def first_event(self, request: Request, job: Job):
-        """Hold the response headers until the job's first event, so that a
-        failure before any token (queue timeout, upstream 429, crash, the
-        runtime's 400) is a plain HTTP error the client can act on, not a
-        stream that fails at once."""
-        return await self.unless_disconnected(request, job, job.next_event(self.engine.cancel))
+        """Hold the response head until the job's first event, at most stream_head_hold_s,
+        so that a failure before any token (queue full, upstream 429, crash, the runtime's
+        400) is a plain HTTP error the client can act on (or a fallback takes the request),
+        not a stream that fails at once. WAITING past that: the stream starts and says it
+        waits (sse_body). None: the client left."""
+        return await self.unless_disconnected(request, job, self._first_or_waiting(job))
+
+    async def _first_or_waiting(self, job: Job):
+        event = await job.next_event(self.engine.cancel, idle_s=self.head_hold_s)
+        return WAITING if event is None else event
 
     async def unless_disconnected(self, request: Request, job: Job, waiting):
         """Await `waiting` (about `job`). If the client goes away first, the job
@@ -236,7 +286,9 @@ class InferenceSurface:
     async def sse_body(self, job: Job, endpoint: str, shape, first):
         """The SSE body. What is ready goes out in one write: the opening events
         with the first delta, then each delta (merged if several were waiting),
-        then the closing events. A client that leaves cancels the job (see JobStream)."""
+        then the closing events. A stream that starts before its first event
+        (WAITING) opens at once and says that it waits every sse_ping_s (`ping`).
+        A client that leaves cancels the job (see JobStream)."""
         text_sse = getattr(shape, "text_sse", None)  # a shape's fast path for plain text
         try:
             ready = [sse_frame(e) for e in shape.opening()]
@@ -252,14 +304,26 @@ class InferenceSurface:
                     ready += [sse_frame(e) for e in shape.closing(event)]
                     yield b"".join(ready)
                     return
-                else:  # quiet for sse_ping_s: a comment keeps proxies from timing the stream out
-                    ready.append(b": ping\n\n")
+                else:  # waiting, or quiet for sse_ping_s: a ping keeps clients and proxies from timing out
+                    ready.append(self.ping(job, shape))
                 yield b"".join(ready)
                 ready = []
                 event = await job.next_event(self.engine.cancel, idle_s=self.sse_ping_s)
         except PoolError as err:
             self.metrics.request(job.model, endpoint, err.status, job, error=err)
             yield b"".join([*ready, *(sse_frame(e) for e in shape.failed(err))])
+
+    def ping(self, job: Job, shape) -> bytes:
+        """A stream's keep-alive: Anthropic's `ping` event on the Messages surface; on the
+        others a comment, which says, while the job waits in its queue, its place and
+        predicted start (`: queued position=3 predicted_start_ms=1200`)."""
+        if isinstance(shape, ashapes.MessagesStream):
+            return MESSAGES_PING
+        if job.state is JobState.QUEUED:
+            waiting = self.engine.waiting(job)
+            if waiting is not None:
+                return f": queued position={waiting.position} predicted_start_ms={round(waiting.wait_s * 1000)}\n\n".encode()
+        return b": ping\n\n"
 
     # -- 6. the end: counted -----------------------------------------------------------------------------------
     async def count_after_answer(self, job: Job, done: Done, endpoint: str) -> None:

@@ -53,10 +53,11 @@ class JobStream:
     for http.disconnect. (Starlette's StreamingResponse runs a task group per
     response for this under ASGI 2.3, uvicorn's: about 0.2 ms of CPU per stream.)"""
 
-    def __init__(self, job: Job, end, body) -> None:
+    def __init__(self, job: Job, end, body, headers: list[tuple[str, str]] = ()) -> None:
         self.job = job
         self.end = end  # cancels the job unless finished; counts a client that left
         self.body = body  # async iterator of bytes: the SSE events, ready to write
+        self.headers = SSE_RAW_HEADERS + [(name.encode(), value.encode()) for name, value in headers]
 
     async def __call__(self, scope, receive, send) -> None:
         task = asyncio.current_task()
@@ -76,7 +77,7 @@ class JobStream:
         disconnect.on_gone(client_left)
         try:
             async with aclosing(self.body) as chunks:
-                await send({"type": "http.response.start", "status": 200, "headers": SSE_RAW_HEADERS})
+                await send({"type": "http.response.start", "status": 200, "headers": self.headers})
                 async for chunk in chunks:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})

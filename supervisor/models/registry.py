@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ModelConfig
 from supervisor.jobs import Job
+from supervisor.latency_predictor import ModelPredictor
 from supervisor.request_bounds import echo
 from supervisor.scheduler import Executor
 from supervisor.states import (HAS_EXECUTOR, INTAKE_OPEN, MODEL_TRANSITIONS, RUNNING, IllegalTransition, ModelState,
@@ -88,6 +89,7 @@ class ModelEntry:
     measured_at: float = 0.0  # monotonic: the footprint's last measurement
     waiting: list[Job] = field(default_factory=list)  # AUTO_UNLOADING only: requests for the next load
     failed_replicas: list = field(default_factory=list)  # of the last load that failed: still shown (ops)
+    predictor: ModelPredictor = field(default_factory=ModelPredictor)  # learned speeds, kept across loads
     # told (entry, old, new) after every change of state: the registry's watchers (events, metrics)
     observer: Callable[[ModelEntry, ModelState, ModelState], None] | None = field(default=None, repr=False)
 

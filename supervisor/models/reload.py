@@ -21,8 +21,10 @@ log = logging.getLogger("llm_pool.engine")
 # [server] keys a reload applies; the others are bound when the pool starts
 SERVER_KEYS_APPLIED_ON_RELOAD = frozenset({"memory_budget_mb", "gpu_memory_budget_mb", "idle_unload_s",
                                            "max_swap_wait_s"})
-# Keys a reload applies in place: they change when the model comes and goes, not how it runs.
-IN_PLACE_KEYS = frozenset({"aliases", "pinned", "idle_unload_s", "load_on_demand", "load_on_start", "memory_mb"})
+# Keys a reload applies in place: they change when the model comes and goes, or which requests
+# reach it (deadlines and fallbacks, read per request), not how it runs.
+IN_PLACE_KEYS = frozenset({"aliases", "pinned", "idle_unload_s", "load_on_demand", "load_on_start", "memory_mb",
+                           "slo_ttft_ms", "slo_tpot_ms", "fallbacks", "context_fallback"})
 
 
 @dataclass

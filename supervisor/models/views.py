@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 
 from supervisor.models.capabilities import capabilities
+from supervisor.deadlines import predict
 from supervisor.models.lifecycle import Lifecycle
+from supervisor.tenants import DEFAULT as DEFAULT_TENANT
 from supervisor.model_health import UNHEALTHY, model_health, reason_text
 from supervisor.models.memory import Memory
 from supervisor.models.registry import ModelEntry, Registry
@@ -72,6 +74,7 @@ class Views:
             "memory_mb": _round(memory),
             "memory_source": source,
             "gpu_memory_mb": {d: _round(mb) for d, mb in self.memory.gpu_footprint(entry).items()} or None,
+            "prediction": prediction_view(entry),
         }
 
 
@@ -83,6 +86,17 @@ class Views:
             return None
         why = reason_text(health) or "no error recorded"
         return f"no replica is running: {why}" if entry.state is ModelState.DOWN else why
+
+
+def prediction_view(entry: ModelEntry) -> dict:
+    """The model's latency predictor (latency_predictor.py): what it learned, its error, and
+    what it predicts now for a new request of the default tenant with a 1 KiB body."""
+    now = predict(entry, DEFAULT_TENANT, 1024)
+    return {**entry.predictor.view(), "slo_ttft_ms": entry.cfg.slo_ttft_ms, "slo_tpot_ms": entry.cfg.slo_tpot_ms,
+            "fallbacks": list(entry.cfg.fallbacks), "context_fallback": entry.cfg.context_fallback,
+            "now": {"queue_position": now.position, "queue_wait_ms": round(now.wait_s * 1000),
+                    "ttft_ms": round(now.ttft_s * 1000),
+                    "tpot_ms": None if now.tpot_s is None else round(now.tpot_s * 1000, 2)}}
 
 
 def _round(value: float | None) -> float | None:

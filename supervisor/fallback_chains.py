@@ -1,0 +1,99 @@
+"""Fallbacks: which model serves a request when the one it named cannot.
+
+A model's `fallbacks = ["b", "c"]` are tried in order, with the same request
+and tenant, when the model cannot serve (FALLS_BACK: failed, no healthy
+replica, queue full, unloading, the deadline unmeetable) or its runtime fails
+before a byte of the answer reached the client (a crash, a 5xx, a timeout); a
+fallback out of the tenant's scope is skipped;
+`context_fallback = "big"` takes a request refused for its context length.
+A fallback's own fallbacks follow it (depth first), each model once. The
+config is refused when the chains loop (`chain_error`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from protocol.errors import ErrorCode, PoolError
+
+# the model cannot serve the request now: another may
+FALLS_BACK = frozenset({
+    ErrorCode.QUEUE_FULL, ErrorCode.NO_HEALTHY_REPLICA, ErrorCode.MODEL_UNLOADING, ErrorCode.MODEL_NOT_LOADED,
+    ErrorCode.LOAD_FAILED, ErrorCode.INSUFFICIENT_MEMORY, ErrorCode.DEADLINE_UNMEETABLE,
+    ErrorCode.RUNTIME_CRASHED, ErrorCode.RUNTIME_RESTARTED, ErrorCode.RUNTIME_ERROR, ErrorCode.PROTOCOL_ERROR,
+    ErrorCode.RUNTIME_TIMEOUT, ErrorCode.UPSTREAM_RATE_LIMITED})
+
+
+def chain_error(models: Iterable) -> str | None:
+    """Why the models' fallbacks are wrong (a name that is no model, a loop); None when right."""
+    models = list(models)
+    names = {n: m.name for m in models for n in (m.name, *m.aliases)}
+    after: dict[str, list[str]] = {}
+    for m in models:
+        for key, targets in (("fallbacks", m.fallbacks), ("context_fallback", [m.context_fallback] if
+                                                            m.context_fallback else [])):
+            for target in targets:
+                if target not in names:
+                    return f"model {m.name!r}: key {key!r}: {target!r} is not a model"
+                after.setdefault(m.name, []).append(names[target])
+    for start in after:  # depth first from each model: a model met again on the path is a loop
+        path, stack = [start], [iter(after[start])]
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                stack.pop()
+                path.pop()
+            elif nxt in path:
+                return f"model {start!r}: key 'fallbacks': a loop: {' -> '.join([*path[path.index(nxt):], nxt])}"
+            else:
+                path.append(nxt)
+                stack.append(iter(after.get(nxt, ())))
+    return None
+
+
+class Chain:
+    """The models one request tries, in order, and what each answered (for the request log)."""
+
+    def __init__(self, first: str, config_of: Callable[[str], object | None]) -> None:
+        self.config_of = config_of  # model name -> its ModelConfig (None: not a model)
+        self.tried: list[tuple[str, str | None]] = []  # (model, its error code; None: it served)
+        self.pending: list[str] = [first]
+        self.last_job = None  # the job of the model tried last, once admitted
+
+    def next_after(self, err: PoolError | None) -> str | None:
+        """The next model to try after the last one failed with `err` (None: the first); None
+        when there is none or the error is not one another model could help with."""
+        if err is None:  # the model the request named: its own answer, a 404 too
+            return self.pending.pop(0) if not self.tried and self.pending else None
+        if err is not None:
+            last = self.tried[-1][0]
+            cfg = self.config_of(last)
+            if err.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED:
+                self.pending = [cfg.context_fallback] if cfg is not None and cfg.context_fallback else []
+            elif err.code in FALLS_BACK:
+                self.pending = [*(cfg.fallbacks if cfg is not None else ()), *self.pending]
+            elif err.code is ErrorCode.MODEL_NOT_FOUND and len(self.tried) > 1:
+                pass  # a fallback out of the tenant's scope: skipped (the client hears the first model's error)
+            else:
+                return None
+        seen = {getattr(self.config_of(name), "name", name) for name, _ in self.tried}
+        while self.pending:
+            name = self.pending.pop(0)
+            cfg = self.config_of(name)
+            if cfg is not None and cfg.name not in seen:
+                return name
+        return None
+
+    def attempt(self, name: str) -> None:
+        self.tried.append((name, None))
+        self.last_job = None
+
+    def failed(self, err: PoolError) -> None:
+        self.tried[-1] = (self.tried[-1][0], err.code.value)
+
+    @property
+    def fell_back(self) -> bool:
+        return len(self.tried) > 1
+
+    def text(self) -> str:
+        """The chain as the request log keeps it: `a (queue_full) -> b`."""
+        return " -> ".join(f"{name} ({code})" if code else name for name, code in self.tried)
