@@ -387,3 +387,18 @@ def test_llama_servers_own_messages_route_through_the_pool(llama_server_bin, tin
     assert (got.usage.input_tokens, got.usage.output_tokens) == (said.usage.input_tokens, said.usage.output_tokens)
     assert got.usage.cache_read_input_tokens == said.usage.cache_read_input_tokens
     assert got.model == "tiny"
+
+
+def test_a_messages_fallback_of_another_backend_gets_its_own_way(llama_server_bin, tmp_path, make_pool):
+    """A llama_server model would take the body on llama-server's own route; its load failed,
+    so its fallback (synthetic) serves, by the translation to chat: each model its own way."""
+    ghost = llama("ghost", str(tmp_path / "missing.gguf"), llama_server_bin)
+    ghost["fallbacks"] = ["syn"]
+    pool = make_pool([synthetic("syn", tokens=8), ghost], wait_ready=False)
+    wait_for(lambda: pool.http.get("/ready").status_code == 200, timeout=60, what="ready")
+    client = anthropic.Anthropic(base_url=pool.url, api_key="unused", max_retries=0)
+    raw = client.messages.with_raw_response.create(model="ghost", max_tokens=4,
+                                                   messages=[{"role": "user", "content": "hi"}])
+    answer = raw.parse()
+    assert raw.headers["x-llm-pool-served-by"] == "syn" and answer.model == "syn"
+    assert answer.stop_reason == "max_tokens" and answer.usage.output_tokens == 4
