@@ -263,7 +263,7 @@ class MessagesStream(OneAtATime):
         self.index = -1  # the open block's index
         self.key = None  # what the open block holds: "text", "reasoning" (a thinking block), or ("tool", n)
 
-    def opening(self) -> list[dict]:
+    def opening(self, first=None) -> list[dict]:
         return [_event("message_start", message={
             "id": self.msg_id, "type": "message", "role": "assistant", "model": self.req.model, "content": [],
             "stop_reason": None, "stop_sequence": None, "usage": _usage(None)})]
