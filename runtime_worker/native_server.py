@@ -208,7 +208,7 @@ class OpenAIClient:
                     event = choice_event(choice, chat, index=index)
                     if event is not None:
                         seen.add(index)
-                        produced += 1
+                        produced += not opening_only(event)  # usage's stand-in, should a runtime give none
                         events.append(event)
                     if choice.get("finish_reason"):
                         finishes[index] = str(choice["finish_reason"])
@@ -264,6 +264,7 @@ def answer_events(raw: bytes, chat: bool, choices: int) -> list[Event]:
         if chat:  # a message is one delta holding everything; its tool calls are numbered by place
             message = choice.get("message") or {}
             calls = [{**call, "index": n} for n, call in enumerate(message.get("tool_calls") or ())]
+            message = {k: v for k, v in message.items() if k != "role"}  # a whole answer has no opening to relay
             choice = {"delta": {**message, "tool_calls": calls}, "logprobs": choice.get("logprobs"),
                       "finish_reason": choice.get("finish_reason")}
         if (event := choice_event(choice, chat, index=index)) is not None:
@@ -373,6 +374,10 @@ def choice_event(choice: dict, chat: bool, index: int | None = None) -> TextDelt
             part["name"] = function["name"]
         parts.append(part)
     return PartsDelta(parts) if parts else None
+
+
+def opening_only(event: TextDelta | PartsDelta) -> bool:
+    return isinstance(event, PartsDelta) and all(part["k"] == "open" for part in event.parts)
 
 
 def opening_fields(delta: dict) -> dict:

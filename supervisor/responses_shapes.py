@@ -262,8 +262,9 @@ def response_json(req: ResponsesRequest, choices: Choices, done: Done) -> dict:
     for _, call in sorted(c.tools.items()):
         output.append(function_call_item(new_id("fc"), call["id"] or new_id("call"), call["name"] or "",
                                          "".join(call["args"]), "completed"))
-    return {**response_object(req, new_id("resp"), int(time.time()), status=status, output=output,
-                              usage=done.usage, reason=reason), **runtime_fields(done.extra)}
+    # no runtime's own fields on a whole response: llama-server's own Responses API has none there either
+    return response_object(req, new_id("resp"), int(time.time()), status=status, output=output,
+                           usage=done.usage, reason=reason)
 
 
 class ResponsesStream(OneAtATime):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import msgpack
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -241,6 +242,23 @@ def test_a_runtimes_streamed_choices_become_typed_parts():
         PartsDelta([{"k": "refusal", "i": 0, "t": "no"}])
     assert choice_event({"index": 0, "text": "x", "logprobs": None}, chat=False) == TextDelta("x")
     assert choice_event({"index": 1, "text": "y"}, chat=False) == PartsDelta([{"k": "text", "i": 1, "t": "y"}])
+
+
+def test_a_whole_answer_keeps_the_runtimes_own_fields_within_their_bound():
+    import json
+
+    from runtime_worker.backends.base import Finished, JobError, TextDelta
+    from protocol.messages import MAX_EXTRA_BYTES
+    from runtime_worker.native_server import answer_events
+    answer = {"id": "x", "model": "m", "system_fingerprint": "b1", "timings": {"predicted_n": 2},
+              "__verbose": {"prompt": "p"}, "usage": {"prompt_tokens": 3, "completion_tokens": 2},
+              "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]}
+    text, end = answer_events(json.dumps(answer).encode(), chat=True, choices=1)
+    assert text == TextDelta("hi")  # a whole answer has no opening to relay
+    assert isinstance(end, Finished) and end.extra == {"timings": {"predicted_n": 2}, "__verbose": {"prompt": "p"}}
+    answer["__verbose"] = {"prompt": "p" * MAX_EXTRA_BYTES}
+    with pytest.raises(JobError, match="byte bound"):
+        answer_events(json.dumps(answer).encode(), chat=True, choices=1)
 
 
 def test_a_batch_decodes_to_the_same_messages_in_order():
