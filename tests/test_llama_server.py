@@ -5,6 +5,7 @@ so assertions are about token counts, finish reasons, usage and processes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -96,20 +97,31 @@ def lasting(pool, seconds: float, most: int = 12_000) -> int:
         tokens = min(most, tokens * 2)
 
 
+@contextlib.contextmanager
+def frozen(child: psutil.Process):
+    """llama-server stopped (SIGSTOP) while the block runs, resumed after, whatever happens:
+    what a test looks at while the runtime holds its jobs stays put however slow the machine
+    is (the pool and its worker run on; a request to the runtime waits in its socket)."""
+    child.suspend()
+    try:
+        yield
+    finally:
+        child.resume()
+
+
 def test_concurrency_up_to_slots_and_no_further(make_pool, tiny_gguf, llama_server_bin):
-    """Two long generations fill both slots, then two more wait in the queue, never a third
-    in flight; all four are served in full. The long ones last ~3 s as measured first
-    (more, two at a time), so the full-and-queued state is there to be seen on any machine,
-    and the clients' deadline is what that work takes at a twentieth of the speed measured."""
+    """Two generations fill both slots, then two more wait in the queue, never a third in
+    flight; all four are served in full. llama-server is held (frozen) while the four arrive
+    and the pool is looked at, so the full-and-queued state is there to be seen on any
+    machine, and nothing is timed: the work is a few hundred tokens."""
     pool = make_pool([llama("tiny", tiny_gguf, llama_server_bin, slots=2, extra_args=IGNORE_EOS)])
     cap = pool.model("tiny")["effective_target_inflight"]
     assert cap == pool.workers("tiny")[0]["runtime_capacity"] == 2  # /props total_slots
-    long, short = lasting(pool, 3), 50
-    deadline = 60 + 20 * 3 * cap  # the longs, two at a time, at a twentieth of the speed measured
+    long, short = 600, 50
     peak = {"inflight": 0}
 
     def request(i, tokens):
-        return httpx.post(pool.url + "/v1/chat/completions", timeout=deadline, json={
+        return httpx.post(pool.url + "/v1/chat/completions", timeout=300, json={
             "model": "tiny", "max_tokens": tokens, "messages": [{"role": "user", "content": f"q{i}"}]})
 
     def sample(inflight, queued):
@@ -121,10 +133,11 @@ def test_concurrency_up_to_slots_and_no_further(make_pool, tiny_gguf, llama_serv
         return check
 
     with ThreadPoolExecutor(cap + 2) as ex:
-        futures = [ex.submit(request, i, long) for i in range(cap)]
-        wait_for(sample(cap, 0), deadline, what="both slots busy")
-        futures += [ex.submit(request, cap + i, short) for i in range(2)]
-        wait_for(sample(cap, 2), deadline, what="slots full and 2 queued")
+        with frozen(llama_child(pool, "tiny")):
+            futures = [ex.submit(request, i, long) for i in range(cap)]
+            wait_for(sample(cap, 0), 60, what="both slots busy")
+            futures += [ex.submit(request, cap + i, short) for i in range(2)]
+            wait_for(sample(cap, 2), 60, what="slots full and 2 queued")
         results = [f.result() for f in futures]
     assert [r.status_code for r in results] == [200] * (cap + 2)
     assert [r.json()["usage"]["completion_tokens"] for r in results] == [long] * cap + [short] * 2
@@ -132,21 +145,24 @@ def test_concurrency_up_to_slots_and_no_further(make_pool, tiny_gguf, llama_serv
 
 
 def test_unload_drains_a_real_generation(make_pool, tiny_gguf, llama_server_bin):
-    """An unload while a generation runs waits for it: the generation runs to its end. It
-    lasts ~3 s as measured first, so the unload is seen in progress on any machine."""
+    """An unload while a generation runs waits for it: the generation runs to its end. Once
+    its first token is out, llama-server is held (frozen) while the unload starts and is seen
+    in progress, then let go: no machine is too slow to see it. The generation lasts ~3 s as
+    measured first, so the hold lands in its middle."""
     pool = make_pool([llama("tiny", tiny_gguf, llama_server_bin, extra_args=IGNORE_EOS)])
     child = llama_child(pool, "tiny")
     tokens = lasting(pool, 3)
-    deadline = 60 + 20 * 3  # the generation at a twentieth of the speed measured
     with ThreadPoolExecutor(2) as ex:
-        with httpx.stream("POST", pool.url + "/v1/responses", timeout=deadline, json={
+        with httpx.stream("POST", pool.url + "/v1/responses", timeout=300, json={
                 "model": "tiny", "input": "x", "stream": True, "max_output_tokens": tokens}) as r:
             events = sse_events(r)
             while next(events)["type"] != "response.output_text.delta":
                 pass
-            unload = ex.submit(pool.http.post, "/admin/models/tiny/unload", timeout=deadline)  # waits out the drain
-            wait_for(lambda: pool.model("tiny")["state"] == "unloading", deadline, what="unloading")
-            assert child.is_running()  # still generating for us
+            with frozen(child):
+                assert pool.model("tiny")["runtime_inflight"] == 1  # mid-generation
+                unload = ex.submit(pool.http.post, "/admin/models/tiny/unload", timeout=300)  # waits out the drain
+                wait_for(lambda: pool.model("tiny")["state"] == "unloading", 60, what="unloading")
+                assert child.is_running() and pool.model("tiny")["runtime_inflight"] == 1  # still ours
             last = None
             for last in events:
                 pass
