@@ -58,7 +58,7 @@ class Delta:
         {"k": "text" | "reasoning" | "refusal", "i": choice, "t": str, "lp": logprobs}
         {"k": "tool", "i": choice, "n": tool index, "id": str, "name": str, "args": str}
         {"k": "open", "i": choice, "d": {field: None or ""}}
-        {"k": "extra", "x": {field: value}}
+        {"k": "extra", "x": {field: value}, "alone": True}
 
     "i" defaults to 0; "lp" (the runtime's logprobs of those tokens: a list of
     entries for chat, its own object for legacy completions) is optional; a tool
@@ -68,7 +68,8 @@ class Delta:
     fields it held (llama-server's "content": null, vLLM's "content": ""); "extra"
     holds the runtime's own top-level fields of the chunk the parts before it came in
     (llama-server's `timings` with timings_per_token, `prompt_progress` with
-    return_progress): see EXTRA_OWNED and MAX_EXTRA_BYTES."""
+    return_progress), or, "alone", of a chunk that held nothing else: see EXTRA_OWNED
+    and MAX_EXTRA_BYTES."""
     TYPE: ClassVar[str] = "delta"
     job: str
     text: str = ""

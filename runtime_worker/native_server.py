@@ -213,14 +213,14 @@ class OpenAIClient:
                     if choice.get("finish_reason"):
                         finishes[index] = str(choice["finish_reason"])
                         finishing = True
-                if extra:  # the chunk's own fields go with what it brought, else with the closing
-                    if events:
-                        events[-1] = with_extra(events[-1], extra)
-                    elif finishing:
+                if extra:  # a closing chunk's own fields go with the closing, another's with what it brought
+                    if finishing:
                         closing.update(extra)
                         checked_size(closing)
+                    elif events:
+                        events[-1] = with_extra(events[-1], extra)
                     else:
-                        events.append(PartsDelta([{"k": "extra", "x": extra}]))
+                        events.append(PartsDelta([{"k": "extra", "x": extra, "alone": True}]))
                 for event in events:
                     yield event
         # a stream cut short is no success, whatever it held: never a made-up "stop"

@@ -323,7 +323,7 @@ class ChatStream:
         for part in event.parts:
             kind = part["k"]
             if kind == "extra":  # the runtime's own fields of the chunk the parts before came in
-                if out and out[-1][1] is None:
+                if out and out[-1][1] is None and not part.get("alone"):
                     out[-1][1] = part["x"]
                 else:
                     out.append([None, part["x"]])
@@ -408,7 +408,7 @@ class CompletionStream(ChatStream):
         out: list[list] = [[self.entry({"content": event.text}), None]] if event.text else []  # [entry, extra]
         for part in event.parts:
             if part["k"] == "extra":  # the runtime's own fields of the chunk the text before came in
-                if out and out[-1][1] is None:
+                if out and out[-1][1] is None and not part.get("alone"):
                     out[-1][1] = part["x"]
                 else:
                     out.append([None, part["x"]])

@@ -304,13 +304,13 @@ class ResponsesStream(OneAtATime):
                 continue
             made = super().delta(Delta(job=event.job, parts=run)) if run else []
             run = []
-            if made:
+            if made and not part.get("alone"):
                 last = json.loads(made[-1]["data"])
                 last.update({k: v for k, v in runtime_fields(part["x"]).items() if k not in last})
                 made[-1]["data"] = json.dumps(last, separators=(",", ":"))
             else:
                 obj = response_object(self.req, self.resp_id, self.created_at, status="in_progress", output=[])
-                made = [self._event("response.in_progress", part["x"], response=obj)]
+                made.append(self._event("response.in_progress", part["x"], response=obj))
             events += made
         return events + (super().delta(Delta(job=event.job, parts=run)) if run else [])
 

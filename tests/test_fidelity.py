@@ -61,6 +61,17 @@ class ScriptedRuntime(ScriptedHandler):
                      "choices": [{"index": 0, "delta": {"content": "a"}}]}
             return 200, "text/event-stream", f"data: {json.dumps(chunk)}\n\n" + sse_chunks(
                 [{"index": 0, "delta": {}, "finish_reason": "stop"}], usage)
+        if body.get("messages", [{}])[-1].get("content") == "own fields":  # a runtime's fields of its own
+            head = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m"}
+            chunks = [{**head, "x_progress": {"done": 1}, "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                                          "content": ""}}]},
+                      {**head, "x_tick": 1, "choices": [{"index": 0, "delta": {"content": "a"}}]},
+                      {**head, "choices": [{"index": 0, "delta": {"content": "b"}}]},
+                      {**head, "x_note": "alone", "choices": []},
+                      {**head, "x_end": {"n": 2}, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
+            if usage:
+                chunks.append({**head, "choices": [], "usage": usage})
+            return 200, "text/event-stream", "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
         n = body.get("n") or 1  # a runtime answers the choices asked for (the pool refuses others)
         return 200, "text/event-stream", sse_chunks([c for c in SCRIPT if c["index"] < n], usage)
 
@@ -542,3 +553,12 @@ def test_a_runtimes_own_fields_are_bounded(client):
                                        stream=True)
     assert err.value.status_code == 502 and "byte bound" in err.value.message
     assert client.chat.completions.create(model="scripted", messages=HI).choices  # and it serves on
+
+
+def test_a_remote_runtimes_own_fields_come_back_on_their_chunks(pool, scripted):
+    ask = {"messages": [{"role": "user", "content": "own fields"}], "stream": True}
+    want = sse_json(scripted.url, "/v1/chat/completions", {"model": "m", **ask})
+    got = sse_json(pool.url, "/v1/chat/completions", {"model": "scripted", **ask})
+    assert framing(got) == framing(want)  # vLLM-style opening ("content": ""), each field on its chunk
+    assert [c.get("x_progress") or c.get("x_tick") or c.get("x_note") or c.get("x_end") for c in got] == \
+        [{"done": 1}, 1, None, "alone", {"n": 2}]

@@ -124,8 +124,9 @@ def test_a_chat_stream_frames_its_chunks_as_the_runtime_did():
     assert chunks[0]["prompt_progress"] == progress["prompt_progress"] and "prompt_progress" not in chunks[1]
     assert chunks[2]["timings"] == {"predicted_n": 1} and chunks[2]["id"] == shape.id  # the pool's id stays
     head = {k: chunks[0][k] for k in ("id", "object", "created", "model")}
-    assert _data(shape.delta(Delta(job="j", parts=[{"k": "extra", "x": {"note": 1}}]))) == [
-        {**head, "choices": [], "note": 1}]  # fields that came alone: a chunk of their own
+    alone = _data(shape.delta(Delta(job="j", parts=[{"k": "text", "i": 0, "t": "b"},
+                                                    {"k": "extra", "x": {"note": 1}, "alone": True}])))
+    assert alone[1] == {**head, "choices": [], "note": 1} and "note" not in alone[0]  # a chunk of their own
     end = _data(shape.closing(Done(job="j", finish_reason="stop", finish_reasons=["stop", "length"],
                                    usage={"input_tokens": 2, "output_tokens": 1, "cached_tokens": 0},
                                    extra={"timings": {"predicted_n": 2}})))
