@@ -82,9 +82,9 @@ def lasting(pool, seconds: float, most: int = 12_000) -> int:
     most `most`, near the slot's context), measured: generations of 250, 500, ... tokens until
     one lasts half that, then scaled up. The tiny model's cost per token grows with the
     context, between linear and quadratic in the tokens, so the square root of the time still
-    to go is the scale (the result lasts 0.7 to 1 times `seconds`). A test sizes a long
-    generation and its deadlines from this, so that it holds a slot long enough to be seen
-    however slow or busy the machine is."""
+    to go is the scale (the result lasts 0.7 to 1 times `seconds`). A test that must catch a
+    generation midway sizes it from this, so that it runs long enough to be caught however
+    slow or busy the machine is."""
     tokens = 250
     while True:
         start = time.monotonic()
