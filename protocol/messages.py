@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -64,13 +65,21 @@ class Delta:
 
         {"k": "text" | "reasoning" | "refusal", "i": choice, "t": str, "lp": logprobs}
         {"k": "tool", "i": choice, "n": tool index, "id": str, "name": str, "args": str}
+        {"k": "open", "i": choice, "d": {field: None or ""}}
+        {"k": "extra", "x": {field: value}, "alone": True}
 
     "i" defaults to 0; "lp" (the runtime's logprobs of those tokens: a list of
     entries for chat, its own object for legacy completions) is optional; a tool
     part's "id" and "name" come with its first fragment, "args" is a fragment
-    of the JSON arguments. `tokens`: the output tokens it carries (as the
-    runtime counted them, else one per runtime event; a merged delta carries
-    their sum), so the live tokens/s counts tokens, not messages."""
+    of the JSON arguments. The last two relay a runtime's answer to the letter: "open"
+    is its opening of a choice's message (its delta with the role), with the empty
+    fields it held (llama-server's "content": null, vLLM's "content": ""); "extra"
+    holds the runtime's own top-level fields of the chunk the parts before it came in
+    (llama-server's `timings` with timings_per_token, `prompt_progress` with
+    return_progress), or, "alone", of a chunk that held nothing else: see EXTRA_OWNED
+    and MAX_EXTRA_BYTES. `tokens`: the output tokens it carries (as the runtime
+    counted them, else one per runtime event; a merged delta carries their sum), so
+    the live tokens/s counts tokens, not messages."""
     TYPE: ClassVar[str] = "delta"
     job: str
     text: str = ""
@@ -87,6 +96,10 @@ class Done:
     finish_reasons: list = field(default_factory=list)  # per choice, when there are several (n > 1)
     result: dict = field(default_factory=dict)  # a non-streamed answer (embeddings: {"data", "usage"})
     timings: dict = field(default_factory=dict)  # the runtime's own phase timings (runtime_timings), if it gave any
+    # the runtime's own top-level fields of its closing chunks or whole answer (llama-server's
+    # `timings`, `__verbose`), relayed as they came: see EXTRA_OWNED and MAX_EXTRA_BYTES
+    extra: dict = field(default_factory=dict)
+    usage_on_finish: bool = False  # the runtime sent usage on its finish chunk, unasked (llama-server's legacy stream)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +164,8 @@ FIELD_TYPES: dict[type, dict[str, Any]] = {
     Submit: {"job": str, "request": dict, "endpoint": str},
     Cancel: {"job": str},
     Delta: {"job": str, "text": str, "parts": list, "tokens": int},
-    Done: {"job": str, "finish_reason": str, "usage": dict, "finish_reasons": list, "result": dict, "timings": dict},
+    Done: {"job": str, "finish_reason": str, "usage": dict, "finish_reasons": list, "result": dict, "timings": dict,
+           "extra": dict, "usage_on_finish": bool},
     Error: {"job": (str, type(None)), "code": str, "message": str, "param": (str, type(None)),
             "exit_code": (int, type(None))},
     Heartbeat: {"inflight": int, "jobs": list, "submits_seen": int},
@@ -182,9 +196,26 @@ def runtime_timings(raw) -> dict:
     return out
 
 
+# -- a runtime's own fields, relayed --------------------------------------------------------------------
+# The top-level fields of an OpenAI chunk or answer that the pool makes itself (its model name, its
+# ids, its choices and usage from the job's parts and counts); every other top-level field is the
+# runtime's own and is relayed as it came (an "extra" part, Done.extra). system_fingerprint is the
+# pool's too: one answer may come from any replica, and it rides on every chunk of llama-server's,
+# which would take each token off the plain-text path.
+EXTRA_OWNED = frozenset(("id", "object", "created", "model", "choices", "usage", "system_fingerprint", "error"))
+MAX_EXTRA_BYTES = 1024 * 1024  # a runtime's own fields of one chunk or answer, as JSON; past it the job fails
+OPEN_FIELDS = 8  # the empty fields an "open" part may carry
+
+
+def runtime_extra(obj: dict) -> dict:
+    """The runtime's own top-level fields of a chunk or answer (EXTRA_OWNED aside)."""
+    return {k: v for k, v in obj.items() if k not in EXTRA_OWNED}
+
+
 # -- delta parts ------------------------------------------------------------------------------------
 TEXT_KINDS = frozenset(("text", "reasoning", "refusal"))
-_PART_FIELDS = {"t": str, "args": str, "id": str, "name": str}
+RELAY_KINDS = frozenset(("open", "extra"))  # parts that carry no output, only how the runtime framed it
+_PART_FIELDS = {"t": str, "args": str, "id": str, "name": str, "d": dict, "x": dict}
 
 
 def part_error(part) -> str | None:
@@ -192,7 +223,7 @@ def part_error(part) -> str | None:
     if not isinstance(part, dict):
         return f"a part is a {type(part).__name__}, not a map"
     kind = part.get("k")
-    if kind not in TEXT_KINDS and kind != "tool":
+    if kind not in TEXT_KINDS and kind != "tool" and kind not in RELAY_KINDS:
         return f"unknown part kind {kind!r}"
     for key in ("i", "n"):
         if key in part and (not isinstance(part[key], int) or isinstance(part[key], bool) or part[key] < 0):
@@ -200,6 +231,11 @@ def part_error(part) -> str | None:
     for key, expected in _PART_FIELDS.items():
         if key in part and not isinstance(part[key], expected):
             return f"part field {key!r} has type {type(part[key]).__name__}"
+    if kind == "open":
+        fields = part.get("d", {})
+        if len(fields) > OPEN_FIELDS or any(not isinstance(k, str) or len(k) > 64 or v not in (None, "")
+                                            for k, v in fields.items()):
+            return "an open part's fields are not a few empty ones"
     return None
 
 
@@ -215,6 +251,8 @@ def delta_size(delta: Delta) -> int:
     size = len(delta.text)
     for part in delta.parts:
         size += 32 + len(part.get("t", "")) + len(part.get("args", "")) + 256 * len(part.get("lp") or ())
+        if "x" in part:  # rare (a client asked for the runtime's own fields): measured exactly
+            size += len(json.dumps(part["x"], separators=(",", ":")))
     return size
 
 

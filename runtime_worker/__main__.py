@@ -199,7 +199,8 @@ class Worker:
                             usage["reasoning_tokens"] = event.reasoning_tokens
                         self.send(p.Done(job=job, finish_reason=event.finish_reason, usage=usage,
                                          finish_reasons=list(event.finish_reasons), result=event.result or {},
-                                         timings=event.timings or {}))
+                                         timings=event.timings or {}, extra=event.extra or {},
+                                         usage_on_finish=event.usage_on_finish))
                         return
             raise JobError(ErrorCode.RUNTIME_ERROR, "runtime ended the job without finishing it")
         except asyncio.CancelledError:

@@ -27,7 +27,7 @@ from procutil.groups import signal_group, stop_group
 from procutil.net import free_port
 from protocol.choices import MAX_CHOICES, choice_limit
 from protocol.errors import ErrorCode, exit_text
-from protocol.messages import TIMING_MAX, runtime_timings
+from protocol.messages import EXTRA_OWNED, MAX_EXTRA_BYTES, OPEN_FIELDS, TIMING_MAX, runtime_extra, runtime_timings
 from protocol.redact import mask_url_credentials
 from runtime_worker.backends.base import (
     Backend, BackendLoadError, Event, Finished, JobError, OutputLimits, PartsDelta, TextDelta)
@@ -192,6 +192,8 @@ class OpenAIClient:
         seen = {0}  # choice indexes that produced output (choice 0 always owes a finish_reason)
         usage, timings, produced, done = None, None, 0, False
         carried = 0  # output tokens the events so far carry (live_count)
+        closing: dict = {}  # the runtime's own fields of its finish and usage chunks (Done.extra)
+        usage_on_finish = False
         async with aclosing(sse_data(upstream, self.limits.max_upstream_line_bytes)) as lines:
             async for data in lines:
                 if data == b"[DONE]":
@@ -204,28 +206,45 @@ class OpenAIClient:
                     raise runtime_reported(chunk["error"])
                 if chunk.get("usage"):
                     usage = chunk["usage"]
+                    usage_on_finish = usage_on_finish or bool(chunk.get("choices"))  # not the include_usage chunk
                 if chunk.get("timings"):  # llama-server's, on its last chunk (the usage chunk, if asked for)
                     timings = chunk["timings"]
                 made = live_count(chunk)
+                extra = checked_extra(chunk) if chunk.keys() - EXTRA_OWNED else None
+                events, finishing = [], bool(chunk.get("usage"))
                 for choice in chunk.get("choices") or ():
                     index = choice_index(choice, choices)
                     event = choice_event(choice, chat, index=index)
                     if event is not None:
                         seen.add(index)
-                        produced += 1
-                        if made is not None:  # the runtime counts: this event carries what it made since
-                            event = dataclasses.replace(event, tokens=max(0, made - carried))
-                            carried = max(carried, made)
-                        yield event
+                        if opening_only(event):  # no output token: usage's stand-in does not count it
+                            event = dataclasses.replace(event, tokens=0)
+                        else:
+                            produced += 1
+                            if made is not None:  # the runtime counts: this event carries what it made since
+                                event = dataclasses.replace(event, tokens=max(0, made - carried))
+                                carried = max(carried, made)
+                        events.append(event)
                     if choice.get("finish_reason"):
                         finishes[index] = str(choice["finish_reason"])
+                        finishing = True
+                if extra:  # a closing chunk's own fields go with the closing, another's with what it brought
+                    if finishing:
+                        closing.update(extra)
+                        checked_size(closing)
+                    elif events:
+                        events[-1] = with_extra(events[-1], extra)
+                    else:
+                        events.append(PartsDelta([{"k": "extra", "x": extra, "alone": True}], tokens=0))
+                for event in events:
+                    yield event
         # a stream cut short is no success, whatever it held: never a made-up "stop"
         if not done:
             raise JobError(ErrorCode.RUNTIME_ERROR, "the runtime's stream ended before [DONE] (cut short)")
         if unfinished := sorted(seen - finishes.keys()):
             raise JobError(ErrorCode.RUNTIME_ERROR,
                            f"the runtime's stream ended with no finish_reason for choice {unfinished[0]}")
-        yield finished(finishes, usage, produced, timings)
+        yield finished(finishes, usage, produced, timings, closing, usage_on_finish)
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -260,6 +279,7 @@ def answer_events(raw: bytes, chat: bool, choices: int) -> list[Event]:
         if chat:  # a message is one delta holding everything; its tool calls are numbered by place
             message = choice.get("message") or {}
             calls = [{**call, "index": n} for n, call in enumerate(message.get("tool_calls") or ())]
+            message = {k: v for k, v in message.items() if k != "role"}  # a whole answer has no opening to relay
             choice = {"delta": {**message, "tool_calls": calls}, "logprobs": choice.get("logprobs"),
                       "finish_reason": choice.get("finish_reason")}
         if (event := choice_event(choice, chat, index=index)) is not None:
@@ -269,13 +289,34 @@ def answer_events(raw: bytes, chat: bool, choices: int) -> list[Event]:
         finishes[index] = str(choice["finish_reason"])
     if 0 not in finishes:
         raise JobError(ErrorCode.RUNTIME_ERROR, "the runtime's answer has no choice 0")
-    return [*events, finished(finishes, answer.get("usage"), len(events), answer.get("timings"))]
+    return [*events, finished(finishes, answer.get("usage"), len(events), answer.get("timings"),
+                              checked_extra(answer))]
 
 
-def finished(finishes: dict[int, str], usage, produced: int, timings=None) -> Finished:
+def checked_size(extra: dict) -> dict:
+    if len(json.dumps(extra, separators=(",", ":"))) > MAX_EXTRA_BYTES:
+        raise JobError(ErrorCode.RUNTIME_ERROR, f"the runtime's own fields of one chunk or answer are over the "
+                       f"pool's {MAX_EXTRA_BYTES} byte bound on them")
+    return extra
+
+
+def checked_extra(obj: dict) -> dict:
+    """The runtime's own top-level fields of a chunk or answer, within MAX_EXTRA_BYTES."""
+    return checked_size(runtime_extra(obj))
+
+
+def with_extra(event: TextDelta | PartsDelta, extra: dict) -> PartsDelta:
+    """`event` with its chunk's own fields after it (an "extra" part)."""
+    parts = [{"k": "text", "i": 0, "t": event.text}] if isinstance(event, TextDelta) else list(event.parts)
+    return PartsDelta([*parts, {"k": "extra", "x": extra}], tokens=event.tokens)
+
+
+def finished(finishes: dict[int, str], usage, produced: int, timings=None, extra: dict | None = None,
+             usage_on_finish: bool = False) -> Finished:
     """The end of a completion: per choice finish reasons (below the request's
     `n`, so at most MAX_CHOICES; a choice that said nothing at all stopped), usage
-    and the runtime's own timings (llama-server's `timings`; none from most others)."""
+    and the runtime's own timings (llama-server's `timings`; none from most others),
+    and its own fields of its closing chunks or whole answer, relayed (`extra`)."""
     usage = usage if isinstance(usage, dict) else {}
     reasons = tuple(finishes.get(i, "stop") for i in range(max(finishes) + 1))
     details = usage.get("prompt_tokens_details")
@@ -285,7 +326,8 @@ def finished(finishes: dict[int, str], usage, produced: int, timings=None) -> Fi
                     # None when the runtime did not say: never a made-up 0
                     cached_tokens=cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0
                     else None,
-                    timings=runtime_timings(timings) or None,
+                    timings=runtime_timings(timings) or None, extra=extra or None,
+                    usage_on_finish=usage_on_finish,
                     reasoning_tokens=int((usage.get("completion_tokens_details") or {}).get("reasoning_tokens")
                                          or 0))
 
@@ -323,19 +365,21 @@ def choice_event(choice: dict, chat: bool, index: int | None = None) -> TextDelt
     tool calls). `index`: the choice's, checked (choice_index) by the caller."""
     if index is None:
         index = choice_index(choice, MAX_CHOICES)
+    parts: list[dict] = []
     if chat:
         delta = choice.get("delta") or {}
         text = delta.get("content")
         lp = (choice.get("logprobs") or {}).get("content")
-        if index == 0 and text and not lp and not (delta.get("tool_calls") or delta.get("reasoning_content")
-                                                   or delta.get("reasoning") or delta.get("refusal")):
+        if "role" in delta:  # the runtime opens the message: its empty fields, as it sent them
+            parts.append({"k": "open", "i": index, "d": opening_fields(delta)})
+        elif index == 0 and text and not lp and not (delta.get("tool_calls") or delta.get("reasoning_content")
+                                                     or delta.get("reasoning") or delta.get("refusal")):
             return TextDelta(text)
     else:
         delta = {}
         text, lp = choice.get("text"), choice.get("logprobs")
         if index == 0 and not lp and text:
             return TextDelta(text)
-    parts: list[dict] = []
     reasoning = delta.get("reasoning_content") or delta.get("reasoning")  # llama-server / newer vLLM
     if reasoning:
         parts.append({"k": "reasoning", "i": index, "t": reasoning})
@@ -358,6 +402,17 @@ def choice_event(choice: dict, chat: bool, index: int | None = None) -> TextDelt
             part["name"] = function["name"]
         parts.append(part)
     return PartsDelta(parts) if parts else None
+
+
+def opening_only(event: TextDelta | PartsDelta) -> bool:
+    return isinstance(event, PartsDelta) and all(part["k"] == "open" for part in event.parts)
+
+
+def opening_fields(delta: dict) -> dict:
+    """The empty fields of a runtime's opening delta (llama-server's "content": null, vLLM's
+    "content": "", OpenAI's "refusal": null), a few at most: what it holds is parts of its own."""
+    fields = {k: v for k, v in delta.items() if k != "role" and v in (None, "") and len(k) <= 64}
+    return dict(list(fields.items())[:OPEN_FIELDS])
 
 
 class OpenAIServerBackend(Backend):

@@ -334,7 +334,7 @@ class MessagesStream(OneAtATime):
             self._text_pre = (self.index, pre)
         return b"".join((pre, _json_str(text).encode(), b"}}\n\n"))
 
-    def opening(self) -> list[dict]:
+    def opening(self, first=None) -> list[dict]:
         return [_event("message_start", message={
             "id": self.msg_id, "type": "message", "role": "assistant", "model": self.req.model, "content": [],
             "stop_reason": None, "stop_sequence": None, "usage": _usage(None)})]

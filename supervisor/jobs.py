@@ -59,7 +59,7 @@ def output_size(delta: Delta) -> int:
     size = len(delta.text)
     for part in delta.parts:
         size += 16 + len(part.get("t") or "") + len(part.get("args") or "") + len(part.get("name") or "")
-        lp = part.get("lp")
+        lp = part.get("lp", part.get("x"))  # logprobs, or a runtime's own fields (an "extra" part)
         if lp is not None:
             stack = [lp]
             while stack:

@@ -15,6 +15,7 @@ import msgspec
 from msgspec import Meta
 
 from protocol import Delta, Done, delta_parts
+from protocol.messages import EXTRA_OWNED, RELAY_KINDS
 from protocol.errors import PoolError
 from protocol.choices import MAX_CHOICES
 
@@ -100,7 +101,7 @@ def first_choice_parts(event: Delta):
     """Choice 0's parts of a delta, in order, each as (what it holds, part): "text", "reasoning"
     or ("tool", n). A response or a message has one choice; a refusal's text is text."""
     for part in delta_parts(event) if event.parts else ({"k": "text", "t": event.text},):
-        if part.get("i", 0) == 0:
+        if part.get("i", 0) == 0 and part["k"] not in RELAY_KINDS:
             kind = part["k"]
             yield ("tool", part.get("n", 0)) if kind == "tool" else "reasoning" if kind == "reasoning" else "text", part
 
@@ -172,8 +173,10 @@ class Choices:
         if delta.text:
             self._choice(0).text.append(delta.text)
         for part in delta.parts:
-            choice = self._choice(part.get("i", 0))
             kind = part["k"]
+            if kind in RELAY_KINDS:  # how a stream was framed: a whole answer has its own frame
+                continue
+            choice = self._choice(part.get("i", 0))
             if kind == "tool":
                 call = choice.tools.setdefault(part.get("n", 0), {"id": None, "name": None, "args": []})
                 call["id"] = call["id"] or part.get("id")
@@ -209,11 +212,17 @@ def _tool_calls(choice: _Choice) -> list[dict]:
 def chat_usage(usage: dict) -> dict:
     i, o = int(usage.get("input_tokens", 0)), int(usage.get("output_tokens", 0))
     out: dict[str, Any] = {"prompt_tokens": i, "completion_tokens": o, "total_tokens": i + o}
-    if usage.get("cached_tokens"):
+    if "cached_tokens" in usage:  # the runtime said so, 0 included (absent: it did not say)
         out["prompt_tokens_details"] = {"cached_tokens": usage["cached_tokens"]}
     if usage.get("reasoning_tokens"):
         out["completion_tokens_details"] = {"reasoning_tokens": usage["reasoning_tokens"]}
     return out
+
+
+def runtime_fields(extra: dict) -> dict:
+    """A runtime's own top-level fields (an "extra" part, Done.extra), less any the pool
+    makes itself: the worker left those out, and a chunk never names a field twice."""
+    return {k: v for k, v in extra.items() if k not in EXTRA_OWNED}
 
 
 # -- Chat Completions objects -----------------------------------------------------------------------
@@ -235,7 +244,7 @@ def chat_completion(model: str, choices: Choices, done: Done) -> dict:
         out.append({"index": index, "message": message, "finish_reason": reason,
                     "logprobs": {"content": c.lp} if c.lp is not None else None})
     return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": out, "usage": chat_usage(done.usage)}
+            "choices": out, "usage": chat_usage(done.usage), **runtime_fields(done.extra)}
 
 
 def _chat_part_delta(part: dict) -> dict:
@@ -257,28 +266,41 @@ def _chat_part_delta(part: dict) -> dict:
 class ChatStream:
     """Builds the SSE chunks of one streamed chat completion (same interface
     as ResponsesStream: opening, delta, closing, failed). A plain text delta
-    is one small chunk; each typed part is a chunk of its own choice."""
+    is one small chunk; each typed part is a chunk of its own choice. A runtime
+    that speaks OpenAI frames its stream as it does: its opening delta of a
+    choice ("open" parts) and its own top-level fields ("extra" parts, Done.extra)
+    come back in the chunks they came in."""
 
     def __init__(self, model: str, include_usage: bool) -> None:
         self.model = model
         self.include_usage = include_usage
         self.id = new_id("chatcmpl")
         self.created = int(time.time())
-        self.opened = {0}  # choices whose first chunk (with the role) is out
+        self.opened: set[int] = set()  # choices whose first chunk (with the role) is out
         self._head = json.dumps({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                                  "model": model}, separators=(",", ":"))[:-1]  # ends before the closing brace
 
-    def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+    def _chunk(self, choices: list[dict], usage: dict | None = None, extra: dict | None = None) -> dict:
         tail = {"choices": choices}
         if usage is not None:
             tail["usage"] = usage
+        if extra:
+            tail.update(runtime_fields(extra))
         return {"data": self._head + "," + json.dumps(tail, separators=(",", ":"))[1:]}
 
-    def chunk(self, delta: dict, finish_reason: str | None = None, index: int = 0, logprobs=None) -> dict:
-        return self._chunk([{"index": index, "delta": delta, "finish_reason": finish_reason,
-                             "logprobs": logprobs}])
+    @staticmethod
+    def entry(delta: dict, finish_reason: str | None = None, index: int = 0, logprobs=None) -> dict:
+        return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
 
-    def opening(self) -> list[dict]:
+    def chunk(self, delta: dict, finish_reason: str | None = None, index: int = 0, logprobs=None) -> dict:
+        return self._chunk([self.entry(delta, finish_reason, index, logprobs)])
+
+    def opening(self, first=None) -> list[dict]:
+        """The first chunk: the runtime's own opening, when its first output holds one
+        (llama-server's "content": null), else OpenAI's ("content": "")."""
+        if isinstance(first, Delta) and any(part["k"] == "open" and part.get("i", 0) == 0 for part in first.parts):
+            return []  # delta() gives it, as the runtime sent it
+        self.opened.add(0)
         return [self.chunk({"role": "assistant", "content": ""})]
 
     def text_sse(self, text: str) -> bytes:
@@ -296,22 +318,52 @@ class ChatStream:
     _text_post = b'},"finish_reason":null,"logprobs":null}]}\n\n'
 
     def delta(self, event: Delta) -> list[dict]:
-        events = [self.chunk({"content": event.text})] if event.text else []
+        out: list[list] = [[self.entry({"content": event.text}), None]] if event.text else []  # [entry, extra]
+        opening = None  # the entry of a runtime's opening just made: its next part may join it
         for part in event.parts:
+            kind = part["k"]
+            if kind == "extra":  # the runtime's own fields of the chunk the parts before came in
+                if out and out[-1][1] is None and not part.get("alone"):
+                    out[-1][1] = part["x"]
+                else:
+                    out.append([None, part["x"]])
+                continue
             index = part.get("i", 0)
-            delta = _chat_part_delta(part)
+            if kind == "open":
+                self.opened.add(index)
+                opening = self.entry({"role": "assistant", **part.get("d", {})}, index=index)
+                out.append([opening, None])
+                continue
+            delta, lp = self.part_delta(part), part.get("lp")
+            if (opening is not None and opening["index"] == index and out[-1][0] is opening and out[-1][1] is None
+                    and not opening["delta"].keys() & delta.keys()):
+                opening["delta"].update(delta)  # the runtime opened with this output: one chunk, as it sent it
+                opening["logprobs"] = {"content": lp} if lp is not None else None
+                opening = None
+                continue
+            opening = None
             if index not in self.opened:
                 self.opened.add(index)
                 delta = {"role": "assistant", **delta}
-            lp = part.get("lp")
-            events.append(self.chunk(delta, index=index, logprobs={"content": lp} if lp is not None else None))
-        return events
+            out.append([self.entry(delta, index=index, logprobs={"content": lp} if lp is not None else None), None])
+        return [self._chunk([entry] if entry is not None else [], extra=extra) for entry, extra in out]
+
+    @staticmethod
+    def part_delta(part: dict) -> dict:
+        return _chat_part_delta(part)
 
     def closing(self, done: Done) -> list[dict]:
-        reasons = finish_reasons(done, max(len(done.finish_reasons), max(self.opened) + 1))
-        events = [self.chunk({}, reason, index) for index, reason in enumerate(reasons)]
-        if self.include_usage:
-            events.append(self._chunk([], usage=chat_usage(done.usage)))
+        """A finish chunk per choice, usage (on the last finish chunk where the runtime put
+        it there unasked, else in a chunk of its own if the client asked), and the
+        runtime's own fields of its closing chunks on the last chunk, as llama-server does."""
+        reasons = finish_reasons(done, max(len(done.finish_reasons), max(self.opened, default=0) + 1))
+        out: list[list] = [[[self.entry({}, reason, index)], None] for index, reason in enumerate(reasons)]
+        if done.usage_on_finish:
+            out[-1][1] = chat_usage(done.usage)
+        elif self.include_usage:
+            out.append([[], chat_usage(done.usage)])
+        events = [self._chunk(choices, usage, done.extra if n == len(out) - 1 else None)
+                  for n, (choices, usage) in enumerate(out)]
         events.append({"data": "[DONE]"})
         return events
 
@@ -327,7 +379,7 @@ def text_completion(model: str, choices: Choices, done: Done) -> dict:
             "logprobs": choices.get(index).lp}
            for index, reason in enumerate(finish_reasons(done, choices.count(done)))]
     return {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": out, "usage": chat_usage(done.usage)}
+            "choices": out, "usage": chat_usage(done.usage), **runtime_fields(done.extra)}
 
 
 class CompletionStream(ChatStream):
@@ -339,11 +391,12 @@ class CompletionStream(ChatStream):
         self._head = json.dumps({"id": self.id, "object": "text_completion", "created": self.created,
                                  "model": model}, separators=(",", ":"))[:-1]
 
-    def chunk(self, delta: dict, finish_reason: str | None = None, index: int = 0, logprobs=None) -> dict:
-        return self._chunk([{"index": index, "text": delta.get("content", ""), "finish_reason": finish_reason,
-                             "logprobs": logprobs}])
+    @staticmethod
+    def entry(delta: dict, finish_reason: str | None = None, index: int = 0, logprobs=None) -> dict:
+        return {"index": index, "text": delta.get("content", ""), "finish_reason": finish_reason,
+                "logprobs": logprobs}
 
-    def opening(self) -> list[dict]:
+    def opening(self, first=None) -> list[dict]:
         return []
 
     def _text_prefix(self) -> bytes:
@@ -352,13 +405,18 @@ class CompletionStream(ChatStream):
     _text_post = b',"finish_reason":null,"logprobs":null}]}\n\n'
 
     def delta(self, event: Delta) -> list[dict]:
-        events = [self.chunk({"content": event.text})] if event.text else []
+        out: list[list] = [[self.entry({"content": event.text}), None]] if event.text else []  # [entry, extra]
         for part in event.parts:
-            if part["k"] == "text":
+            if part["k"] == "extra":  # the runtime's own fields of the chunk the text before came in
+                if out and out[-1][1] is None and not part.get("alone"):
+                    out[-1][1] = part["x"]
+                else:
+                    out.append([None, part["x"]])
+            elif part["k"] == "text":
                 self.opened.add(part.get("i", 0))
-                events.append(self.chunk({"content": part.get("t", "")}, index=part.get("i", 0),
-                                         logprobs=part.get("lp")))
-        return events
+                out.append([self.entry({"content": part.get("t", "")}, index=part.get("i", 0),
+                                       logprobs=part.get("lp")), None])
+        return [self._chunk([entry] if entry is not None else [], extra=extra) for entry, extra in out]
 
 
 # -- embeddings -------------------------------------------------------------------------------------

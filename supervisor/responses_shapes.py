@@ -13,9 +13,10 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from protocol import Done
+from protocol import Delta, Done
 from protocol.errors import ErrorCode, PoolError
-from supervisor.openai_shapes import Choices, ModelName, OneAtATime, OutputTokens, Temperature, new_id
+from supervisor.openai_shapes import (
+    Choices, ModelName, OneAtATime, OutputTokens, Temperature, new_id, runtime_fields)
 from supervisor.request_bounds import echo
 
 # Responses fields about the Responses API's own storage and delivery: the pool stores
@@ -261,6 +262,7 @@ def response_json(req: ResponsesRequest, choices: Choices, done: Done) -> dict:
     for _, call in sorted(c.tools.items()):
         output.append(function_call_item(new_id("fc"), call["id"] or new_id("call"), call["name"] or "",
                                          "".join(call["args"]), "completed"))
+    # no runtime's own fields on a whole response: llama-server's own Responses API has none there either
     return response_object(req, new_id("resp"), int(time.time()), status=status, output=output,
                            usage=done.usage, reason=reason)
 
@@ -280,13 +282,39 @@ class ResponsesStream(OneAtATime):
         self.key = None  # what the open item holds: "text", "reasoning", or ("tool", n)
         self.buffer: list[str] = []  # the open item's text or arguments so far
 
-    def _event(self, type_: str, **fields: Any) -> dict:
-        event = {"event": type_, "data": json.dumps(
-            {"type": type_, "sequence_number": self.seq, **fields}, separators=(",", ":"))}
+    def _event(self, type_: str, extra: dict | None = None, **fields: Any) -> dict:
+        data = {"type": type_, "sequence_number": self.seq, **fields}
+        if extra:  # the runtime's own fields (llama-server's timings, prompt_progress) beside the event's
+            data.update({k: v for k, v in runtime_fields(extra).items() if k not in data})
+        event = {"event": type_, "data": json.dumps(data, separators=(",", ":"))}
         self.seq += 1
         return event
 
-    def opening(self) -> list[dict]:
+    def delta(self, event: Delta) -> list[dict]:
+        """The events of a delta; a runtime's own fields of a chunk ("extra" parts) go on the
+        last event its output made, as llama-server's Responses stream has them, or on a
+        response.in_progress event of their own (prompt progress, before any output)."""
+        if not any(part["k"] == "extra" for part in event.parts):
+            return super().delta(event)
+        events: list[dict] = []
+        run: list[dict] = []
+        for part in event.parts if not event.text else [{"k": "text", "t": event.text}, *event.parts]:
+            if part["k"] != "extra":
+                run.append(part)
+                continue
+            made = super().delta(Delta(job=event.job, parts=run)) if run else []
+            run = []
+            if made and not part.get("alone"):
+                last = json.loads(made[-1]["data"])
+                last.update({k: v for k, v in runtime_fields(part["x"]).items() if k not in last})
+                made[-1]["data"] = json.dumps(last, separators=(",", ":"))
+            else:
+                obj = response_object(self.req, self.resp_id, self.created_at, status="in_progress", output=[])
+                made.append(self._event("response.in_progress", part["x"], response=obj))
+            events += made
+        return events + (super().delta(Delta(job=event.job, parts=run)) if run else [])
+
+    def opening(self, first=None) -> list[dict]:
         obj = response_object(self.req, self.resp_id, self.created_at, status="in_progress", output=[])
         return [self._event("response.created", response=obj), self._event("response.in_progress", response=obj)]
 
@@ -357,7 +385,7 @@ class ResponsesStream(OneAtATime):
         events += self._close("completed" if status == "completed" else "incomplete")
         final = response_object(self.req, self.resp_id, self.created_at, status=status, output=self.output,
                                 usage=done.usage, reason=reason)
-        return events + [self._event(f"response.{status}", response=final)]
+        return events + [self._event(f"response.{status}", done.extra, response=final)]
 
     def failed(self, err: PoolError) -> list[dict]:
         obj = response_object(self.req, self.resp_id, self.created_at, status="failed", output=[],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pydantic
 import pytest
@@ -20,7 +21,8 @@ from tests.scripted_openai import ScriptedHandler, serve, sse_chunks
 
 pytestmark = pytest.mark.llama
 
-LLAMA_FLAGS = ["--embeddings", "--pooling", "mean"]
+# a small batch: a prompt of a few hundred tokens is processed in several steps (return_progress)
+LLAMA_FLAGS = ["--embeddings", "--pooling", "mean", "-b", "64", "-ub", "64"]
 SLOTS, CTX = 2, 8192
 HI = [{"role": "user", "content": "hi"}]
 
@@ -54,6 +56,22 @@ class ScriptedRuntime(ScriptedHandler):
                 {"error": {"message": "scripted refusal: bad tool schema", "type": "invalid_request_error"}})
         # usage: always in a whole answer, in a stream only when asked for
         usage = USAGE if (body.get("stream_options") or {}).get("include_usage") or not body.get("stream") else None
+        if body.get("messages", [{}])[-1].get("content") == "huge extra":  # its own field, over the pool's bound
+            chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m", "x_debug": "d" * (1 << 20),
+                     "choices": [{"index": 0, "delta": {"content": "a"}}]}
+            return 200, "text/event-stream", f"data: {json.dumps(chunk)}\n\n" + sse_chunks(
+                [{"index": 0, "delta": {}, "finish_reason": "stop"}], usage)
+        if body.get("messages", [{}])[-1].get("content") == "own fields":  # a runtime's fields of its own
+            head = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m"}
+            chunks = [{**head, "x_progress": {"done": 1}, "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                                          "content": ""}}]},
+                      {**head, "x_tick": 1, "choices": [{"index": 0, "delta": {"content": "a"}}]},
+                      {**head, "choices": [{"index": 0, "delta": {"content": "b"}}]},
+                      {**head, "x_note": "alone", "choices": []},
+                      {**head, "x_end": {"n": 2}, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
+            if usage:
+                chunks.append({**head, "choices": [], "usage": usage})
+            return 200, "text/event-stream", "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
         n = body.get("n") or 1  # a runtime answers the choices asked for (the pool refuses others)
         return 200, "text/event-stream", sse_chunks([c for c in SCRIPT if c["index"] < n], usage)
 
@@ -65,12 +83,17 @@ def scripted():
 
 
 @pytest.fixture(scope="module")
-def direct(llama_server_bin, tiny_gguf, tmp_path_factory):
+def direct_url(llama_server_bin, tiny_gguf, tmp_path_factory):
     """A llama-server started by the test, with the flags the pool's gets; always killed."""
     log = tmp_path_factory.mktemp("direct") / "llama.log"
     with direct_llama_server(llama_server_bin, tiny_gguf, ["-c", str(CTX), "-np", str(SLOTS), *LLAMA_FLAGS],
                              log) as url:
-        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        yield url
+
+
+@pytest.fixture(scope="module")
+def direct(direct_url):
+    return openai.OpenAI(base_url=direct_url + "/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -386,3 +409,156 @@ def test_responses_refuse_what_they_cannot_map(client):
     with pytest.raises(openai.BadRequestError) as err:  # a backend that cannot honour tools says so
         client.responses.create(model="syn", input="x", tools=RESPONSES_TOOLS)
     assert err.value.code == "unsupported_parameter" and err.value.param == "tools"
+
+
+# -- to the letter: what llama-server frames its answer with, the pool relays ---------------------------------
+# (what the pool makes itself: the model name, ids, created, system_fingerprint; README "API fidelity")
+POOL_OWNED = {"id", "created", "model", "system_fingerprint"}
+LONG = [{"role": "user", "content": "This is a test " * 40}]  # several 64-token batches (return_progress)
+
+
+def sse_json(base: str, path: str, body: dict) -> list[dict]:
+    """The data events of one streamed answer, as JSON objects, in order."""
+    with httpx.stream("POST", base + path, json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[6:]) for line in r.iter_lines()
+                if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def framing(chunks: list[dict]) -> list[tuple]:
+    """What a chunk holds besides its text and numbers: which fields at the top, and its
+    choices' deltas' keys with their empty values (the opening's null, a finish's {}). A run
+    of alike chunks counts once: the pool joins the tokens of a client that fell behind."""
+    out: list[tuple] = []
+    for chunk in chunks:
+        deltas = tuple((c.get("finish_reason"), tuple(sorted((k, v) for k, v in (c.get("delta") or {}).items()
+                                                             if v in (None, "", "assistant"))))
+                       for c in chunk.get("choices") or ())
+        frame = (tuple(sorted(chunk.keys() - POOL_OWNED)), deltas)
+        if not out or out[-1] != frame:
+            out.append(frame)
+    return out
+
+
+def test_a_stream_opens_as_the_runtime_opens_it(direct_url, pool):
+    """llama-server's first chunk is the role with "content": null; the pool's too. Every
+    chunk, first to last, holds the fields and the empty values llama-server's held."""
+    ask = {"messages": HI, "max_tokens": 5, "temperature": 0, "stream": True}
+    want = sse_json(direct_url, "/v1/chat/completions", {"model": "x", **ask})
+    got = sse_json(pool.url, "/v1/chat/completions", {"model": "tiny", **ask})
+    assert got[0]["choices"][0]["delta"] == want[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    assert framing(got) == framing(want)
+    assert all("role" not in c["choices"][0]["delta"] for c in got[1:])
+    assert "timings" in got[-1] and got[-1]["timings"].keys() == want[-1]["timings"].keys()
+    # a backend with no OpenAI server of its own opens as OpenAI does
+    syn = sse_json(pool.url, "/v1/chat/completions", {"model": "syn", "messages": HI, "stream": True})
+    assert syn[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+
+
+def test_cached_tokens_0_is_what_the_runtime_said(direct_url, pool):
+    ask = {"messages": HI, "max_tokens": 2, "temperature": 0, "cache_prompt": False}
+    want = httpx.post(direct_url + "/v1/chat/completions", json={"model": "x", **ask}, timeout=60).json()
+    got = pool.http.post("/v1/chat/completions", json={"model": "tiny", **ask}).json()
+    assert got["usage"] == want["usage"] and want["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    stream = {**ask, "stream": True, "stream_options": {"include_usage": True}}
+    want = sse_json(direct_url, "/v1/chat/completions", {"model": "x", **stream})[-1]
+    got = sse_json(pool.url, "/v1/chat/completions", {"model": "tiny", **stream})[-1]
+    assert got["usage"] == want["usage"] and got["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert got["choices"] == want["choices"] == []
+
+
+def test_a_legacy_stream_has_the_usage_llama_server_sends_unasked(direct_url, pool):
+    ask = {"prompt": "the pool", "max_tokens": 4, "temperature": 0, "stream": True, "cache_prompt": False}
+    for extra in ({}, {"stream_options": {"include_usage": True}}):  # llama-server puts it on its last chunk, always
+        want = sse_json(direct_url, "/v1/completions", {"model": "x", **ask, **extra})
+        got = sse_json(pool.url, "/v1/completions", {"model": "tiny", **ask, **extra})
+        assert framing(got) == framing(want)
+        assert got[-1]["usage"] == want[-1]["usage"] and got[-1]["usage"]["completion_tokens"] == 4
+        assert got[-1]["choices"][0]["finish_reason"] == want[-1]["choices"][0]["finish_reason"] == "length"
+        assert "".join(c["choices"][0]["text"] for c in got) == "".join(c["choices"][0]["text"] for c in want)
+        assert got[-1]["timings"]["predicted_n"] == want[-1]["timings"]["predicted_n"] == 4
+
+
+def test_timings_per_token_and_return_progress_pass_both_ways(direct_url, pool):
+    ask = {"messages": LONG, "max_tokens": 4, "temperature": 0, "stream": True, "cache_prompt": False,
+           "stream_options": {"include_usage": True}, "timings_per_token": True, "return_progress": True}
+    want = sse_json(direct_url, "/v1/chat/completions", {"model": "x", **ask})
+    got = sse_json(pool.url, "/v1/chat/completions", {"model": "tiny", **ask})
+    assert framing(got) == framing(want)
+
+    def progress(chunks):
+        return [{k: v for k, v in c["prompt_progress"].items() if k != "time_ms"}
+                for c in chunks if "prompt_progress" in c]
+    assert len(progress(want)) > 1 and progress(got) == progress(want)
+    assert got[-1]["choices"] == [] and got[-1]["usage"] == want[-1]["usage"]
+    assert got[-1]["timings"]["predicted_n"] == want[-1]["timings"]["predicted_n"] == 4
+
+    del ask["return_progress"]  # llama-server's own test_chat_completion_with_timings_per_token
+    want = sse_json(direct_url, "/v1/chat/completions", {"model": "x", **ask})
+    got = sse_json(pool.url, "/v1/chat/completions", {"model": "tiny", **ask})
+    assert framing(got) == framing(want)
+    assert "timings" not in got[0] and got[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    texts = [c for c in got if c["choices"] and c["choices"][0]["delta"].get("content")]
+    assert texts and all("predicted_per_second" in c["timings"] for c in texts)
+
+
+def test_verbose_answers_carry_the_runtimes_own_record(direct_url, pool):
+    ask = {"messages": [{"role": "system", "content": "Book"}, *HI], "max_tokens": 3, "temperature": 0,
+           "verbose": True}
+    want = httpx.post(direct_url + "/v1/chat/completions", json={"model": "x", **ask}, timeout=60).json()
+    got = pool.http.post("/v1/chat/completions", json={"model": "tiny", **ask}).json()
+    assert "Book" in got["__verbose"]["prompt"] and got["__verbose"]["prompt"] == want["__verbose"]["prompt"]
+    assert got["__verbose"]["content"] == want["__verbose"]["content"] == got["choices"][0]["message"]["content"]
+    assert got["timings"]["predicted_n"] == want["timings"]["predicted_n"] == 3
+    quiet = pool.http.post("/v1/chat/completions", json={"model": "tiny", **ask, "verbose": False}).json()
+    assert "__verbose" not in quiet and "timings" in quiet
+    legacy = pool.http.post("/v1/completions", json={"model": "tiny", "prompt": "Book", "max_tokens": 2,
+                                                     "verbose": True}).json()
+    assert legacy["__verbose"]["prompt"].endswith("Book")
+
+
+def test_responses_carry_llama_servers_telemetry(direct_url, pool):
+    """llama-server's own test (test_responses_stream_with_llama_telemetry) through the pool:
+    prompt progress on response.in_progress events, timings on text deltas and on the end."""
+    ask = {"input": LONG[0]["content"], "max_output_tokens": 4, "temperature": 0, "stream": True,
+           "timings_per_token": True, "return_progress": True}
+    for url, model in ((direct_url, "x"), (pool.url, "tiny")):
+        events = sse_json(url, "/v1/responses", {"model": model, **ask})
+        progress = [e for e in events if "prompt_progress" in e]
+        assert progress and {e["type"] for e in progress} == {"response.in_progress"}, (url, events)
+        assert progress[-1]["prompt_progress"]["processed"] == progress[-1]["prompt_progress"]["total"] > 0
+        assert any(e["type"] == "response.output_text.delta" and "predicted_per_second" in e.get("timings", {})
+                   for e in events), url
+        assert "timings" in events[-1] and events[-1]["type"] in ("response.completed", "response.incomplete")
+        assert "usage" in events[-1]["response"]
+
+
+def test_the_runtimes_own_request_fields_reach_it(client, scripted):
+    """llama-server's request extensions reach the runtime as sent, from every surface."""
+    own = {"return_progress": True, "timings_per_token": True, "verbose": True}
+    for call in (lambda: client.chat.completions.create(model="scripted", messages=HI, extra_body=own),
+                 lambda: client.completions.create(model="scripted", prompt="x", extra_body=own),
+                 lambda: client.responses.create(model="scripted", input="x", extra_body=own)):
+        scripted.bodies.clear()
+        try:
+            call()
+        except openai.APIError:
+            pass  # the scripted runtime answers chat only; what it was sent is what counts here
+        assert {k: scripted.bodies[-1].get(k) for k in own} == own
+
+
+def test_a_runtimes_own_fields_are_bounded(client):
+    with pytest.raises(openai.InternalServerError) as err:
+        client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "huge extra"}],
+                                       stream=True)
+    assert err.value.status_code == 502 and "byte bound" in err.value.message
+    assert client.chat.completions.create(model="scripted", messages=HI).choices  # and it serves on
+
+
+def test_a_remote_runtimes_own_fields_come_back_on_their_chunks(pool, scripted):
+    ask = {"messages": [{"role": "user", "content": "own fields"}], "stream": True}
+    want = sse_json(scripted.url, "/v1/chat/completions", {"model": "m", **ask})
+    got = sse_json(pool.url, "/v1/chat/completions", {"model": "scripted", **ask})
+    assert framing(got) == framing(want)  # vLLM-style opening ("content": ""), each field on its chunk
+    assert [c.get("x_progress") or c.get("x_tick") or c.get("x_note") or c.get("x_end") for c in got] == \
+        [{"done": 1}, 1, None, "alone", {"n": 2}]

@@ -5,7 +5,9 @@ so assertions are about token counts, finish reasons, usage and processes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -75,47 +77,97 @@ def test_sdk_calls_through_llama_server(make_pool, tiny_gguf, llama_server_bin):
     assert [c["name"] for c in worker["children"]] == ["llama-server"]
 
 
+def lasting(pool, seconds: float, most: int = 12_000) -> int:
+    """How many tokens one generation needs to last about `seconds` on this machine now (at
+    most `most`, near the slot's context), measured: generations of 250, 500, ... tokens until
+    one lasts half that, then scaled up. The tiny model's cost per token grows with the
+    context, between linear and quadratic in the tokens, so the square root of the time still
+    to go is the scale (the result lasts 0.7 to 1 times `seconds`). A test that must catch a
+    generation midway sizes it from this, so that it runs long enough to be caught however
+    slow or busy the machine is."""
+    tokens = 250
+    while True:
+        start = time.monotonic()
+        r = httpx.post(pool.url + "/v1/chat/completions", timeout=300, json={
+            "model": "tiny", "max_tokens": tokens, "messages": [{"role": "user", "content": "rate"}]})
+        elapsed = time.monotonic() - start
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == tokens, r.text
+        if elapsed >= seconds / 2 or tokens >= most:
+            return min(most, int(tokens * math.sqrt(max(1.0, seconds / elapsed))))
+        tokens = min(most, tokens * 2)
+
+
+@contextlib.contextmanager
+def frozen(child: psutil.Process):
+    """llama-server stopped (SIGSTOP) while the block runs, resumed after, whatever happens:
+    what a test looks at while the runtime holds its jobs stays put however slow the machine
+    is (the pool and its worker run on; a request to the runtime waits in its socket)."""
+    child.suspend()
+    try:
+        yield
+    finally:
+        child.resume()
+
+
 def test_concurrency_up_to_slots_and_no_further(make_pool, tiny_gguf, llama_server_bin):
+    """Two generations fill both slots, then two more wait in the queue, never a third in
+    flight; all four are served in full. llama-server is held (frozen) while the four arrive
+    and the pool is looked at, so the full-and-queued state is there to be seen on any
+    machine, and nothing is timed: the work is a few hundred tokens."""
     pool = make_pool([llama("tiny", tiny_gguf, llama_server_bin, slots=2, extra_args=IGNORE_EOS)])
     cap = pool.model("tiny")["effective_target_inflight"]
     assert cap == pool.workers("tiny")[0]["runtime_capacity"] == 2  # /props total_slots
+    long, short = 600, 50
     peak = {"inflight": 0}
 
-    def long_request(i):
-        return httpx.post(pool.url + "/v1/chat/completions", timeout=120, json={
-            "model": "tiny", "max_tokens": 3000, "messages": [{"role": "user", "content": f"q{i}"}]})
+    def request(i, tokens):
+        return httpx.post(pool.url + "/v1/chat/completions", timeout=300, json={
+            "model": "tiny", "max_tokens": tokens, "messages": [{"role": "user", "content": f"q{i}"}]})
 
-    with ThreadPoolExecutor(cap + 2) as ex:
-        futures = [ex.submit(long_request, i) for i in range(cap + 2)]
-
-        def sample():
+    def sample(inflight, queued):
+        def check():
             v = pool.model("tiny")
             peak["inflight"] = max(peak["inflight"], v["runtime_inflight"])
             assert v["runtime_inflight"] <= cap
-            return v["runtime_inflight"] == cap and v["queue_depth"] == 2
-        wait_for(sample, 30, what="slots full and 2 queued")
+            return v["runtime_inflight"] == inflight and v["queue_depth"] == queued
+        return check
+
+    with ThreadPoolExecutor(cap + 2) as ex:
+        with frozen(llama_child(pool, "tiny")):
+            futures = [ex.submit(request, i, long) for i in range(cap)]
+            wait_for(sample(cap, 0), 60, what="both slots busy")
+            futures += [ex.submit(request, cap + i, short) for i in range(2)]
+            wait_for(sample(cap, 2), 60, what="slots full and 2 queued")
         results = [f.result() for f in futures]
-    assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3000 for r in results)
+    assert [r.status_code for r in results] == [200] * (cap + 2)
+    assert [r.json()["usage"]["completion_tokens"] for r in results] == [long] * cap + [short] * 2
     assert peak["inflight"] == cap
 
 
 def test_unload_drains_a_real_generation(make_pool, tiny_gguf, llama_server_bin):
+    """An unload while a generation runs waits for it: the generation runs to its end. Once
+    its first token is out, llama-server is held (frozen) while the unload starts and is seen
+    in progress, then let go: no machine is too slow to see it. The generation lasts ~3 s as
+    measured first, so the hold lands in its middle."""
     pool = make_pool([llama("tiny", tiny_gguf, llama_server_bin, extra_args=IGNORE_EOS)])
     child = llama_child(pool, "tiny")
+    tokens = lasting(pool, 3)
     with ThreadPoolExecutor(2) as ex:
-        with httpx.stream("POST", pool.url + "/v1/responses", timeout=120, json={
-                "model": "tiny", "input": "x", "stream": True, "max_output_tokens": 6000}) as r:
+        with httpx.stream("POST", pool.url + "/v1/responses", timeout=300, json={
+                "model": "tiny", "input": "x", "stream": True, "max_output_tokens": tokens}) as r:
             events = sse_events(r)
             while next(events)["type"] != "response.output_text.delta":
                 pass
-            unload = ex.submit(pool.http.post, "/admin/models/tiny/unload", timeout=120)  # it waits out the drain
-            wait_for(lambda: pool.model("tiny")["state"] == "unloading", 10, what="unloading")
-            assert child.is_running()  # still generating for us
+            with frozen(child):
+                assert pool.model("tiny")["runtime_inflight"] == 1  # mid-generation
+                unload = ex.submit(pool.http.post, "/admin/models/tiny/unload", timeout=300)  # waits out the drain
+                wait_for(lambda: pool.model("tiny")["state"] == "unloading", 60, what="unloading")
+                assert child.is_running() and pool.model("tiny")["runtime_inflight"] == 1  # still ours
             last = None
             for last in events:
                 pass
         assert last["type"] == "response.incomplete"  # it ran to max_output_tokens
-        assert last["response"]["usage"]["output_tokens"] == 6000
+        assert last["response"]["usage"]["output_tokens"] == tokens
         assert unload.result().json()["state"] == "unloaded"
     wait_for(lambda: not child.is_running() or child.status() == psutil.STATUS_ZOMBIE, 10,
              what="llama-server gone")

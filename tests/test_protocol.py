@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import msgpack
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,6 +26,10 @@ MESSAGES = [
     p.Done(job="j", finish_reason="stop", usage={"input_tokens": 1, "output_tokens": 2}),
     p.Error(job=None, code="load_failed", message="no file"), p.Error(job="j", code="runtime_error", message="x"),
     p.Heartbeat(inflight=2), p.Shutdown(), p.Setup(options={"base_url": "https://u:p@h/v1", "env": {"T": "x"}}),
+    p.Delta(job="j", parts=[{"k": "open", "i": 0, "d": {"content": None}}, {"k": "text", "i": 0, "t": "a"},
+                            {"k": "extra", "x": {"timings": {"predicted_n": 1}}}]),
+    p.Done(job="j", finish_reason="length", usage={"input_tokens": 1, "output_tokens": 2, "cached_tokens": 0},
+           extra={"timings": {"predicted_n": 2}, "__verbose": {"prompt": "x"}}, usage_on_finish=True),
 ]
 
 
@@ -48,6 +53,10 @@ def test_malformed_frames_become_typed_errors():
         frame(t="delta", job="j", parts=[{"k": "text", "i": -1, "t": "x"}]): "part field 'i' is not a choice index",
         frame(t="delta", job="j", parts=[{"k": "tool", "n": 0, "args": 5}]): "part field 'args' has type int",
         frame(t="delta", job="j", parts=["x"]): "a part is a str",
+        frame(t="delta", job="j", parts=[{"k": "open", "d": {"content": "text"}}]): "not a few empty ones",
+        frame(t="delta", job="j", parts=[{"k": "open", "d": {str(i): None for i in range(9)}}]): "not a few empty",
+        frame(t="delta", job="j", parts=[{"k": "extra", "x": [1]}]): "part field 'x' has type list",
+        frame(t="done", job="j", finish_reason="stop", extra=[]): "field 'extra' has type list",
         frame(t="delta", job="j", text=5): "field 'text' has type int",
         frame(t="heartbeat", inflight=True): "field 'inflight' has type bool",
         frame(t="ready", capacity="4"): "field 'capacity' has type str",
@@ -248,7 +257,13 @@ def test_a_runtimes_streamed_choices_become_typed_parts():
     from runtime_worker.native_server import choice_event
     assert choice_event({"index": 0, "delta": {"content": "hi", "reasoning_content": None}}, chat=True) == \
         TextDelta("hi")  # the cheap common case
-    assert choice_event({"index": 0, "delta": {"role": "assistant", "content": None}}, chat=True) is None
+    # the runtime's opening of a message is relayed with its empty fields, as it sent them
+    assert choice_event({"index": 0, "delta": {"role": "assistant", "content": None}}, chat=True) == \
+        PartsDelta([{"k": "open", "i": 0, "d": {"content": None}}])  # llama-server
+    assert choice_event({"index": 0, "delta": {"role": "assistant", "content": "", "refusal": None}}, chat=True) == \
+        PartsDelta([{"k": "open", "i": 0, "d": {"content": "", "refusal": None}}])  # vLLM, OpenAI
+    assert choice_event({"index": 1, "delta": {"role": "assistant", "content": "hi"}}, chat=True) == \
+        PartsDelta([{"k": "open", "i": 1, "d": {}}, {"k": "text", "i": 1, "t": "hi"}])
     lp = [{"token": "a", "logprob": -1.0}]
     assert choice_event({"index": 1, "delta": {"content": "a"}, "logprobs": {"content": lp}}, chat=True) == \
         PartsDelta([{"k": "text", "i": 1, "t": "a", "lp": lp}])
@@ -260,6 +275,23 @@ def test_a_runtimes_streamed_choices_become_typed_parts():
         PartsDelta([{"k": "refusal", "i": 0, "t": "no"}])
     assert choice_event({"index": 0, "text": "x", "logprobs": None}, chat=False) == TextDelta("x")
     assert choice_event({"index": 1, "text": "y"}, chat=False) == PartsDelta([{"k": "text", "i": 1, "t": "y"}])
+
+
+def test_a_whole_answer_keeps_the_runtimes_own_fields_within_their_bound():
+    import json
+
+    from runtime_worker.backends.base import Finished, JobError, TextDelta
+    from protocol.messages import MAX_EXTRA_BYTES
+    from runtime_worker.native_server import answer_events
+    answer = {"id": "x", "model": "m", "system_fingerprint": "b1", "timings": {"predicted_n": 2},
+              "__verbose": {"prompt": "p"}, "usage": {"prompt_tokens": 3, "completion_tokens": 2},
+              "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]}
+    text, end = answer_events(json.dumps(answer).encode(), chat=True, choices=1)
+    assert text == TextDelta("hi")  # a whole answer has no opening to relay
+    assert isinstance(end, Finished) and end.extra == {"timings": {"predicted_n": 2}, "__verbose": {"prompt": "p"}}
+    answer["__verbose"] = {"prompt": "p" * MAX_EXTRA_BYTES}
+    with pytest.raises(JobError, match="byte bound"):
+        answer_events(json.dumps(answer).encode(), chat=True, choices=1)
 
 
 def test_a_batch_decodes_to_the_same_messages_in_order():

@@ -509,20 +509,21 @@ def test_an_older_file_gets_the_new_columns_in_place(tmp_path):
 @pytest.mark.llama
 def test_llama_server_reports_cached_tokens_and_its_own_speeds(make_pool, tiny_gguf, llama_server_bin):
     """A prompt sent twice: llama-server serves the second from its prompt cache and says so;
-    its own timings give the phase speeds. The client's answer keeps its shape (no `timings`)."""
+    its own timings give the phase speeds. The client gets them as llama-server sends them
+    (`timings` on a whole answer and on a stream's last chunk: README "API fidelity")."""
     from tests.conftest import llama
 
     pool = make_pool([llama("tiny", tiny_gguf, llama_server_bin, ctx=4096), synthetic("syn", tokens=3, tps=200)])
     prompt = "the pool remembers " * 40
     first = chat(pool, "tiny", prompt, max_tokens=4)
     assert first.status_code == 200, first.text
-    assert "timings" not in first.json()
+    assert first.json()["timings"]["predicted_n"] == 4
     with pool.http.stream("POST", CHAT, json={"model": "tiny", "stream": True, "max_tokens": 4,
                                               "stream_options": {"include_usage": True},
                                               "messages": [{"role": "user", "content": prompt}]}) as r:
         assert r.status_code == 200
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-    assert chunks and not any("timings" in c for c in chunks)
+    assert chunks and [i for i, c in enumerate(chunks) if "timings" in c] == [len(chunks) - 1]
     assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # what the client sees, as before
     assert chat(pool, "syn").status_code == 200
     rows = wait_for(lambda: (rows := logged(pool)) and len(rows) == 3 and rows, 5, what="three rows")

@@ -100,3 +100,79 @@ def test_output_limits_over_the_cap_are_a_400_naming_the_field():
             with pytest.raises(PoolError) as refused:
                 request_body(json.dumps({**data, field: value}).encode(), "application/json", shape)
             assert refused.value.code.value == "invalid_request" and refused.value.param == field
+
+
+# -- a runtime's framing relayed (issue 38): its opening, its own fields, where its usage goes ------------
+
+def _data(events: list[dict]) -> list:
+    return [json.loads(e["data"]) if e["data"] != "[DONE]" else "[DONE]" for e in events]
+
+
+def test_a_chat_stream_frames_its_chunks_as_the_runtime_did():
+    from protocol import Delta, Done
+    shape = ChatStream("m", include_usage=False)
+    progress = {"prompt_progress": {"total": 9, "cache": 0, "processed": 9}}
+    first = Delta(job="j", parts=[{"k": "open", "i": 0, "d": {"content": None}}, {"k": "extra", "x": progress},
+                                  {"k": "open", "i": 0, "d": {"content": None}}, {"k": "text", "i": 0, "t": "a"},
+                                  {"k": "extra", "x": {"timings": {"predicted_n": 1}, "id": "not-the-pool's"}},
+                                  {"k": "open", "i": 1, "d": {}}, {"k": "reasoning", "i": 1, "t": "r"}])
+    assert shape.opening(first) == []  # the runtime's own opening comes with its output
+    chunks = _data(shape.delta(first))
+    assert [c["choices"][0]["delta"] for c in chunks] == [
+        {"role": "assistant", "content": None}, {"role": "assistant", "content": None}, {"content": "a"},
+        {"role": "assistant", "reasoning_content": "r"}]  # an opening without a clash joins its output
+    assert chunks[0]["prompt_progress"] == progress["prompt_progress"] and "prompt_progress" not in chunks[1]
+    assert chunks[2]["timings"] == {"predicted_n": 1} and chunks[2]["id"] == shape.id  # the pool's id stays
+    head = {k: chunks[0][k] for k in ("id", "object", "created", "model")}
+    alone = _data(shape.delta(Delta(job="j", parts=[{"k": "text", "i": 0, "t": "b"},
+                                                    {"k": "extra", "x": {"note": 1}, "alone": True}])))
+    assert alone[1] == {**head, "choices": [], "note": 1} and "note" not in alone[0]  # a chunk of their own
+    end = _data(shape.closing(Done(job="j", finish_reason="stop", finish_reasons=["stop", "length"],
+                                   usage={"input_tokens": 2, "output_tokens": 1, "cached_tokens": 0},
+                                   extra={"timings": {"predicted_n": 2}})))
+    assert [c["choices"] for c in end[:2]] == [
+        [{"index": 0, "delta": {}, "finish_reason": "stop", "logprobs": None}],
+        [{"index": 1, "delta": {}, "finish_reason": "length", "logprobs": None}]]
+    assert "timings" not in end[0] and end[1]["timings"] == {"predicted_n": 2} and "usage" not in end[1]
+    assert end[2] == "[DONE]"
+    # no opening from the runtime (synthetic, exllamav3): OpenAI's
+    assert _data(ChatStream("m", False).opening(Delta(job="j", text="a")))[0]["choices"][0]["delta"] == {
+        "role": "assistant", "content": ""}
+
+
+def test_usage_goes_where_the_runtime_put_it():
+    from protocol import Done
+    done = Done(job="j", finish_reason="length", usage={"input_tokens": 2, "output_tokens": 1, "cached_tokens": 0},
+                extra={"timings": {}}, usage_on_finish=True)
+    usage = {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3, "prompt_tokens_details": {"cached_tokens": 0}}
+    for include_usage in (False, True):  # llama-server's legacy stream: on its finish chunk, asked or not
+        *chunks, end = _data(CompletionStream("m", include_usage).closing(done))
+        assert end == "[DONE]" and len(chunks) == 1 and chunks[0]["usage"] == usage
+        assert chunks[0]["choices"][0]["finish_reason"] == "length" and chunks[0]["timings"] == {}
+    chunks = _data(ChatStream("m", True).closing(Done(job="j", finish_reason="stop",
+                                                      usage={"input_tokens": 2, "output_tokens": 1})))
+    assert chunks[-2]["choices"] == [] and "prompt_tokens_details" not in chunks[-2]["usage"]  # not said: absent
+
+
+def test_responses_and_messages_streams_place_or_leave_the_runtimes_fields():
+    from protocol import Delta, Done
+    from supervisor.anthropic_shapes import MessagesRequest, MessagesStream
+    from supervisor.responses_shapes import ResponsesRequest, ResponsesStream
+    shape = ResponsesStream(ResponsesRequest(model="m", input="x"))
+    shape.opening()
+    progress = {"prompt_progress": {"total": 9}}
+    events = _data(shape.delta(Delta(job="j", parts=[{"k": "open", "i": 0, "d": {"content": None}},
+                                                     {"k": "extra", "x": progress}])))
+    assert [(e["type"], e.get("prompt_progress")) for e in events] == [("response.in_progress", {"total": 9})]
+    events = _data(shape.delta(Delta(job="j", parts=[{"k": "text", "i": 0, "t": "a"},
+                                                     {"k": "extra", "x": {"timings": {"predicted_n": 1}}}])))
+    assert events[-1]["type"] == "response.output_text.delta" and events[-1]["timings"] == {"predicted_n": 1}
+    assert [e["sequence_number"] for e in events] == sorted(e["sequence_number"] for e in events)
+    final = _data(shape.closing(Done(job="j", finish_reason="stop", extra={"timings": {"predicted_n": 2}})))[-1]
+    assert final["type"] == "response.completed" and final["timings"] == {"predicted_n": 2}
+    # Anthropic's Messages have no such fields (llama-server's own Messages API leaves them out too)
+    messages = MessagesStream(MessagesRequest(model="m", max_tokens=5, messages=[{"role": "user", "content": "x"}]))
+    messages.opening()
+    events = messages.delta(Delta(job="j", parts=[{"k": "open", "i": 0, "d": {"content": None}},
+                                                  {"k": "text", "i": 0, "t": "a"}, {"k": "extra", "x": progress}]))
+    assert "prompt_progress" not in json.dumps(events) and "text_delta" in json.dumps(events)

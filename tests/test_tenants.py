@@ -6,9 +6,11 @@ a weight without touching a worker."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -325,9 +327,23 @@ def test_absurd_output_limits_are_refused_and_a_huge_reserve_waits_a_minute_at_m
         assert reset_seconds(r.headers["x-ratelimit-reset-tokens"]) <= 60, r.headers
 
 
+HOLD_TOKENS = 100_000  # a synthetic answer this long (500 s at 200 tokens/s) holds its slot until its client leaves
+
+
+@contextlib.contextmanager
+def holding(pool, k: str):
+    """A streamed request of `k`'s that holds the one slot of "syn" (a HOLD_TOKENS answer) while
+    the block runs: the condition a test builds a backlog behind, however slow the machine.
+    Its client leaves at the end of the block, which frees the slot."""
+    with httpx.stream("POST", pool.url + "/v1/chat/completions", json=chat("syn", stream=True),
+                      headers=key(k), timeout=120) as held:
+        assert held.status_code == 200  # headers come with the first token: it runs
+        yield
+
+
 def flood(pool, k: str, count: int, max_tokens: int) -> list[threading.Thread]:
     def one():
-        with httpx.Client(base_url=pool.url, timeout=60) as c:
+        with httpx.Client(base_url=pool.url, timeout=120) as c:
             c.post("/v1/chat/completions", json=chat("syn", max_tokens=max_tokens), headers=key(k))
     threads = [threading.Thread(target=one) for _ in range(count)]
     for t in threads:
@@ -347,48 +363,55 @@ def served_order(pool, count: int) -> list[str]:
 
 
 def test_a_flood_by_one_key_and_another_keys_request_is_served_at_the_next_free_slot(make_pool):
-    pool = tenants_pool(make_pool, [synthetic("syn", tokens=400, tps=200)],
+    """Heavy holds the one slot and floods the queue; light asks behind the flood. At the next
+    free slot light runs, before all of heavy's backlog (FIFO would serve it last). The slot is
+    held until the backlog and light are in the queue, so no machine is too slow to build it."""
+    pool = tenants_pool(make_pool, [synthetic("syn", tokens=HOLD_TOKENS, tps=200)],
                         [{"name": "heavy", "keys": ["sk-h"]}, {"name": "light", "keys": ["sk-l"]}])
-    threads = flood(pool, "sk-h", 10, max_tokens=40)  # 0.2 s each on the one slot
-    wait_for(lambda: queue_depth(pool) >= 8, 20, what="heavy's backlog")
-    waiting = queue_depth(pool)
-    r = pool.http.post("/v1/chat/completions", json=chat("syn", max_tokens=4), headers=key("sk-l"))
-    assert r.status_code == 200
-    # light ran at the next free slot: at most the heavy request that was running when it came,
-    # and one handed out between the look at the queue and light's arrival, went first (FIFO: all)
-    assert queue_depth(pool) >= waiting - 2, (waiting, queue_depth(pool))
+    with ThreadPoolExecutor(1) as ex, holding(pool, "sk-h"):
+        threads = flood(pool, "sk-h", 9, max_tokens=40)
+        wait_for(lambda: queue_depth(pool) == 9, 60, what="heavy's backlog")
+        light = ex.submit(pool.http.post, "/v1/chat/completions", json=chat("syn", max_tokens=4),
+                          headers=key("sk-l"), timeout=120)
+        wait_for(lambda: queue_depth(pool) == 10, 60, what="light behind heavy's backlog")
+    assert light.result().status_code == 200
     for t in threads:
-        t.join(60)
-    wait_for(lambda: served_order(pool, 11).count("heavy") == 10, 5, what="every request in the log")
+        t.join(120)
+    order = wait_for(lambda: len(o := served_order(pool, 20)) == 11 and o, 30, what="every request in the log")
+    # the held one (its client left), then light at the next free slot, then heavy's backlog
+    assert order == ["heavy", "light"] + ["heavy"] * 9, order
 
 
 def test_a_newcomer_slot_starts_a_light_tenant_beside_a_flood(make_pool):
     """target_inflight 1 on a runtime that runs 2, with newcomer_slots = 1: heavy's backlog
     never takes the second slot (heavy has a job running), light's request starts in it at once,
-    while heavy's job still runs and heavy's backlog still waits."""
-    pool = tenants_pool(make_pool, [synthetic("syn", tokens=400, tps=200, capacity=2, newcomer_slots=1)],
+    while heavy's job still runs and heavy's backlog still waits. Heavy's job holds its slot
+    until the test is done looking, so no machine is too slow to see it."""
+    pool = tenants_pool(make_pool, [synthetic("syn", tokens=HOLD_TOKENS, tps=200, capacity=2, newcomer_slots=1)],
                         [{"name": "heavy", "keys": ["sk-h"]}, {"name": "light", "keys": ["sk-l"]}])
     workers = lambda: pool.http.get("/admin/workers", headers=ADMIN_H).json()["workers"]  # noqa: E731
     assert workers()[0]["newcomer_slots"] == 1 and workers()[0]["capacity"] == 1
-    threads = flood(pool, "sk-h", 4, max_tokens=400)  # 2 s each on the one regular slot
-    wait_for(lambda: queue_depth(pool) >= 2, 20, what="heavy's backlog")
-    assert workers()[0]["inflight"] == 1  # the newcomer slot is not heavy's: it has a job running
-    with httpx.stream("POST", pool.url + "/v1/chat/completions", json=chat("syn", max_tokens=400, stream=True),
-                      headers=key("sk-l"), timeout=30) as light:
-        assert light.status_code == 200
-        lines = light.iter_lines()
-        next(lines)  # light's first chunk: it runs now...
-        # ...beside a heavy job (heavy's backlog keeps the regular slot busy), without waiting for it
-        assert workers()[0]["inflight"] == 2 and queue_depth(pool) >= 1
-        assert any(line == "data: [DONE]" for line in lines)
+    with holding(pool, "sk-h"):  # heavy's job in the one regular slot
+        threads = flood(pool, "sk-h", 3, max_tokens=40)
+        wait_for(lambda: queue_depth(pool) == 3, 60, what="heavy's backlog")
+        assert workers()[0]["inflight"] == 1  # the newcomer slot is not heavy's: it has a job running
+        with httpx.stream("POST", pool.url + "/v1/chat/completions", json=chat("syn", max_tokens=400, stream=True),
+                          headers=key("sk-l"), timeout=120) as light:
+            assert light.status_code == 200
+            lines = light.iter_lines()
+            next(lines)  # light's first chunk: it runs now...
+            # ...beside heavy's job, without waiting for it, and heavy's backlog still waits
+            assert workers()[0]["inflight"] == 2 and queue_depth(pool) == 3
+            assert any(line == "data: [DONE]" for line in lines)
     for t in threads:
-        t.join(60)
-    wait_for(lambda: served_order(pool, 5).count("heavy") == 4, 5, what="every request in the log")
+        t.join(120)
+    order = wait_for(lambda: len(o := served_order(pool, 10)) == 5 and o, 30, what="every request in the log")
+    assert order == ["light"] + ["heavy"] * 4, order  # light's, done while heavy's held one ran; then heavy's
 
 
 def test_reload_changes_a_weight_without_touching_a_worker(make_pool):
     tenants = [{"name": "a", "keys": ["sk-a"]}, {"name": "b", "keys": ["sk-b"]}, {"name": "c", "keys": ["sk-c"]}]
-    pool = tenants_pool(make_pool, [synthetic("syn", tokens=2000, tps=200)], tenants)
+    pool = tenants_pool(make_pool, [synthetic("syn", tokens=HOLD_TOKENS, tps=200)], tenants)
     pids = {w["pid"] for w in pool.http.get("/admin/workers", headers=ADMIN_H).json()["workers"]}
     raw = __import__("tomllib").loads(pool.config_path.read_text())
     raw["tenants"][0]["weight"] = 3.0
@@ -397,16 +420,14 @@ def test_reload_changes_a_weight_without_touching_a_worker(make_pool):
     assert r.status_code == 200 and r.json()["kept"] == ["syn"], r.text
     assert {w["pid"] for w in pool.http.get("/admin/workers", headers=ADMIN_H).json()["workers"]} == pids
     # c holds the one slot while a and b queue 8 each; then the slot goes round by weight
-    with httpx.stream("POST", pool.url + "/v1/chat/completions", json=chat("syn", stream=True),
-                      headers=key("sk-c"), timeout=60) as blocker:
-        assert blocker.status_code == 200
+    with holding(pool, "sk-c"):  # until both backlogs wait, however long they take to build
         threads = flood(pool, "sk-b", 8, max_tokens=4)  # b first: FIFO would serve b's eight first
-        wait_for(lambda: queue_depth(pool) == 8, 20, what="b's backlog")
+        wait_for(lambda: queue_depth(pool) == 8, 60, what="b's backlog")
         threads += flood(pool, "sk-a", 8, max_tokens=4)
-        wait_for(lambda: queue_depth(pool) == 16, 20, what="both backlogs")
+        wait_for(lambda: queue_depth(pool) == 16, 60, what="both backlogs")
     for t in threads:  # the blocker's client left: its slot freed
-        t.join(60)
-    wait_for(lambda: served_order(pool, 16).count("b") == 8, 10, what="every request in the log")
+        t.join(120)
+    wait_for(lambda: served_order(pool, 16).count("b") == 8, 30, what="every request in the log")
     first_half = served_order(pool, 16)[:8]
     assert first_half.count("a") >= 5, first_half  # 3:1 gives six of the first eight; 1:1 four; FIFO none
 

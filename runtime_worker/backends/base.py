@@ -57,6 +57,8 @@ class Finished:
     cached_tokens: int | None = None  # of input_tokens, served from the runtime's prompt cache (None: not said)
     reasoning_tokens: int = 0  # of output_tokens, spent reasoning
     timings: dict | None = None  # the runtime's own phase timings (protocol.runtime_timings), when it gives them
+    extra: dict | None = None  # the runtime's own top-level fields of its closing chunks or answer (Done.extra)
+    usage_on_finish: bool = False  # it sent usage on its finish chunk, unasked (Done.usage_on_finish)
 
 
 @dataclass(frozen=True, slots=True)

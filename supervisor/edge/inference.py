@@ -291,7 +291,7 @@ class InferenceSurface:
         A client that leaves cancels the job (see JobStream)."""
         text_sse = getattr(shape, "text_sse", None)  # a shape's fast path for plain text
         try:
-            ready = [sse_frame(e) for e in shape.opening()]
+            ready = [sse_frame(e) for e in shape.opening(first)]  # the runtime's own opening, if it sent one
             event = first
             while True:
                 if isinstance(event, Delta):
