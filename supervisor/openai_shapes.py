@@ -277,6 +277,7 @@ class ChatStream:
         self.id = new_id("chatcmpl")
         self.created = int(time.time())
         self.opened: set[int] = set()  # choices whose first chunk (with the role) is out
+        self.own_opening: set[int] = set()  # ... where the pool made that chunk (no runtime's opening came first)
         self._head = json.dumps({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                                  "model": model}, separators=(",", ":"))[:-1]  # ends before the closing brace
 
@@ -301,6 +302,7 @@ class ChatStream:
         if isinstance(first, Delta) and any(part["k"] == "open" and part.get("i", 0) == 0 for part in first.parts):
             return []  # delta() gives it, as the runtime sent it
         self.opened.add(0)
+        self.own_opening.add(0)
         return [self.chunk({"role": "assistant", "content": ""})]
 
     def text_sse(self, text: str) -> bytes:
@@ -330,6 +332,8 @@ class ChatStream:
                 continue
             index = part.get("i", 0)
             if kind == "open":
+                if index in self.own_opening:  # the stream opened before the runtime did (it waited): once is enough
+                    continue
                 self.opened.add(index)
                 opening = self.entry({"role": "assistant", **part.get("d", {})}, index=index)
                 out.append([opening, None])

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from protocol import Delta
 from supervisor.edge.streams import sse_frame
 from supervisor.openai_shapes import ChatStream, CompletionStream
 
@@ -176,3 +177,15 @@ def test_responses_and_messages_streams_place_or_leave_the_runtimes_fields():
     events = messages.delta(Delta(job="j", parts=[{"k": "open", "i": 0, "d": {"content": None}},
                                                   {"k": "text", "i": 0, "t": "a"}, {"k": "extra", "x": progress}]))
     assert "prompt_progress" not in json.dumps(events) and "text_delta" in json.dumps(events)
+
+
+def test_a_stream_that_opened_while_waiting_opens_once():
+    """A stream whose head went out before the runtime's first output (it waited past
+    stream_head_hold_s) opened with OpenAI's first chunk; the runtime's own opening that
+    follows is not a second one: one role chunk, then the text."""
+    from supervisor.openai_shapes import ChatStream
+    stream = ChatStream("m", include_usage=False)
+    chunks = stream.opening("waiting") + stream.delta(
+        Delta(job="j", parts=[{"k": "open", "d": {"content": None}}, {"k": "text", "t": "hi"}]))
+    deltas = [json.loads(c["data"])["choices"][0]["delta"] for c in chunks]
+    assert deltas == [{"role": "assistant", "content": ""}, {"content": "hi"}]
