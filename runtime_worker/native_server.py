@@ -112,7 +112,10 @@ class OpenAIClient:
             # each generator below is closed with its consumer (aclosing): a cancel closes the HTTP
             # stream at once, not when the garbage collector gets to the inner generators
             body = self.body(request, stream=request.get("stream") is not False)
-            async with aclosing(self._complete(path, body, chat, choices)) as events:
+            # timings on every chunk, when the pool asked for them (to count tokens) and the client did not,
+            # are the pool's, not the client's: only the closing chunk's (which the runtime sends anyway) go on
+            own_timings = bool(body.get("timings_per_token")) and "timings_per_token" not in request
+            async with aclosing(self._complete(path, body, chat, choices, own_timings)) as events:
                 async for event in events:
                     yield event
         except (aiohttp.ClientError, ConnectionError) as exc:  # refused, or cut mid-stream
@@ -159,7 +162,8 @@ class OpenAIClient:
                 if not self.keep_alive or failures > STALE_RETRIES:
                     raise
 
-    async def _complete(self, path: str, body: dict, chat: bool, choices: int) -> AsyncIterator[Event]:
+    async def _complete(self, path: str, body: dict, chat: bool, choices: int,
+                        own_timings: bool = False) -> AsyncIterator[Event]:
         """Send a completion request and relay the answer: an event stream (what
         the pool asks for unless the client wants the answer whole), or, for a
         request sent with stream off, the JSON answer. Anything else is an error."""
@@ -170,7 +174,7 @@ class OpenAIClient:
             if r.status != 200:
                 raise upstream_error(r.status, await upstream.error_text())
             if r.content_type == "text/event-stream":
-                async with aclosing(self._read_stream(upstream, chat, choices)) as events:
+                async with aclosing(self._read_stream(upstream, chat, choices, own_timings)) as events:
                     async for event in events:
                         yield event
             elif whole and r.content_type == "application/json":
@@ -187,7 +191,8 @@ class OpenAIClient:
             # request and frees its slot; after a body read to its end it is a no-op
             r.close()
 
-    async def _read_stream(self, upstream: UpstreamBody, chat: bool, choices: int) -> AsyncIterator[Event]:
+    async def _read_stream(self, upstream: UpstreamBody, chat: bool, choices: int,
+                           own_timings: bool = False) -> AsyncIterator[Event]:
         finishes: dict[int, str] = {}
         seen = {0}  # choice indexes that produced output (choice 0 always owes a finish_reason)
         usage, timings, produced, done = None, None, 0, False
@@ -228,6 +233,8 @@ class OpenAIClient:
                     if choice.get("finish_reason"):
                         finishes[index] = str(choice["finish_reason"])
                         finishing = True
+                if extra and own_timings and not finishing:
+                    extra.pop("timings", None)
                 if extra:  # a closing chunk's own fields go with the closing, another's with what it brought
                     if finishing:
                         closing.update(extra)
