@@ -16,6 +16,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
 from protocol.errors import ErrorCode, PoolError
+from supervisor import request_story
 from supervisor.edge.request_ids import MAX_CHARS as MAX_ID_CHARS
 from supervisor.edge.streams import SSE_HEADERS
 from supervisor.events import fold as fold_events
@@ -90,6 +91,27 @@ async def admin_requests(request: Request, model: str | None = Query(None, max_l
                                          after_id=after_id, before_id=before_id, limit=limit,
                                          tenant=tenant, request_id=id)
     return {"requests": rows, "more": more, "dropped": log.dropped}
+
+
+STORIES_MAX = 5  # the newest rows of one request id (a client may send the same id again)
+
+
+@router.get("/admin/requests/story")
+async def admin_request_story(request: Request, id: str | None = Query(None, max_length=MAX_ID_CHARS),
+                              row: int | None = Query(None, ge=0, le=ROW_ID_MAX)):
+    """The whole story of a request (request_story.py): of the row `row`, or of the newest
+    rows (STORIES_MAX) with request id `id`."""
+    if (id is None) == (row is None):
+        raise PoolError(ErrorCode.INVALID_REQUEST, "name a request: id (its x-request-id) or row", param="id")
+    activity = request.app.state.activity
+    if row is not None:
+        rows, _ = await asyncio.to_thread(activity.requests.page, after_id=row - 1, limit=1)
+        rows = [r for r in rows if r["id"] == row]
+    else:
+        rows, _ = await asyncio.to_thread(activity.requests.page, request_id=id, limit=STORIES_MAX)
+    engine = request.app.state.engine
+    stories = [await asyncio.to_thread(request_story.story, r, engine, activity.events) for r in rows]
+    return {"stories": [{"row": r, "story": s} for r, s in zip(rows, stories)]}
 
 
 @router.get("/admin/requests/summary")

@@ -353,7 +353,19 @@ def requests(url: Url = DEFAULT_URL, as_json: AsJson = False,
              follow: Annotated[bool, typer.Option("--follow", "-f", help="then print new ones as they finish")]
              = False) -> None:
     """Recent requests from the request log, oldest first: status, error, queue wait, TTFT,
-    duration, tokens. --follow keeps printing until Ctrl-C (one JSON object a line with --json)."""
+    duration, tokens. --follow keeps printing until Ctrl-C (one JSON object a line with --json).
+    --id (without --follow) prints that request's whole story: admission, queue wait, replica,
+    TTFT, tokens, its end, and the events and replica log lines from around its time."""
+    if request_id is not None and not follow:
+        stories = call(url, "GET", "/admin/requests/story", params={"id": request_id})["stories"][::-1]
+        if as_json:
+            return fmt.print_json(stories)
+        if not stories:
+            typer.echo(f"llm-pool: no request with id {request_id!r} in the request log", err=True)
+            raise typer.Exit(1)
+        for told in stories:
+            typer.echo("\n".join(fmt.story_lines(told["row"], told["story"])))
+        return None
     params = {k: v for k, v in {"model": model, "tenant": tenant, "id": request_id, "status": status,
                                 "since": _since_param(since), "limit": limit}.items() if v is not None}
     rows = call(url, "GET", "/admin/requests", params=params)["requests"][::-1]

@@ -75,3 +75,34 @@ def ms(value: float | None) -> str:
     if value is None:
         return "-"
     return f"{value:.0f}ms" if value < 1000 else f"{value / 1000:.2f}s"
+
+
+def story_lines(row: dict, story: dict) -> list[str]:
+    """One request's story (GET /admin/requests/story) as the lines `requests --id` prints."""
+    import time
+
+    def at(t: float) -> str:
+        return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t * 1000) % 1000:03d}"
+
+    admission, tokens, end = story["admission"], story["tokens"], story["end"]
+    limits = admission["limits"]
+    shown_limits = ", ".join(f"{k} {dash(v)}" for k, v in limits.items()) if limits else "no tenant limits"
+    refused = f"; refused: {admission['refused_by']}" if admission["refused_by"] else ""
+    out = [f"request {clip(story['request_id'])} (row {row['id']}): {clip(row['model'])} {clip(row['endpoint'])}",
+           f"  started {at(story['started'])}, ended {at(story['ended'])} ({ms(story['duration_ms'])})",
+           f"  admission: tenant {clip(admission['tenant'])} ({shown_limits}){refused}",
+           f"  queue wait {ms(story['queue_wait_ms'])}, replica {clip(story['replica'])}, TTFT {ms(story['ttft_ms'])}",
+           f"  tokens: {dash(tokens['in'])} in (cached {dash(tokens['cached'])}), {dash(tokens['out'])} out",
+           f"  end: HTTP {end['status']} {clip(end['error_code'])}: {one_line(end['error_message'], 200)}"]
+    if end.get("fallback_chain"):
+        out.append(f"  fell back: {clip(end['fallback_chain'], 200)}")
+    out.append(f"  events (±{story['around_s']:g} s):" + ("" if story["events"] else " none"))
+    for e in story["events"]:
+        where = (e["model"] or "-") + (f"/{e['replica']}" if e.get("replica") is not None else "")
+        out.append(f"    {at(e['ts'])} {e['level']} {e['kind']} {clip(where)}: {one_line(e['message'], 300)}")
+    log = story["log"]
+    note = f" ({printable(log['note'])})" if log.get("note") else ""
+    out.append(f"  log of {clip(log['replica'])} (±{story['around_s']:g} s){note}:"
+               + ("" if log["lines"] else " none"))
+    out.extend("    " + printable(line) for line in log["lines"])
+    return out

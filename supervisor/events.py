@@ -171,3 +171,12 @@ class EventLog(logging.Handler):
         with closing(self._connect()) as db:
             rows = [dict(r) for r in db.execute(sql, args)]
         return rows if after_id is not None else rows[::-1]
+
+    def between(self, models: list[str], since: float, until: float, limit: int) -> list[dict]:
+        """Oldest first: at most `limit` events of these models, and the supervisor's own
+        (no model), from `since` to `until` (unix times): what happened around one request."""
+        marks = ",".join("?" * len(models))
+        sql = (f"SELECT * FROM events WHERE ts BETWEEN ? AND ? AND (model IS NULL"
+               f"{f' OR model IN ({marks})' if models else ''}) ORDER BY id LIMIT ?")
+        with closing(self._connect()) as db:
+            return [dict(r) for r in db.execute(sql, (since, until, *models, limit))]

@@ -17,6 +17,7 @@ from supervisor.edge.request_ids import REQUEST_ID
 from supervisor.events import EventKind, EventLog, emit
 from supervisor.state_dir import make_private_dir
 from supervisor.jobs import Job
+from supervisor.latency_window import LatencyWindow
 from supervisor.model_health import UNHEALTHY, model_health, reason_text
 from supervisor.request_log import RequestLog, truncate
 
@@ -76,6 +77,7 @@ class Activity:
         self._shown: dict[str, str] = {}  # per model: the state shown at the last sample (state events)
         # prompt + output tokens of finished requests per model and tenant, since start (the page's shares)
         self._tenant_tokens: dict[str, dict[str, int]] = {}
+        self.latency = LatencyWindow()  # TTFT, duration and queue wait p50/p95 per model, per sample
         self._watchers: set[asyncio.Queue] = set()
         self._task: asyncio.Task | None = None
 
@@ -129,6 +131,8 @@ class Activity:
                 queued = duration
             if job.first_token_at is not None:
                 ttft = round((job.first_token_at - start) * 1000, 1)
+            if model in self.engine.models:
+                self.latency.add(model, ttft, duration, queued)
             if job.transcript is not None:  # the model has log_bodies = true
                 asked = next((job.request[k] for k in ("messages", "prompt", "input") if k in job.request), None)
                 prompt = truncate(json.dumps(asked, ensure_ascii=False))
@@ -153,7 +157,9 @@ class Activity:
             self._state_event(name, entry, health)
             models[name] = {"state": health["state"], "queue": ex.queue_depth if ex else 0,
                             "inflight": ex.runtime_inflight if ex else 0, "tokens": self._tokens[name],
-                            "tenants": dict(self._tenant_tokens.get(name, {}))}
+                            "tenants": dict(self._tenant_tokens.get(name, {})),
+                            "latency": self.latency.figures(name)}
+        self.latency.forget(set(self.engine.models))
         return {"t": round(time.time(), 3), "models": models}
 
     def _state_event(self, name: str, entry, health: dict) -> None:
