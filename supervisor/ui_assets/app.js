@@ -496,8 +496,33 @@ function showRequest(r) {
     `${r.cached_tokens ?? "not reported by the runtime"}), ${r.tokens_out} out; ` + speedsText(r));
   if (r.prompt) parts.push("prompt: " + r.prompt);
   if (r.output) parts.push("output: " + r.output);
-  detail.textContent = printable(parts.join("\n\n"));
+  detail.textContent = printable(parts.join("\n\n") + "\n\nstory: …");
   detail.hidden = false;
+  api(`/admin/requests/story?row=${r.id}`).then((got) => {
+    if (state.selected !== r.id || !got.stories.length) return;
+    detail.textContent = printable(parts.join("\n\n") + "\n\n" + storyText(got.stories[0].story));
+  }).catch((err) => { if (state.selected === r.id) notice(`the request's story: ${err.message}`); });
+}
+
+// One request's story (GET /admin/requests/story): admission, its way through the pool, the
+// events and its replica's log lines from around its time.
+function storyText(s) {
+  const at = (t) => new Date(t * 1000).toLocaleTimeString() + `.${String(Math.floor(t * 1000) % 1000).padStart(3, "0")}`;
+  const a = s.admission, lim = a.limits;
+  const lines = [`story of ${s.request_id ?? "-"}: started ${at(s.started)}, ended ${at(s.ended)}`,
+    `admission: tenant ${a.tenant ?? "-"}` +
+      (lim ? ` (rpm ${lim.rpm ?? "-"}, tpm ${lim.tpm ?? "-"}, max_inflight ${lim.max_inflight ?? "-"})` : "") +
+      (a.refused_by ? `; refused: ${a.refused_by}` : ""),
+    `queue wait ${ms(s.queue_wait_ms)}, replica ${s.replica ?? "-"}, TTFT ${ms(s.ttft_ms)}, ` +
+      `duration ${ms(s.duration_ms)}`,
+    `end: HTTP ${s.end.status}` + (s.end.error_code ? ` ${s.end.error_code}: ${s.end.error_message ?? ""}` : ""),
+    `events (±${s.around_s} s):` + (s.events.length ? "" : " none"),
+    ...s.events.map((e) => `  ${at(e.ts)} ${e.level} ${e.kind} ${e.model ?? "-"}` +
+      (e.replica !== null && e.replica !== undefined ? `/${e.replica}` : "") + `: ${e.message}`),
+    `log of ${s.log.replica ?? "-"} (±${s.around_s} s)` + (s.log.note ? ` (${s.log.note})` : "") + ":" +
+      (s.log.lines.length ? "" : " none"),
+    ...s.log.lines.map((line) => "  " + line)];
+  return lines.join("\n");
 }
 
 // -- events -------------------------------------------------------------------------------------
@@ -581,17 +606,24 @@ function color(name) {
   return colors.get(name);
 }
 
-const CHARTS = [["queue", (m) => m.queue], ["inflight", (m) => m.inflight], ["tps", (m) => m.tps || 0]];
+// latency charts: each model's p95 (ms) over the requests of the last window_s (latency_window.py);
+// their captions and hover say p50 / p95. A sample with no request in its window: no point.
+const p95 = (stem) => (m) => (m.latency ? m.latency[`${stem}_p95_ms`] : null);
+const p50p95 = (stem) => (m) => (m.latency && m.latency[`${stem}_p95_ms`] != null
+  ? `${ms(m.latency[`${stem}_p50_ms`])} / ${ms(m.latency[`${stem}_p95_ms`])}` : "-");
+const CHARTS = [["queue", (m) => m.queue], ["inflight", (m) => m.inflight], ["tps", (m) => m.tps || 0],
+                ["ttft", p95("ttft"), p50p95("ttft")], ["duration", p95("duration"), p50p95("duration")],
+                ["queued", p95("queued"), p50p95("queued")]];
 
 function draw() {
   const names = [...new Set(state.samples.flatMap((s) => Object.keys(s.models)))].sort();
   const last = state.samples[state.samples.length - 1];
-  for (const [id, value] of CHARTS) {
+  for (const [id, value, label = value] of CHARTS) {
     chart(`#chart-${id}`, names, color, value);
     const shown = last ? names.filter((n) => last.models[n]) : [];
     const caption = $(`#now-${id}`);
-    caption.textContent = shown.length ? "now: " + shown.map((n) => `${short(n)} ${value(last.models[n])}`).join(", ") : "";
-    caption.title = shown.map((n) => `${n} ${value(last.models[n])}`).join(", ");
+    caption.textContent = shown.length ? "now: " + shown.map((n) => `${short(n)} ${label(last.models[n])}`).join(", ") : "";
+    caption.title = shown.map((n) => `${n} ${label(last.models[n])}`).join(", ");
   }
   shares(names);
   setContent($("#legend"), ...names.map((n) => {
@@ -602,7 +634,7 @@ function draw() {
 }
 
 // Hover on a chart: the sample nearest the pointer, each model's value at that time.
-for (const [id, value] of CHARTS) {
+for (const [id, , label] of CHARTS.map(([i, v, l = v]) => [i, v, l])) {
   const canvas = $(`#chart-${id}`);
   canvas.addEventListener("mousemove", (e) => {
     const rect = canvas.getBoundingClientRect();
@@ -613,7 +645,7 @@ for (const [id, value] of CHARTS) {
     const tip = $("#chart-tip");
     if (!best) { tip.hidden = true; return; }
     tip.textContent = `${new Date(best.t * 1000).toLocaleTimeString()}: ` +
-      Object.keys(best.models).sort().map((n) => `${short(n)} ${value(best.models[n])}`).join(", ");
+      Object.keys(best.models).sort().map((n) => `${short(n)} ${label(best.models[n])}`).join(", ");
     tip.style.left = `${e.pageX + 12}px`; // CSSOM: the CSP allows no inline style attribute
     tip.style.top = `${e.pageY + 12}px`;
     tip.hidden = false;
@@ -645,7 +677,7 @@ function chart(sel, names, color, value) {
   g.clearRect(0, 0, w, h);
   const now = Date.now() / 1000;
   let max = 1;
-  for (const s of state.samples) for (const n of names) if (s.models[n]) max = Math.max(max, value(s.models[n]));
+  for (const s of state.samples) for (const n of names) if (s.models[n]) max = Math.max(max, value(s.models[n]) ?? 0);
   const x = (t) => pad + (w - 2 * pad) * (1 - (now - t) / WINDOW_S);
   const y = (v) => h - pad - (h - 2 * pad) * (v / max);
   g.fillStyle = "#6b7385";
@@ -655,19 +687,22 @@ function chart(sel, names, color, value) {
   g.fillText("now", w - pad - 16, h - 4);
   g.strokeStyle = "#dde1ea";
   g.beginPath(); g.moveTo(pad, h - pad); g.lineTo(w - pad, h - pad); g.stroke();
+  let points = 0; // drawn, for the browser tests: the canvas says it holds data (data-points)
   for (const n of names) {
     g.strokeStyle = color(n);
     g.lineWidth = 1.5;
     g.beginPath();
     let started = false;
     for (const s of state.samples) {
-      const m = s.models[n];
-      if (!m) { started = false; continue; }
-      if (started) g.lineTo(x(s.t), y(value(m))); else g.moveTo(x(s.t), y(value(m)));
+      const v = s.models[n] ? value(s.models[n]) : null;
+      if (v == null) { started = false; continue; }
+      if (started) g.lineTo(x(s.t), y(v)); else g.moveTo(x(s.t), y(v));
       started = true;
+      points += 1;
     }
     g.stroke();
   }
+  canvas.dataset.points = String(points);
 }
 
 start();
