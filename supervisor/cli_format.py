@@ -86,7 +86,7 @@ def story_lines(row: dict, story: dict) -> list[str]:
 
     admission, tokens, end = story["admission"], story["tokens"], story["end"]
     limits = admission["limits"]
-    shown_limits = ", ".join(f"{k} {dash(v)}" for k, v in limits.items()) if limits else "no tenant limits"
+    shown_limits = ", ".join(f"{k} {v}" for k, v in limits.items()) if limits else "no limits"
     refused = f"; refused: {admission['refused_by']}" if admission["refused_by"] else ""
     out = [f"request {clip(story['request_id'])} (row {row['id']}): {clip(row['model'])} {clip(row['endpoint'])}",
            f"  started {at(story['started'])}, ended {at(story['ended'])} ({ms(story['duration_ms'])})",

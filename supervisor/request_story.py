@@ -97,8 +97,8 @@ def story(row: dict, engine, events) -> dict:
     begin = end - (row.get("duration_ms") or 0) / 1000
     tenant = row.get("tenant")
     spec = engine.tenants.by_name.get(tenant) if tenant else None
-    limits = None if spec is None else {"rpm": spec.spec.rpm, "tpm": spec.spec.tpm,
-                                        "max_inflight": spec.spec.max_inflight}
+    limits = None if spec is None else {k: v for k, v in (("rpm", spec.spec.rpm), ("tpm", spec.spec.tpm), (
+        "max_inflight", spec.spec.max_inflight)) if v}  # the limits its tenant has (0: none)
     refused = row.get("error_code") if row.get("error_code") in LIMIT_CODES else None
     replica = row.get("replica")
     served_by = replica.rsplit("/", 1)[0] if replica else None

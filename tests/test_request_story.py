@@ -80,6 +80,26 @@ def test_a_crashed_requests_story_holds_the_crash_event_and_the_log_lines(make_p
     assert pool.http.get("/admin/requests/story").status_code == 400
 
 
+def test_a_refused_requests_story_names_its_tenant_and_the_limit_it_hit(make_pool):
+    pool = make_pool([synthetic("syn")], server={"api_key": "sk-default", "admin_key": "admin-secret"},
+                     tenants=[{"name": "team", "keys": ["sk-team"], "rpm": 1}])
+    for rid, status in (("rl-1", 200), ("rl-2", 429)):
+        r = httpx.post(pool.url + "/v1/chat/completions", timeout=30,
+                       headers={"x-request-id": rid, "authorization": "Bearer sk-team"},
+                       json={"model": "syn", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == status, r.text
+    pool.http.headers["authorization"] = "Bearer admin-secret"  # the admin routes want the admin key
+    [entry] = wait_for(lambda: pool.http.get("/admin/requests/story", params={"id": "rl-2"}).json()["stories"], 10,
+                       what="the 429's row")
+    story = entry["story"]
+    assert story["admission"] == {"tenant": "team", "limits": {"rpm": 1}, "refused_by": "rate_limit_exceeded"}
+    assert story["replica"] is None and story["log"]["lines"] == [] and story["end"]["status"] == 429
+    [served] = pool.http.get("/admin/requests", params={"id": "rl-1"}).json()["requests"]
+    [again] = pool.http.get("/admin/requests/story", params={"row": served["id"]}).json()["stories"]
+    assert again["row"]["request_id"] == "rl-1" and again["story"]["admission"]["refused_by"] is None
+    assert again["story"]["replica"] == "syn/0" and again["story"]["end"]["status"] == 200
+
+
 def test_the_live_samples_carry_each_models_latency_percentiles(make_pool):
     pool = make_pool([synthetic("fast", tps=200, ttft_ms=30, tokens=8),
                       synthetic("slow", tps=100, ttft_ms=200, tokens=20)])

@@ -511,7 +511,7 @@ function storyText(s) {
   const a = s.admission, lim = a.limits;
   const lines = [`story of ${s.request_id ?? "-"}: started ${at(s.started)}, ended ${at(s.ended)}`,
     `admission: tenant ${a.tenant ?? "-"}` +
-      (lim ? ` (rpm ${lim.rpm ?? "-"}, tpm ${lim.tpm ?? "-"}, max_inflight ${lim.max_inflight ?? "-"})` : "") +
+      (lim ? ` (${Object.entries(lim).map(([k, v]) => `${k} ${v}`).join(", ") || "no limits"})` : "") +
       (a.refused_by ? `; refused: ${a.refused_by}` : ""),
     `queue wait ${ms(s.queue_wait_ms)}, replica ${s.replica ?? "-"}, TTFT ${ms(s.ttft_ms)}, ` +
       `duration ${ms(s.duration_ms)}`,
