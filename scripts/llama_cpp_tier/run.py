@@ -81,20 +81,15 @@ def main() -> int:
                                 "aliases": ALIASES, "options": {"model": model, "binary": binary,
                                                                 "ctx_size": CTX, "extra_args": EXTRA_ARGS}}])
     with direct_llama_server(binary, model, flags, tmp / "direct-server.log") as url:
-        direct_port = int(url.rsplit(":", 1)[1])
-        direct = run_tests(args.tests_dir, args.files, direct_port, tmp / "direct.log", pool=False)
+        direct = run_tests(args.tests_dir, args.files, int(url.rsplit(":", 1)[1]), tmp / "direct.log", pool=False)
         pool.start(timeout=120)
         try:
             via_pool = run_tests(args.tests_dir, args.files, pool.port, tmp / "pool.log", pool=True)
             tests = sorted(set(direct) | set(via_pool))
             only_direct = [t for t in tests if direct.get(t) == "passed" and via_pool.get(t) != "passed"]
-            if only_direct:  # once more on both sides: the tests sample, a chance draw is not a difference
-                again_direct = run_tests(args.tests_dir, only_direct, direct_port, tmp / "direct-again.log",
-                                         pool=False)
-                again_pool = run_tests(args.tests_dir, only_direct, pool.port, tmp / "pool-again.log",
-                                       pool=True)
-                only_direct = [t for t in only_direct
-                               if again_direct.get(t) == "passed" and again_pool.get(t) != "passed"]
+            if only_direct:  # once more through the pool: the tests sample, a chance draw is not a difference
+                again = run_tests(args.tests_dir, only_direct, pool.port, tmp / "pool-again.log", pool=True)
+                only_direct = [t for t in only_direct if again.get(t) != "passed"]
         finally:
             pool.stop()
     only_pool = [t for t in tests if via_pool.get(t) == "passed" and direct.get(t) != "passed"]
