@@ -1,0 +1,52 @@
+"""The llama.cpp tier: llama.cpp's own server tests, direct and through the pool
+(scripts/test-llama-cpp). The tests that pass direct but fail through the pool are exactly the
+ones the README lists, each with its reason: a new one is a regression (or a README to update)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+
+from testkit import ROOT
+
+pytestmark = pytest.mark.llama_cpp
+
+SECTION = "#### llama.cpp's own server tests"
+# both runs take about 3 minutes on a quiet 2-core machine; a loaded one can take several times that
+RUN_TIMEOUT_S = 1500
+
+
+def readme_listed() -> set[str]:
+    """The upstream test ids (`unit/test_x.py::name`) the README's section lists."""
+    text = (ROOT / "README.md").read_text()
+    assert SECTION in text, f"README has no section {SECTION!r}"
+    section = text.split(SECTION, 1)[1]
+    section = re.split(r"\n#{2,4} ", section, maxsplit=1)[0]
+    return set(re.findall(r"`(unit/test_\w+\.py::[^`]+)`", section))
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_passes_direct_fails_through_the_pool_only_where_the_readme_says(tmp_path):
+    report_path = tmp_path / "report.json"
+    log_path = tmp_path / "run.log"
+    with open(log_path, "w") as log:
+        run = subprocess.Popen([str(ROOT / "scripts" / "test-llama-cpp"), "--json", str(report_path)],
+                               cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            returncode = run.wait(RUN_TIMEOUT_S)
+        finally:  # SIGTERM, not SIGKILL: the runner then stops the servers it started
+            if run.poll() is None:
+                run.terminate()
+                run.wait(60)
+    output = log_path.read_text()
+    assert returncode == 0, output[-5000:]
+    report = json.loads(report_path.read_text())
+    print(output[-5000:])
+    assert report["direct_passed"] > 0, "no upstream test passed even direct: the run itself is broken"
+    only_direct = set(report["only_direct"])
+    listed = readme_listed()
+    assert only_direct - listed == set(), "newly failing through the pool (fix, or list in the README)"
+    assert listed - only_direct == set(), "listed in the README but no longer failing: take them off the list"
