@@ -20,6 +20,8 @@ RSS_SLACK = 64 * 2**20
 MAX_CONNECTIONS = 60
 PER_CLIENT = 40
 WRITE_TIMEOUT_S = 2.0
+FIREHOSE_S = 60.0  # how long the firehose's stream lasts: an unread one must end well before
+UNREAD_ENDED_S = 3 * WRITE_TIMEOUT_S + 20  # filling the kernel's buffers, then the write timeout (a busy box)
 HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
 
 
@@ -27,8 +29,8 @@ HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
 def pool(tmp_path_factory):
     pool = Pool(tmp_path_factory.mktemp("attacks"),
                 [synthetic("syn", capacity=4, target_inflight=4, tokens=4),
-                 # a fast, long stream (30 s): what a client that stops reading leaves behind
-                 synthetic("firehose", capacity=2, target_inflight=2, tokens=600_000, tps=20_000,
+                 # a fast, long stream (FIREHOSE_S): what a client that stops reading leaves behind
+                 synthetic("firehose", capacity=2, target_inflight=2, tokens=int(FIREHOSE_S * 20_000), tps=20_000,
                            request_timeout_s=600),
                  # one slot whose first token never comes: what it is asked waits in its queue
                  synthetic("stuck", ttft_ms=600_000, request_timeout_s=600)],
@@ -275,7 +277,8 @@ def test_a_stream_nobody_reads_is_ended_and_its_slot_freed(attacked):
         wait_for(lambda: attacked.models()["firehose"]["runtime_inflight"] == 2, 10, what="both streams running")
         # neither client reads: after write_timeout_s both connections are closed and the jobs
         # cancelled, long before the runtime would have finished them
-        wait_for(lambda: attacked.models()["firehose"]["runtime_inflight"] == 0, 3 * WRITE_TIMEOUT_S + 10,
+        assert UNREAD_ENDED_S < FIREHOSE_S / 2
+        wait_for(lambda: attacked.models()["firehose"]["runtime_inflight"] == 0, UNREAD_ENDED_S,
                  what="the unread streams ended")
         wait_for(lambda: not [c for c in attacked.process.net_connections("tcp")
                               if c.raddr and c.raddr.ip == "127.0.0.9"], 10, what="their connections closed")

@@ -147,11 +147,12 @@ def test_concurrency_up_to_slots_and_no_further(make_pool, tiny_gguf, llama_serv
 def test_unload_drains_a_real_generation(make_pool, tiny_gguf, llama_server_bin):
     """An unload while a generation runs waits for it: the generation runs to its end. Once
     its first token is out, llama-server is held (frozen) while the unload starts and is seen
-    in progress, then let go: no machine is too slow to see it. The generation lasts ~3 s as
-    measured first, so the hold lands in its middle."""
+    in progress, then let go: no machine is too slow to see it. The generation lasts ~8 s as
+    measured first, so the hold lands in it even when this client reads its first token late
+    (a starved test process)."""
     pool = make_pool([llama("tiny", tiny_gguf, llama_server_bin, extra_args=IGNORE_EOS)])
     child = llama_child(pool, "tiny")
-    tokens = lasting(pool, 3)
+    tokens = lasting(pool, 8)
     with ThreadPoolExecutor(2) as ex:
         with httpx.stream("POST", pool.url + "/v1/responses", timeout=300, json={
                 "model": "tiny", "input": "x", "stream": True, "max_output_tokens": tokens}) as r:
