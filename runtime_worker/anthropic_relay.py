@@ -17,8 +17,9 @@ import aiohttp
 
 from protocol.errors import ErrorCode
 from runtime_worker.backends.base import Event, Finished, JobError, PartsDelta, TextDelta
-from runtime_worker.native_server import (
-    OpenAIClient, UpstreamBody, connection_lost, json_object, runtime_reported, sse_data, upstream_error)
+from runtime_worker.native_server import OpenAIClient
+from runtime_worker.upstream import (
+    UpstreamBody, connection_lost, json_object, runtime_reported, sse_data, upstream_error)
 
 # Anthropic's stop reasons as the protocol's finish reasons (the supervisor maps them back)
 FINISH = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length", "tool_use": "tool_calls",

@@ -143,7 +143,7 @@ def test_sse_lines_are_found_across_any_chunking():
     import asyncio
 
     from runtime_worker.backends.base import JobError
-    from runtime_worker.native_server import sse_data
+    from runtime_worker.upstream import sse_data
 
     class Body:  # what sse_data reads: UpstreamBody.chunks()
         def __init__(self, pieces):
@@ -173,7 +173,7 @@ def test_the_choices_a_runtime_may_send_are_those_asked_for():
     """Pure: a choice index is below n (times the prompts of a legacy completions batch), never a list that long."""
     from runtime_worker.backends.base import JobError
     from protocol.choices import choice_limit
-    from runtime_worker.native_server import choice_index
+    from runtime_worker.openai_events import choice_index
 
     assert choice_limit({}, "chat") == 1 and choice_limit({"n": 3}, "chat") == 3
     assert choice_limit({"n": 2, "prompt": ["a", "b", [1, 2]]}, "completions") == 6

@@ -283,7 +283,7 @@ def test_pool_and_direct_llama_server_give_the_same_message(llama_server_bin, ti
 
 # -- context windows a client can act on ------------------------------------------------------------------------
 def test_a_runtimes_context_refusal_is_worded_for_each_family():
-    from runtime_worker.native_server import upstream_error
+    from runtime_worker.upstream import upstream_error
     llama_says = json.dumps({"error": {"code": 400, "type": "exceed_context_size_error", "n_prompt_tokens": 1852,
                                        "n_ctx": 256, "message": "request (1852 tokens) exceeds the available "
                                                                 "context size (256 tokens), try increasing it"}})

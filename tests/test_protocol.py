@@ -254,7 +254,7 @@ def test_merging_keeps_each_parts_order_and_never_joins_across_choices_or_kinds(
 
 def test_a_runtimes_streamed_choices_become_typed_parts():
     from runtime_worker.backends.base import PartsDelta, TextDelta
-    from runtime_worker.native_server import choice_event
+    from runtime_worker.openai_events import choice_event
     assert choice_event({"index": 0, "delta": {"content": "hi", "reasoning_content": None}}, chat=True) == \
         TextDelta("hi")  # the cheap common case
     # the runtime's opening of a message is relayed with its empty fields, as it sent them
@@ -282,7 +282,7 @@ def test_a_whole_answer_keeps_the_runtimes_own_fields_within_their_bound():
 
     from runtime_worker.backends.base import Finished, JobError, TextDelta
     from protocol.messages import MAX_EXTRA_BYTES
-    from runtime_worker.native_server import answer_events
+    from runtime_worker.openai_events import answer_events
     answer = {"id": "x", "model": "m", "system_fingerprint": "b1", "timings": {"predicted_n": 2},
               "__verbose": {"prompt": "p"}, "usage": {"prompt_tokens": 3, "completion_tokens": 2},
               "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]}
