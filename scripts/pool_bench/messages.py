@@ -14,10 +14,11 @@ import time
 import httpx
 
 from pool_bench.bench import Bench
-from pool_bench.children import CpuMeter, LlamaProc, PoolProc
+from pool_bench.children import CpuMeter, PoolProc
 from pool_bench.interleave import interleaved
 from pool_bench.load import Round, load, pct
 from pool_bench.report import errors_note, loadavg, ms, table
+from pool_bench.ttft import tiny_pair
 
 TTFT_TOKENS = 16
 RELAY_RATE, RELAY_TOKENS = 100.0, 100  # tokens/s of each synthetic stream, tokens per answer
@@ -98,15 +99,11 @@ def relay_cpu(bench: Bench) -> str:
 
 
 def added_ttft(bench: Bench, failures: list[str]) -> str:
-    tiny = next((m for m in bench.llama_models() if m["name"] == "tiny"), None)
-    if not bench.binary or tiny is None:
+    pair = tiny_pair(bench, "messages-ttft")
+    if pair is None:
         return "TTFT skipped: needs llama-server and the tiny GGUF"
+    direct, pool = pair
     rounds, per_round = (2, 5) if bench.quick else (8, 25)
-    extra = ["-t", "1", "--ignore-eos"]
-    direct = LlamaProc(bench.tmp, "llama-direct-messages", bench.binary, tiny["path"], 2048, 1, extra)
-    pool = PoolProc(bench.tmp, "pool-messages-ttft", [{
-        "name": "tiny", "backend": "llama_server", "target_inflight": 1, "load_timeout_s": 180.0,
-        "options": {"model": tiny["path"], "binary": bench.binary, "ctx_size": 2048, "extra_args": extra}}])
     load_before = loadavg()
     try:
         direct.ready()

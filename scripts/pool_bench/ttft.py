@@ -15,17 +15,28 @@ from pool_bench.report import errors_note, loadavg, ms, table
 MAX_TOKENS = 16  # random weights may spend a few tokens on no visible text; the rest is section 1's business
 
 
-def run(bench: Bench) -> None:
+def tiny_pair(bench: Bench, name: str) -> tuple[LlamaProc, PoolProc] | None:
+    """A llama-server started here and a pool serving the same tiny GGUF with the same flags
+    (`-t 1`: the runtime leaves the other cores to the pool), not yet started; None without
+    llama-server or the tiny GGUF."""
     tiny = next((m for m in bench.llama_models() if m["name"] == "tiny"), None)
     if not bench.binary or tiny is None:
-        bench.note("section 6 skipped: needs llama-server and the tiny GGUF")
-        return
-    rounds, per_round = (2, 5) if bench.quick else (8, 25)
+        return None
     extra = ["-t", "1", "--ignore-eos"]
-    direct = LlamaProc(bench.tmp, "llama-direct-ttft", bench.binary, tiny["path"], 2048, 1, extra)
-    pool = PoolProc(bench.tmp, "pool-ttft", [{
+    direct = LlamaProc(bench.tmp, f"llama-direct-{name}", bench.binary, tiny["path"], 2048, 1, extra)
+    pool = PoolProc(bench.tmp, f"pool-{name}", [{
         "name": "tiny", "backend": "llama_server", "target_inflight": 1, "load_timeout_s": 180.0,
         "options": {"model": tiny["path"], "binary": bench.binary, "ctx_size": 2048, "extra_args": extra}}])
+    return direct, pool
+
+
+def run(bench: Bench) -> None:
+    pair = tiny_pair(bench, "ttft")
+    if pair is None:
+        bench.note("section 6 skipped: needs llama-server and the tiny GGUF")
+        return
+    direct, pool = pair
+    rounds, per_round = (2, 5) if bench.quick else (8, 25)
     load_before = loadavg()
     try:
         direct.ready()
