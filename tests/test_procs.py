@@ -72,3 +72,16 @@ def test_descendant_pids_read_from_proc_match_psutils_walk():
     finally:
         stop_tree(parent, set(), 10)
     assert child_pids(parent.pid) == [] and descendant_pids(parent.pid) == []
+
+
+def test_a_free_port_is_below_the_ephemeral_range_and_bindable():
+    """Servers' ports come from below the range the kernel gives outgoing connections, so
+    no client's connection can take one between its choice and its bind."""
+    import socket
+
+    from procutil.net import LOWEST, ephemeral_low, free_port
+    for _ in range(20):
+        port = free_port()
+        assert LOWEST <= port < ephemeral_low()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
