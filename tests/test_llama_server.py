@@ -5,9 +5,7 @@ so assertions are about token counts, finish reasons, usage and processes."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +16,7 @@ import pytest
 
 from tests.conftest import IGNORE_EOS, llama
 from tests.pool import wait_for
+from tests.procs import frozen
 
 pytestmark = pytest.mark.llama
 
@@ -77,38 +76,6 @@ def test_sdk_calls_through_llama_server(make_pool, tiny_gguf, llama_server_bin):
     assert [c["name"] for c in worker["children"]] == ["llama-server"]
 
 
-def lasting(pool, seconds: float, most: int = 12_000) -> int:
-    """How many tokens one generation needs to last about `seconds` on this machine now (at
-    most `most`, near the slot's context), measured: generations of 250, 500, ... tokens until
-    one lasts half that, then scaled up. The tiny model's cost per token grows with the
-    context, between linear and quadratic in the tokens, so the square root of the time still
-    to go is the scale (the result lasts 0.7 to 1 times `seconds`). A test that must catch a
-    generation midway sizes it from this, so that it runs long enough to be caught however
-    slow or busy the machine is."""
-    tokens = 250
-    while True:
-        start = time.monotonic()
-        r = httpx.post(pool.url + "/v1/chat/completions", timeout=300, json={
-            "model": "tiny", "max_tokens": tokens, "messages": [{"role": "user", "content": "rate"}]})
-        elapsed = time.monotonic() - start
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == tokens, r.text
-        if elapsed >= seconds / 2 or tokens >= most:
-            return min(most, int(tokens * math.sqrt(max(1.0, seconds / elapsed))))
-        tokens = min(most, tokens * 2)
-
-
-@contextlib.contextmanager
-def frozen(child: psutil.Process):
-    """llama-server stopped (SIGSTOP) while the block runs, resumed after, whatever happens:
-    what a test looks at while the runtime holds its jobs stays put however slow the machine
-    is (the pool and its worker run on; a request to the runtime waits in its socket)."""
-    child.suspend()
-    try:
-        yield
-    finally:
-        child.resume()
-
-
 def test_concurrency_up_to_slots_and_no_further(make_pool, tiny_gguf, llama_server_bin):
     """Two generations fill both slots, then two more wait in the queue, never a third in
     flight; all four are served in full. llama-server is held (frozen) while the four arrive
@@ -145,30 +112,26 @@ def test_concurrency_up_to_slots_and_no_further(make_pool, tiny_gguf, llama_serv
 
 
 def test_unload_drains_a_real_generation(make_pool, tiny_gguf, llama_server_bin):
-    """An unload while a generation runs waits for it: the generation runs to its end. Once
-    its first token is out, llama-server is held (frozen) while the unload starts and is seen
-    in progress, then let go: no machine is too slow to see it. The generation lasts ~8 s as
-    measured first, so the hold lands in it even when this client reads its first token late
-    (a starved test process)."""
+    """An unload while a generation is in the runtime waits for it: the generation runs to its
+    end, then llama-server stops. llama-server is held (frozen) from before the request until
+    the unload is seen in progress, so the job is in the runtime and unfinished on any machine,
+    however late this client gets to look; then it is let go and runs out."""
     pool = make_pool([llama("tiny", tiny_gguf, llama_server_bin, extra_args=IGNORE_EOS)])
     child = llama_child(pool, "tiny")
-    tokens = lasting(pool, 8)
+    tokens = 400
     with ThreadPoolExecutor(2) as ex:
-        with httpx.stream("POST", pool.url + "/v1/responses", timeout=300, json={
-                "model": "tiny", "input": "x", "stream": True, "max_output_tokens": tokens}) as r:
-            events = sse_events(r)
-            while next(events)["type"] != "response.output_text.delta":
-                pass
-            with frozen(child):
-                assert pool.model("tiny")["runtime_inflight"] == 1  # mid-generation
-                unload = ex.submit(pool.http.post, "/admin/models/tiny/unload", timeout=300)  # waits out the drain
-                wait_for(lambda: pool.model("tiny")["state"] == "unloading", 60, what="unloading")
-                assert child.is_running() and pool.model("tiny")["runtime_inflight"] == 1  # still ours
-            last = None
-            for last in events:
-                pass
-        assert last["type"] == "response.incomplete"  # it ran to max_output_tokens
-        assert last["response"]["usage"]["output_tokens"] == tokens
+        with frozen(child):
+            running = ex.submit(httpx.post, pool.url + "/v1/responses", timeout=300, json={
+                "model": "tiny", "input": "x", "max_output_tokens": tokens})
+            wait_for(lambda: pool.model("tiny")["runtime_inflight"] == 1, 60, what="submitted")
+            unload = ex.submit(pool.http.post, "/admin/models/tiny/unload", timeout=300)  # waits out the drain
+            wait_for(lambda: pool.model("tiny")["state"] == "unloading", 60, what="unloading")
+            assert child.is_running() and pool.model("tiny")["runtime_inflight"] == 1  # still ours
+            assert not running.done() and not unload.done()
+        r = running.result()
+        assert r.status_code == 200, r.text
+        assert r.json()["status"] == "incomplete"  # it ran to max_output_tokens
+        assert r.json()["usage"]["output_tokens"] == tokens
         assert unload.result().json()["state"] == "unloaded"
     wait_for(lambda: not child.is_running() or child.status() == psutil.STATUS_ZOMBIE, 10,
              what="llama-server gone")

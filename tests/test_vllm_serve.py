@@ -19,6 +19,7 @@ import pytest
 
 from tests.conftest import vllm_python
 from tests.pool import ROOT, Pool, wait_for
+from tests.procs import frozen
 
 pytestmark = pytest.mark.vllm
 SEQS = 4
@@ -288,17 +289,23 @@ def test_runtime_calls_and_count_tokens_reach_vllm(pool):
     direct.close()
 
 
-def test_unload_drains_then_stops_vllm(pool, speed):
-    long = tokens_for(speed, 10)
-    children = [c["pid"] for c in pool.workers("tinyv")[0]["children"]]
+def test_unload_drains_then_stops_vllm(pool):
+    """An unload while a generation is in vLLM waits for it to run to its end, then stops every
+    vLLM process. `vllm serve` is held (frozen) from before the request until the unload is
+    seen in progress: vLLM is fast enough to finish a whole context before a busy client looks."""
+    tokens = 300
+    children = [psutil.Process(c["pid"]) for c in pool.workers("tinyv")[0]["children"]]
+    engine = {p.pid for c in children for p in [c, *c.children(recursive=True)]}
     with ThreadPoolExecutor(2) as ex:
-        running = ex.submit(httpx.post, pool.url + "/v1/responses", timeout=300,
-                            json={"model": "tinyv", "input": "x", "max_output_tokens": long})
-        wait_for(lambda: pool.model("tinyv")["runtime_inflight"] == 1, 30, what="submitted")
-        unload = ex.submit(pool.http.post, "/admin/models/tinyv/unload")
-        wait_for(lambda: pool.model("tinyv")["state"] == "unloading", 30, what="unloading")
+        with frozen(*children):
+            running = ex.submit(httpx.post, pool.url + "/v1/responses", timeout=300,
+                                json={"model": "tinyv", "input": "x", "max_output_tokens": tokens})
+            wait_for(lambda: pool.model("tinyv")["runtime_inflight"] == 1, 60, what="submitted")
+            unload = ex.submit(pool.http.post, "/admin/models/tinyv/unload", timeout=300)
+            wait_for(lambda: pool.model("tinyv")["state"] == "unloading", 60, what="unloading")
+            assert not running.done() and not unload.done()
         r = running.result()
-        assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == long  # ran to its end
+        assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == tokens  # ran to its end
         assert unload.result().json()["state"] == "unloaded"
     wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                             for p in children), 30, what="vLLM processes gone")
+                             for p in engine), 30, what="vLLM processes gone")
