@@ -49,6 +49,9 @@ class Submit:
     # "stream": false when the client wants the answer whole (a runtime that can answer whole does)
     request: dict
     endpoint: str = "chat"  # one of ENDPOINTS
+    # HTTP headers for the runtime's own route, as the client sent them (a Messages request's
+    # anthropic-version and anthropic-beta); empty for every other job
+    headers: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +164,7 @@ FIELD_TYPES: dict[type, dict[str, Any]] = {
     Hello: {},
     Setup: {"options": dict},
     Ready: {"capacity": int, "info": dict},
-    Submit: {"job": str, "request": dict, "endpoint": str},
+    Submit: {"job": str, "request": dict, "endpoint": str, "headers": dict},
     Cancel: {"job": str},
     Delta: {"job": str, "text": str, "parts": list, "tokens": int},
     Done: {"job": str, "finish_reason": str, "usage": dict, "finish_reasons": list, "result": dict, "timings": dict,

@@ -142,7 +142,7 @@ class Worker:
     def handle(self, msg: p.Message | p.ProtocolError) -> None:
         self.last_heard = time.monotonic()
         match msg:
-            case p.Submit(job=job, request=request, endpoint=endpoint):
+            case p.Submit(job=job, request=request, endpoint=endpoint, headers=headers):
                 self.submits_seen += 1
                 light = endpoint in p.LIGHT_ENDPOINTS
                 if (len(self.light) >= p.LIGHT_CALLS_PER_WORKER if light
@@ -150,7 +150,7 @@ class Worker:
                     self.send(p.Error(job=job, code=ErrorCode.RUNTIME_ERROR, message="worker is at capacity"))
                 else:
                     self.cancel_watch.disarm()
-                    task = self.jobs[job] = asyncio.create_task(self.run_job(job, request, endpoint))
+                    task = self.jobs[job] = asyncio.create_task(self.run_job(job, request, endpoint, headers))
                     if light:
                         self.light.add(job)
                     task.add_done_callback(lambda t, job=job: self._job_ended(job))
@@ -168,11 +168,17 @@ class Worker:
             case _:
                 log.error("unexpected message from supervisor: %r", msg)
 
-    async def run_job(self, job: str, request: dict, endpoint: str = "chat") -> None:
+    async def run_job(self, job: str, request: dict, endpoint: str = "chat", headers: dict | None = None) -> None:
         try:
             self.backend.check(endpoint, request)
-            run = ({"chat": self.backend.run, "completions": self.backend.complete, "embeddings": self.backend.embed,
-                    "messages": self.backend.messages}.get(endpoint) or functools.partial(self.backend.call, endpoint))
+            # headers: for the runtime's own routes (Submit.headers); text only, whatever the frame held
+            headers = {k: v for k, v in (headers or {}).items() if isinstance(v, str)}
+            if endpoint == "messages":
+                run = functools.partial(self.backend.messages, headers=headers)
+            else:
+                run = ({"chat": self.backend.run, "completions": self.backend.complete,
+                        "embeddings": self.backend.embed}.get(endpoint)
+                       or functools.partial(self.backend.call, endpoint, headers=headers))
             budget = self.args.max_job_output_bytes  # what this job may still send (characters, about bytes)
             # closed when the job ends, not by the garbage collector (whose finalizer costs a
             # thread-safe wake-up of the loop and a task per job)

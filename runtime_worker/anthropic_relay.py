@@ -1,4 +1,4 @@
-"""A runtime's own Anthropic Messages route (llama-server's /v1/messages), relayed as the
+"""A runtime's own Anthropic Messages route (llama-server's and vLLM's /v1/messages), relayed as the
 job's events: the client's body goes to the runtime as sent (streaming is the pool's:
 always on), and the runtime's event stream comes back as the protocol's typed parts
 (text, thinking as reasoning, each tool_use block's id, name and input_json fragments)
@@ -12,14 +12,17 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from typing import TYPE_CHECKING
 
 import aiohttp
 
 from protocol.errors import ErrorCode
 from runtime_worker.backends.base import Event, Finished, JobError, PartsDelta, TextDelta
-from runtime_worker.native_server import OpenAIClient
 from runtime_worker.upstream import (
     UpstreamBody, connection_lost, json_object, runtime_reported, sse_data, upstream_error)
+
+if TYPE_CHECKING:
+    from runtime_worker.native_server import OpenAIClient
 
 # Anthropic's stop reasons as the protocol's finish reasons (the supervisor maps them back)
 FINISH = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length", "tool_use": "tool_calls",
@@ -96,13 +99,14 @@ class MessagesRelay:
                         self.output_tokens, cached_tokens=self.cached, result=result)
 
 
-async def relay_messages(client: OpenAIClient, request: dict) -> AsyncIterator[Event]:
-    """One /v1/messages job against the runtime behind `client`."""
+async def relay_messages(client: OpenAIClient, request: dict, headers: dict | None = None) -> AsyncIterator[Event]:
+    """One /v1/messages job against the runtime behind `client` (`headers`: the client's
+    anthropic-version and anthropic-beta, forwarded)."""
     relay = MessagesRelay()
     body = client.body(request, stream=False, generate=True)
     body["stream"] = True
     try:
-        r = await client.post("/messages", body)
+        r = await client.post("/messages", body, headers)
         try:
             upstream = UpstreamBody(r, client.limits)
             if r.status != 200:

@@ -31,6 +31,7 @@ from protocol.messages import EXTRA_OWNED
 from protocol.redact import mask_url_credentials
 from runtime_worker.backends.base import (
     Backend, BackendLoadError, Event, Finished, JobError, OutputLimits, PartsDelta)
+from runtime_worker.anthropic_relay import relay_messages
 from runtime_worker.lifeline import lifeline_argv
 from runtime_worker.openai_events import (
     answer_events, checked_extra, checked_size, choice_event, choice_index, finished, live_count, opening_only,
@@ -122,11 +123,13 @@ class OpenAIClient:
         except (aiohttp.ClientError, ConnectionError) as exc:  # refused, or cut mid-stream
             raise connection_lost(exc) from None
 
-    async def fetch(self, request: dict, path: str = "/embeddings", root: bool = False) -> AsyncIterator[Event]:
+    async def fetch(self, request: dict, path: str = "/embeddings", root: bool = False,
+                    headers: dict | None = None) -> AsyncIterator[Event]:
         """One request answered whole (embeddings, the runtime's own calls): a single Finished
-        with the result. `root`: `path` is from the server's root (/tokenize), not from /v1."""
+        with the result. `root`: `path` is from the server's root (/tokenize), not from /v1;
+        `headers`: the client's, for the runtime's own route (Submit.headers)."""
         try:
-            r = await self._post(path, self.body(request, stream=False, generate=False), root)
+            r = await self._post(path, self.body(request, stream=False, generate=False), root, headers)
             try:
                 if r.status != 200:
                     raise upstream_error(r.status, await UpstreamBody(r, self.limits).error_text())
@@ -143,18 +146,19 @@ class OpenAIClient:
         result.pop("model", None)  # the pool names the model
         yield Finished("stop", int(usage.get("prompt_tokens", 0)), 0, result=result)
 
-    async def post(self, path: str, body: dict) -> aiohttp.ClientResponse:
+    async def post(self, path: str, body: dict, headers: dict | None = None) -> aiohttp.ClientResponse:
         """POST `body` to `path` under the base URL; the caller reads and closes the answer."""
-        return await self._post(path, body)
+        return await self._post(path, body, headers=headers)
 
-    async def _post(self, path: str, body: dict, root: bool = False) -> aiohttp.ClientResponse:
+    async def _post(self, path: str, body: dict, root: bool = False,
+                    headers: dict | None = None) -> aiohttp.ClientResponse:
         url = (self.base_url.removesuffix("/v1") if root else self.base_url) + path
         session = self._open_session()
         failures = 0
         while True:
             try:
                 # a redirect is the runtime's answer (an error), not a place to send the key and the prompt
-                return await session.post(url, json=body, allow_redirects=False)
+                return await session.post(url, json=body, headers=headers or None, allow_redirects=False)
             except aiohttp.ClientConnectionError:
                 # A pooled connection the server had closed just before (llama-server
                 # announces keep-alive, then closes after a stream): no answer came back,
@@ -278,8 +282,13 @@ class OpenAIServerBackend(Backend):
     # the runtime's own calls it serves (base.CALLS): endpoint -> its path from the server's root
     call_paths: dict[str, str] = {}
 
-    def call(self, endpoint: str, job: str, request: dict) -> AsyncIterator[Event]:
-        return self.client.fetch(request, self.call_paths[endpoint], root=True)
+    def call(self, endpoint: str, job: str, request: dict, headers: dict | None = None) -> AsyncIterator[Event]:
+        return self.client.fetch(request, self.call_paths[endpoint], root=True, headers=headers)
+
+    def messages(self, job: str, request: dict, headers: dict | None = None) -> AsyncIterator[Event]:
+        """On the runtime's own /v1/messages (a backend whose runtime has one lists "messages"
+        in its endpoints)."""
+        return relay_messages(self.client, request, headers)
 
 
 # A line of a runtime's output that reports an error (llama.cpp marks its level with " E ");

@@ -22,7 +22,7 @@ from protocol import Done
 from protocol.errors import ErrorCode, PoolError
 from supervisor.deadlines import NO_SLO, request_slo, unmeetable
 from supervisor.jobs import Job
-from supervisor.models.capabilities import CALLS, check_serves
+from supervisor.models.capabilities import CALLS, check_serves, forwarded_headers
 from supervisor.models.views import served_context
 from supervisor.openai_shapes import MAX_OUTPUT_TOKENS
 from supervisor.tenants import DEFAULT, Tenant, Tenants, TenantSpec
@@ -124,7 +124,8 @@ class Admission:
         tenant.admit()
         reserved = 0
         try:
-            job = self.engine.make_job(entry, request, endpoint, tenant.name)
+            job = self.engine.make_job(entry, request, endpoint, tenant.name,
+                                       headers=forwarded_headers(endpoint, headers))
             job.session = session  # a session key its headers gave, for routing = "session"
             estimate = len(job.frame) // PROMPT_BYTES_PER_TOKEN
             reserved = tenant.reserve_tokens(estimate + output)

@@ -280,7 +280,9 @@ def check(url: Url = DEFAULT_URL) -> None:
         raise typer.Exit(CHECK_UNHEALTHY)
     planned = [f"{n} ({', '.join(m['restarting'])} restarting)" for n, m in models.items()
                if isinstance(m, dict) and m.get("restarting")]
-    typer.echo("ready" + (f"; planned restarts: {'; '.join(planned)}" if planned else ""))
+    planned += [f"{n} unloading ({fmt.planned_unload(m['unloading'])})" for n, m in models.items()
+                if isinstance(m, dict) and isinstance(m.get("unloading"), dict)]
+    typer.echo("ready" + (f"; planned work: {'; '.join(planned)}" if planned else ""))
 
 
 SUPERVISOR = "supervisor"  # `llm-pool logs supervisor`: the supervisor's own log

@@ -71,6 +71,16 @@ def one_line(text: str | None, limit: int = 120) -> str:
     return clip((text or "").strip().splitlines()[0] if (text or "").strip() else None, limit)
 
 
+def planned_unload(unloading: dict) -> str:
+    """An unload under way, in words: why, and what its drain still waits for."""
+    why = one_line(str(unloading.get("why") or "unloaded"), 80)
+    draining, left = unloading.get("draining") or 0, unloading.get("drain_left_s")
+    if not draining:
+        return why
+    return f"{why}; {draining} request{'s' if draining != 1 else ''} draining" + (
+        f", at most {left:.0f}s more" if isinstance(left, (int, float)) else "")
+
+
 def ms(value: float | None) -> str:
     if value is None:
         return "-"

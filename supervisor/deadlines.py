@@ -22,6 +22,7 @@ from supervisor.latency_predictor import retry_after_s
 from supervisor.states import ModelState, ReplicaState
 
 SLO_HEADERS = ("x-slo-ttft-ms", "x-slo-tpot-ms")
+READY = ReplicaState.READY
 MAX_SLO_MS = 86_400_000  # a day: a longer deadline is none
 
 
@@ -73,13 +74,15 @@ def predict(entry, tenant: str, frame_bytes: int, now: float | None = None, ahea
     now = time.monotonic() if now is None else now
     predictor, ex = entry.predictor, entry.executor
     names, slots, free = [], 0, 0  # the ready replicas
-    for r in ex.replicas if ex is not None else ():
-        if r.state is ReplicaState.READY:
-            names.append(r.name)
-            slots += r.capacity
-            free += r.free_slots
+    if ex is not None:
+        for r in ex.replicas:
+            if r.state is READY:
+                names.append(r.name)
+                slots += r.capacity
+                free += r.free_slots
     if ahead is None:
-        ahead = (len(ex.queue) and ex.queue.ahead(tenant) if ex is not None else 0) + len(entry.waiting)
+        queue = ex.queue if ex is not None else ()
+        ahead = (queue.ahead(tenant) if queue else 0) + len(entry.waiting)
     load_left = 0.0
     if not names:  # a cold model: its load first, then every configured slot is free
         names = [""]

@@ -108,7 +108,7 @@ class ModelRouterEngine:
         if by:  # an operator's unload: the timeline says who asked
             entry = self.registry.lookup(name, removed_too=True)
             emit(EventKind.UNLOADING, f"model {entry.cfg.name}: unloading", model=entry.cfg.name, by=by)
-        return await self.lifecycle.unload(name, drain_timeout_s)
+        return await self.lifecycle.unload(name, drain_timeout_s, why=f"asked by {by}" if by else "unloaded")
 
     async def restart(self, name: str, replica: int | None = None, *, now: bool = False,
                       by: str | None = None) -> ModelEntry:
@@ -270,7 +270,7 @@ class ModelRouterEngine:
         return await self.tokenizer.tokens(url, request, endpoint)
 
     def make_job(self, entry: ModelEntry, request: dict, endpoint: str = "chat",
-                 tenant: str = DEFAULT_TENANT) -> Job:
+                 tenant: str = DEFAULT_TENANT, headers: dict | None = None) -> Job:
         """The job for `request` on `entry`, not yet queued: 400 for a request out of bounds,
         409/503 for a model that refuses work in its state."""
         check_request_bounds(request, endpoint)
@@ -282,7 +282,7 @@ class ModelRouterEngine:
         check_prompt_bounds(entry.cfg, request)
         job = Job(entry.cfg.name, request, entry.cfg.request_timeout_s, entry.cfg.queue_timeout_s, endpoint,
                   self.config.server.max_job_output_bytes, tenant=tenant,
-                  max_unsent_bytes=self.config.server.max_unsent_output_bytes)
+                  max_unsent_bytes=self.config.server.max_unsent_output_bytes, headers=headers)
         if entry.cfg.log_bodies:
             job.transcript = []
         return job

@@ -179,7 +179,8 @@ class FairQueue:
         lane = lanes.get(tenant)
         index = (len(lane.jobs) if lane is not None else 0) if index is None else index
         band = self.shares(tenant).priority
-        mine = (counters.get(tenant, 0.0), served.get(tenant, 0), lane.jobs[0][0] if lane is not None else self._seq + 1)
+        my_counter = counters.get(tenant, 0.0)
+        my_tie = (served.get(tenant, 0), lane.jobs[0][0] if lane is not None else self._seq + 1)
         count = index
         for other, queued in lanes.items():
             priority = queued.band
@@ -188,8 +189,12 @@ class FairQueue:
             n = len(queued.jobs)
             if priority > band or n <= index:
                 count += n
-            else:  # one more from a lane whose head would go before this one's
-                count += index + ((counters.get(other, 0.0), served.get(other, 0), queued.jobs[0][0]) < mine)
+                continue
+            # one more from a lane whose head would go before this one's (the counter decides
+            # but for a tie: no tuple is built for it)
+            counter = counters.get(other, 0.0)
+            count += index + (counter < my_counter or (
+                counter == my_counter and (served.get(other, 0), queued.jobs[0][0]) < my_tie))
         return count
 
     def position(self, job: Job) -> int | None:

@@ -21,13 +21,13 @@ if TYPE_CHECKING:
     from supervisor.replica import Replica
 
 
-def encode_submit(job_id: str, request: dict, endpoint: str = "chat") -> bytes:
+def encode_submit(job_id: str, request: dict, endpoint: str = "chat", headers: dict | None = None) -> bytes:
     """The job's Submit frame, encoded once at admission: a value msgpack
     cannot carry (an integer past 64 bits, a lone surrogate) is the client's
     400 naming the field, and a frame over the cap its 413, before the job
     takes a queue place or a slot."""
     try:
-        frame = p.encode(p.Submit(job=job_id, request=request, endpoint=endpoint))
+        frame = p.encode(p.Submit(job=job_id, request=request, endpoint=endpoint, headers=headers or {}))
     except (OverflowError, UnicodeEncodeError, TypeError, ValueError):
         try:
             where, why = p.find_unencodable(request) or ("", "a value that cannot be sent to the runtime")
@@ -106,12 +106,14 @@ class Job:
 
     def __init__(self, model: str, request: dict, timeout_s: float, queue_timeout_s: float | None = None,
                  endpoint: str = "chat", max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
-                 tenant: str = "default", max_unsent_bytes: int = DEFAULT_MAX_UNSENT_BYTES) -> None:
+                 tenant: str = "default", max_unsent_bytes: int = DEFAULT_MAX_UNSENT_BYTES,
+                 headers: dict | None = None) -> None:
         self.id = f"{getrandbits(128):032x}"  # as unique as uuid4; not a secret, so no system call
         self.model = model
         self.request = request
         self.endpoint = endpoint  # protocol.ENDPOINTS
-        self.frame = encode_submit(self.id, request, endpoint)  # a request that cannot travel fails here, owning nothing
+        # `headers`: for the runtime's own route (capabilities.forwarded_headers), in the frame only
+        self.frame = encode_submit(self.id, request, endpoint, headers)  # a request that cannot travel fails here, owning nothing
         self.state = JobState.QUEUED
         self.replica: Replica | None = None
         # Delta..., then exactly one Done or PoolError; one reader (the HTTP handler), which

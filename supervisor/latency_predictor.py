@@ -58,11 +58,13 @@ class EwmaLine:
     """y = a + b x by exponentially weighted least squares (the same weights as Ewma): the
     time from hand-over to first token against the prompt's tokens, so that a fixed cost
     (template, HTTP, a cached prefix) and a per-token cost are both learned. With prompts
-    all of one size it is the mean."""
-    __slots__ = ("x", "y", "xx", "xy")
+    all of one size it is the mean. The slope is solved when a point is added (once per
+    finished request), so that `at` (once per admission) is one multiply-add."""
+    __slots__ = ("x", "y", "xx", "xy", "slope")
 
     def __init__(self) -> None:
         self.x = self.y = self.xx = self.xy = None
+        self.slope = 0.0
 
     def add(self, x: float, y: float) -> None:
         if self.x is None:
@@ -72,14 +74,14 @@ class EwmaLine:
         self.y += ALPHA * (y - self.y)
         self.xx += ALPHA * (x * x - self.xx)
         self.xy += ALPHA * (x * y - self.xy)
+        spread = self.xx - self.x * self.x
+        slope = (self.xy - self.x * self.y) / spread if spread > 1e-9 * max(1.0, self.xx) else 0.0
+        self.slope = max(0.0, slope)  # more prompt never takes less time
 
     def at(self, x: float) -> float | None:
         if self.x is None:
             return None
-        spread = self.xx - self.x * self.x
-        slope = (self.xy - self.x * self.y) / spread if spread > 1e-9 * max(1.0, self.xx) else 0.0
-        slope = max(0.0, slope)  # more prompt never takes less time
-        return max(0.0, self.y + slope * (x - self.x))
+        return max(0.0, self.y + self.slope * (x - self.x))
 
 
 class ReplicaSpeeds:

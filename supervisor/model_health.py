@@ -66,7 +66,17 @@ def model_health(entry) -> dict:
     restarting = [{"replica": r.index, "name": r.name, "state": r.state.value, "drain_left_s": _round(
         r.restart_drain_left_s)} for r in (ex.replicas if ex else ()) if r.in_operator_restart]
     return {"state": state, "ready": ready, "configured": entry.cfg.replicas, "replica_errors": reasons,
-            "restarting": restarting}
+            "restarting": restarting, "unloading": unloading(entry)}
+
+
+def unloading(entry) -> dict | None:
+    """Planned work too: an unload under way (an operator's, a reload's, an idle or eviction
+    unload), why, what it still waits for, and when its drain stops waiting."""
+    if entry.state not in (ModelState.UNLOADING, ModelState.AUTO_UNLOADING):
+        return None
+    ex = entry.executor
+    return {"why": entry.unload_why or "unloaded", "draining": ex.runtime_inflight if ex else 0,
+            "drain_left_s": _round(ex.drain_left_s) if ex else None}
 
 
 def _round(seconds: float | None) -> float | None:
@@ -117,7 +127,8 @@ def pool_health(engine) -> dict:
         h = model_health(entry)
         h["error"] = entry.error
         models[name] = {"state": h["state"], "ready": h["ready"], "configured": h["configured"],
-                        "reason": reason_text(h), "restarting": [r["name"] for r in h["restarting"]]}
+                        "reason": reason_text(h), "restarting": [r["name"] for r in h["restarting"]],
+                        "unloading": h["unloading"]}
     bad = sorted(n for n, m in models.items() if m["state"] in UNHEALTHY)
     status = ("shutting_down" if engine.shutting_down else "failed" if any(
         models[n]["state"] == ModelState.FAILED.value for n in bad) else DEGRADED if bad else "ok")

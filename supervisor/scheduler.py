@@ -56,12 +56,20 @@ class Executor:
         self._idle.set()
         self._driver: asyncio.Task | None = None
         self._stop_draining = asyncio.Event()  # a drain ends now, whatever still runs
+        self.drain_ends_at: float | None = None  # monotonic: when a drain under way stops waiting
         self._closed = False
 
     # -- figures for admin and metrics --------------------------------------------
     @property
     def effective_target_inflight(self) -> int:
         return sum(r.capacity for r in self.replicas if r.state is ReplicaState.READY)
+
+    @property
+    def drain_left_s(self) -> float | None:
+        """Seconds until a drain under way stops waiting for what still runs; None: no drain."""
+        if self.drain_ends_at is None or self.accepting_new_requests:
+            return None
+        return max(0.0, self.drain_ends_at - time.monotonic())
 
     @property
     def runtime_inflight(self) -> int:
@@ -263,6 +271,7 @@ class Executor:
         backstop, and `stop_draining` ends it at once)."""
         self.accepting_new_requests = False
         self.fail_queued(self._unloading_error())
+        self.drain_ends_at = time.monotonic() + timeout_s
         if self.runtime_inflight and not self._stop_draining.is_set():
             idle = asyncio.ensure_future(self._idle.wait())
             stop = asyncio.ensure_future(self._stop_draining.wait())

@@ -43,7 +43,7 @@ def test_key_matching():
 class NoEngine:
     """Admission with no key in the way must not reach the engine in these tests."""
 
-    def make_job(self, *args):
+    def make_job(self, *args, **kwargs):
         raise AssertionError(f"the request reached the engine: {args}")
 
 
@@ -108,7 +108,7 @@ class ContextEngine:
     def entry(self, name):
         return self.model
 
-    def make_job(self, entry, request, endpoint, tenant):
+    def make_job(self, entry, request, endpoint, tenant, headers=None):
         return SimpleNamespace(frame=b"x" * 400, request=request)  # 100 tokens by admission's estimate
 
     async def prompt_tokens(self, entry, request, endpoint):

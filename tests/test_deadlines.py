@@ -127,7 +127,7 @@ class PredictedEngine:
     def entry(self, name):
         return self.model
 
-    def make_job(self, entry, request, endpoint, tenant):
+    def make_job(self, entry, request, endpoint, tenant, headers=None):
         return Job("m", request, 60, tenant=tenant)
 
     async def prompt_tokens(self, entry, request, endpoint):

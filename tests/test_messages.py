@@ -6,6 +6,7 @@ answering /v1/messages itself."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import socket
@@ -13,11 +14,16 @@ import socket
 import anthropic
 import pytest
 
-from protocol import Delta, Done
+from protocol import Delta, Done, decode
 from protocol.errors import ErrorCode, PoolError
+from runtime_worker.anthropic_relay import relay_messages
+from runtime_worker.backends.base import Finished, TextDelta
+from runtime_worker.native_server import OpenAIClient
 from supervisor import anthropic_shapes as ashapes
 from supervisor.edge.schemas import request_body
 from supervisor.edge.streams import sse_frame
+from supervisor.jobs import Job
+from supervisor.models.capabilities import forwarded_headers
 from tests.conftest import llama, synthetic
 from tests.test_cli import cli, table_rows
 from testkit.llama import direct_llama_server
@@ -402,3 +408,45 @@ def test_a_messages_fallback_of_another_backend_gets_its_own_way(llama_server_bi
     answer = raw.parse()
     assert raw.headers["x-llm-pool-served-by"] == "syn" and answer.model == "syn"
     assert answer.stop_reason == "max_tokens" and answer.usage.output_tokens == 4
+
+
+def test_a_runtimes_own_route_gets_the_clients_anthropic_headers():
+    """anthropic-version and anthropic-beta reach the runtime's own /v1/messages as the client
+    sent them, and nothing else of the client's does: admission puts them in the job's frame
+    (Submit.headers), the worker's relay sends them. The runtime here is scripted: neither
+    llama-server nor vLLM reads these headers, so neither can show that they arrived."""
+    class Messages(ScriptedHandler):
+        bodies: list[dict] = []
+        seen: list[dict] = []
+
+        def answer(self, body):
+            type(self).seen.append({k.lower(): v for k, v in self.headers.items()})
+            events = [{"type": "message_start", "message": {"usage": {"input_tokens": 3, "output_tokens": 0}}},
+                      {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "hi"}},
+                      {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 1}},
+                      {"type": "message_stop"}]
+            return 200, "text/event-stream", "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events)
+
+    client_headers = {"anthropic-version": "2023-06-01", "anthropic-beta": "fine-grained-tool-streaming-2025-05-14",
+                      "x-api-key": "sk-secret", "x-claude-code-session-id": "s1"}
+    assert forwarded_headers("chat", client_headers) is None  # only a runtime's own Anthropic routes get them
+    job = Job("m", {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}, 60, endpoint="messages",
+              headers=forwarded_headers("messages", client_headers))
+    submit = decode(job.frame)
+    assert submit.headers == {"anthropic-version": "2023-06-01",
+                              "anthropic-beta": "fine-grained-tool-streaming-2025-05-14"}
+
+    async def relay(url: str) -> list:
+        client = OpenAIClient(url + "/v1", None)
+        try:
+            return [e async for e in relay_messages(client, submit.request, submit.headers)]
+        finally:
+            await client.aclose()
+
+    with serve(Messages) as runtime:
+        events = asyncio.run(relay(runtime.url))
+    assert [e.text for e in events if isinstance(e, TextDelta)] == ["hi"]
+    assert isinstance(events[-1], Finished) and events[-1].input_tokens == 3
+    [seen] = Messages.seen
+    assert seen["anthropic-version"] == "2023-06-01" and seen["anthropic-beta"].startswith("fine-grained")
+    assert "x-api-key" not in seen and "x-claude-code-session-id" not in seen

@@ -12,6 +12,7 @@ import signal
 import sqlite3
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 
 import httpx
@@ -20,6 +21,8 @@ import pytest
 from tests.conftest import llama, synthetic
 from tests.pool import wait_for
 from tests.test_cli import cli
+from tests.test_lifecycle import with_options
+from tests.test_models_lifecycle import _rewrite
 from tests.test_operator import break_spawns, chat, events, mend_spawns
 
 
@@ -110,6 +113,38 @@ def test_a_planned_restart_is_not_an_alert(make_pool):
     os.kill(pool.workers("syn")[0]["pid"], signal.SIGKILL)
     crash = wait_for(lambda: [e for e in events(pool) if e["kind"] == "crashed"], 10, what="the crash event")
     assert crash[0]["level"] == "error"
+
+
+def test_an_unload_and_a_reload_are_planned_work_too(make_pool):
+    """An operator's unload and a reload that changes a model drain what runs: each model shows
+    `unloading` with why, what still runs and when the drain stops waiting, in /health,
+    /admin/models and `check` (which exits 0), and no warning event is raised."""
+    slow = {"tps": 10, "tokens": 100}  # 10 s a request: both are caught draining on any machine
+    pool = make_pool([synthetic("a", **slow), synthetic("b", **slow), synthetic("c")])  # c serves on
+    with ThreadPoolExecutor(4) as ex:
+        running = [ex.submit(chat, pool, name) for name in ("a", "b")]
+        wait_for(lambda: all(pool.model(n)["runtime_inflight"] == 1 for n in ("a", "b")), 10, what="both in flight")
+        unload = ex.submit(pool.http.post, "/admin/models/a/unload", headers={"X-LLM-Pool-Client": "cli"})
+        _rewrite(pool, [synthetic("a", **slow), with_options(synthetic("b", **slow), output_tokens=5),
+                        synthetic("c")])
+        assert pool.http.post("/admin/reload").json()["reloaded"] == ["b"]
+        wait_for(lambda: all(pool.model(n)["state"] == "unloading" for n in ("a", "b")), 10, what="both unloading")
+        a, b = pool.model("a")["unloading"], pool.model("b")["unloading"]
+        assert a["why"] == "asked by cli" and b["why"] == "its config changed"
+        assert a["draining"] == b["draining"] == 1 and 0 < a["drain_left_s"] <= 600 and 0 < b["drain_left_s"]
+        health = pool.http.get("/health").json()
+        assert health["status"] == "ok" and health["unhealthy"] == [] and health["models"]["a"]["unloading"] == {
+            **a, "drain_left_s": health["models"]["a"]["unloading"]["drain_left_s"]}
+        done = cli("check", url=pool.url)
+        assert done.returncode == 0, (done.stdout, done.stderr)
+        assert "a unloading (asked by cli; 1 request draining, at most" in done.stdout
+        assert "b unloading (its config changed; 1 request draining" in done.stdout
+        assert [r.result().status_code for r in running] == [200, 200]  # both ran to their end
+        assert unload.result().json()["state"] == "unloaded"
+    wait_for(lambda: pool.model("b")["state"] == "loaded", 15, what="b loaded again")
+    assert pool.model("a")["unloading"] is None and pool.model("b")["unloading"] is None
+    seen = events(pool)
+    assert not [e for e in seen if e["level"] != "info"], seen
 
 
 def test_every_answer_carries_a_request_id_and_its_row_finds_it(make_pool):

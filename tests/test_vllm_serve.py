@@ -262,8 +262,8 @@ def test_kv_events_make_the_prefix_index_exact(pool):
 
 
 def test_runtime_calls_and_count_tokens_reach_vllm(pool):
-    """/tokenize and /detokenize through the pool answer what vLLM answers itself, and a
-    Messages count_tokens is vLLM's count of the chat it becomes (its own template applied)."""
+    """/tokenize and /detokenize through the pool answer what vLLM answers itself; a Messages
+    count_tokens and a message go to vLLM's own Anthropic routes and answer what they answer."""
     import anthropic
     port = pool.workers("tinyv")[0]["runtime_info"]["port"]
     direct = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
@@ -281,9 +281,23 @@ def test_runtime_calls_and_count_tokens_reach_vllm(pool):
     chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "count me"}]
     expected = direct.post("/tokenize", json={"model": "llm-pool-model", "messages": chat,
                                                "add_generation_prompt": True}).json()["count"]
-    counted = anthropic.Anthropic(base_url=pool.url, api_key="unused", max_retries=0).messages.count_tokens(
-        model="tinyv", system="be brief", messages=[{"role": "user", "content": "count me"}])
-    assert counted.input_tokens == expected
+    sdk = anthropic.Anthropic(base_url=pool.url, api_key="unused", max_retries=0)
+    ask = {"system": "be brief", "messages": [{"role": "user", "content": "count me"}]}
+    counted = sdk.messages.count_tokens(model="tinyv", **ask)
+    # vLLM's own count_tokens (/v1 wants the key the worker gave vLLM in its environment)
+    key = psutil.Process(pool.workers("tinyv")[0]["children"][0]["pid"]).environ()["VLLM_API_KEY"]
+    direct.headers["Authorization"] = f"Bearer {key}"
+    own = direct.post("/v1/messages/count_tokens", json={"model": "llm-pool-model", **ask})
+    assert own.status_code == 200, own.text
+    assert counted.input_tokens == own.json()["input_tokens"] >= expected > 3
+    # a message on vLLM's own /v1/messages: what vLLM answers itself, under the pool's name and ids
+    said = direct.post("/v1/messages", json={"model": "llm-pool-model", "max_tokens": 6, "temperature": 0, **ask})
+    assert said.status_code == 200, said.text
+    message = sdk.messages.create(model="tinyv", max_tokens=6, temperature=0, **ask)
+    assert message.model == "tinyv" and message.id != said.json()["id"]
+    assert [b.text for b in message.content] == [b["text"] for b in said.json()["content"]]
+    assert (message.stop_reason, message.usage.input_tokens, message.usage.output_tokens) == (
+        said.json()["stop_reason"], said.json()["usage"]["input_tokens"], said.json()["usage"]["output_tokens"])
     refused = pool.http.post("/v1/rerank", json={"model": "tinyv", "query": "q", "documents": ["d"]})
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "unsupported_endpoint"
     direct.close()

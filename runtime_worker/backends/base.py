@@ -138,12 +138,12 @@ class Backend(abc.ABC):
         """Embeddings (endpoint "embeddings"): one Finished carrying `result`."""
         raise JobError("unsupported_endpoint", f"the {self.name} backend does not serve /v1/embeddings")
 
-    def messages(self, job: str, request: dict) -> AsyncIterator[Event]:
+    def messages(self, job: str, request: dict, headers: dict | None = None) -> AsyncIterator[Event]:
         """An Anthropic Messages request on the runtime's own route (endpoint "messages"; the
         supervisor translates to chat for a backend without one)."""
         raise JobError("unsupported_endpoint", f"the {self.name} backend does not serve /v1/messages")
 
-    def call(self, endpoint: str, job: str, request: dict) -> AsyncIterator[Event]:
+    def call(self, endpoint: str, job: str, request: dict, headers: dict | None = None) -> AsyncIterator[Event]:
         """One of the runtime's own calls (CALLS, for backends that list it in `endpoints`):
         one Finished carrying the runtime's answer as `result`."""
         raise JobError("unsupported_endpoint", f"the {self.name} backend does not serve {_ENDPOINT_PATHS[endpoint]}")

@@ -15,11 +15,9 @@ import math
 import os
 import platform
 import shutil
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-from runtime_worker.anthropic_relay import relay_messages
-from runtime_worker.backends.base import BackendLoadError, Event
+from runtime_worker.backends.base import BackendLoadError
 from runtime_worker.native_server import NativeServer, OpenAIServerBackend, extra_body
 
 
@@ -74,9 +72,6 @@ class LlamaServerBackend(OpenAIServerBackend):
         super().__init__(options, *args, **kwargs)
         self.endpoints = self.endpoints | {"messages"} | {call for call in self.call_paths
                                                          if call != "rerank" or reranks(options)}
-
-    def messages(self, job: str, request: dict) -> AsyncIterator[Event]:
-        return relay_messages(self.client, request)
 
     async def start(self) -> tuple[int, dict]:
         model = self.options.get("model")

@@ -102,7 +102,7 @@ class SyntheticBackend(Backend):
         prompt = prompt if isinstance(prompt, str) else str(prompt)
         return self._generate(job, request, prompt, len(prompt.split()))
 
-    async def call(self, endpoint: str, job: str, request: dict) -> AsyncIterator[Event]:
+    async def call(self, endpoint: str, job: str, request: dict, headers: dict | None = None) -> AsyncIterator[Event]:
         """/tokenize (its only call): a word is a token, as its prompts are counted; `messages`
         (chat, vLLM's form) or `content` (llama-server's) or `prompt`."""
         messages = request.get("messages")

@@ -48,14 +48,15 @@ def vllm_command(options: dict) -> list[str]:
 
 class VllmServeBackend(OpenAIServerBackend):
     name = "vllm_serve"
-    # /tokenize takes `messages` (with the chat template) or `prompt`; a Messages count_tokens is
-    # asked as a tokenize of the translated chat by the supervisor. /v1/rerank: a scoring model
-    # (option `reranking`, with the runner flags it needs in extra_args).
-    call_paths = {"tokenize": "/tokenize", "detokenize": "/detokenize", "rerank": "/v1/rerank"}
+    # /tokenize takes `messages` (with the chat template) or `prompt`; /v1/messages and its
+    # count_tokens are vLLM's own (since 0.12). /v1/rerank: a scoring model (option
+    # `reranking`, with the runner flags it needs in extra_args).
+    call_paths = {"tokenize": "/tokenize", "detokenize": "/detokenize", "rerank": "/v1/rerank",
+                  "count_tokens": "/v1/messages/count_tokens"}
 
     def __init__(self, options: dict, *args, **kwargs) -> None:
         super().__init__(options, *args, **kwargs)
-        self.endpoints = self.endpoints | {call for call in self.call_paths
+        self.endpoints = self.endpoints | {"messages"} | {call for call in self.call_paths
                                            if call != "rerank" or options.get("reranking")}
 
     async def start(self) -> tuple[int, dict]:

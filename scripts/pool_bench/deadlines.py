@@ -147,7 +147,7 @@ def admission_cpu(iterations: int, lanes: int) -> dict[str, float]:
         def entry(self, name):
             return entry
 
-        def make_job(self, entry, request, endpoint, tenant="default") -> Job:
+        def make_job(self, entry, request, endpoint, tenant="default", headers=None) -> Job:
             return Job("synth", request, 600, None, endpoint, tenant=tenant)
 
         async def prompt_tokens(self, entry, request, endpoint):

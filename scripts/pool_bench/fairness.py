@@ -137,7 +137,7 @@ def admission_cost(iterations: int) -> dict[str, float]:
         def entry(self, name: str) -> Entry:
             return Entry
 
-        def make_job(self, entry, request, endpoint, tenant="default") -> Job:
+        def make_job(self, entry, request, endpoint, tenant="default", headers=None) -> Job:
             return Job(entry.cfg.name, request, 600, None, endpoint, tenant=tenant)
 
         async def prompt_tokens(self, entry, request, endpoint):

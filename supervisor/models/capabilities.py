@@ -17,7 +17,7 @@ CALLS = frozenset({"tokenize", "detokenize", "apply_template", "rerank", "count_
 
 CHAT = ("chat", "completions", "responses", "messages")
 _BY_BACKEND = {
-    # messages, count_tokens: llama-server's own routes; elsewhere translated (a tokenize of the chat)
+    # messages, count_tokens: llama-server's and vLLM's own routes; elsewhere translated (a tokenize of the chat)
     "llama_server": (*CHAT, "count_tokens", "tokenize", "detokenize", "apply_template"),
     "vllm_serve": (*CHAT, "count_tokens", "tokenize", "detokenize"),
     "openai_remote": (*CHAT, "embeddings"),
@@ -42,9 +42,26 @@ def capabilities(cfg: ModelConfig) -> list[str]:
 
 
 def native_messages(cfg: ModelConfig) -> bool:
-    """Whether /v1/messages and its count_tokens go to the runtime's own routes (llama-server's),
+    """Whether /v1/messages and its count_tokens go to the runtime's own routes (llama-server's, vLLM's),
     not translated to chat (and counted as a tokenize of that chat)."""
-    return cfg.backend == "llama_server"
+    return cfg.backend in ("llama_server", "vllm_serve")
+
+
+# The client's headers that a runtime's own Anthropic routes get as sent: the API version and
+# the betas it asks for (llama-server and vLLM read neither today; a newer runtime may). Each
+# value is clipped: it travels in the job's frame.
+FORWARDED_HEADERS = {"messages": ("anthropic-version", "anthropic-beta"),
+                     "count_tokens": ("anthropic-version", "anthropic-beta")}
+MAX_FORWARDED_HEADER = 1024
+
+
+def forwarded_headers(endpoint: str, headers) -> dict[str, str] | None:
+    """What of the request's `headers` goes to the runtime with a job on `endpoint` (None: nothing)."""
+    names = FORWARDED_HEADERS.get(endpoint)
+    if not names or not headers:
+        return None
+    found = {name: headers.get(name)[:MAX_FORWARDED_HEADER] for name in names if headers.get(name)}
+    return found or None
 
 
 CALL_PATHS = {"tokenize": "/tokenize", "detokenize": "/detokenize", "apply_template": "/apply-template",

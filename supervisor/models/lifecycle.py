@@ -222,6 +222,8 @@ class Lifecycle:
     def stop_intake(self, entry: ModelEntry, why: str = "unloaded") -> None:
         """An unload begins: new requests get 503 from now on, before any lock is
         waited for. An automatic unload it overrides lets its waiters go with 503."""
+        if entry.state in RUNNING or entry.state in (ModelState.LOADING, ModelState.AUTO_UNLOADING):
+            entry.unload_why = why
         if entry.state is ModelState.AUTO_UNLOADING:
             waiting, entry.waiting = entry.waiting, []
             error = PoolError(ErrorCode.MODEL_UNLOADING, f"model {entry.cfg.name!r} was unloaded ({why})")
@@ -283,6 +285,7 @@ class Lifecycle:
         by = ("memory budget" + (f", for {for_whom}" if for_whom else "")) if evicted else "idle timer"
         emit(EventKind.EVICTED if evicted else EventKind.UNLOADING, f"model {entry.cfg.name}: unloading ({reason})",
              model=entry.cfg.name, by=by)
+        entry.unload_why = reason
         if entry.cfg.load_on_demand:
             entry.waiting = entry.executor.take_queued()
             entry.set_state(ModelState.AUTO_UNLOADING)

@@ -89,6 +89,7 @@ class ModelEntry:
     measured_at: float = 0.0  # monotonic: the footprint's last measurement
     waiting: list[Job] = field(default_factory=list)  # AUTO_UNLOADING only: requests for the next load
     failed_replicas: list = field(default_factory=list)  # of the last load that failed: still shown (ops)
+    unload_why: str | None = None  # the unload under way: why (planned work, shown apart from faults)
     predictor: ModelPredictor = field(default_factory=ModelPredictor)  # learned speeds, kept across loads
     # told (entry, old, new) after every change of state: the registry's watchers (events, metrics)
     observer: Callable[[ModelEntry, ModelState, ModelState], None] | None = field(default=None, repr=False)
