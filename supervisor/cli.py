@@ -286,6 +286,7 @@ def check(url: Url = DEFAULT_URL) -> None:
 
 
 SUPERVISOR = "supervisor"  # `llm-pool logs supervisor`: the supervisor's own log
+FOLLOW_REPRINT_S = 10.0  # `events -f`: a repeat's line with its count, at most this often
 
 
 @_client
@@ -422,7 +423,7 @@ def events(url: Url = DEFAULT_URL, as_json: AsJson = False,
     """The event timeline, oldest first: the supervisor's start and stop, loads, unloads,
     evictions, crashes, restarts (and who asked), reloads, models turning degraded or failed.
     Repeats fold into one line ("crashed ×6 over 15s") unless --each. --follow keeps printing
-    until Ctrl-C."""
+    until Ctrl-C; a repeat there prints its line again with the count, at most every 10 s."""
     params = {k: v for k, v in {"model": model, "limit": limit}.items() if v is not None}
     body = call(url, "GET", "/admin/events", params={**params, **({} if each else {"fold": "true"})})
     rows = body["events"]
@@ -436,14 +437,38 @@ def events(url: Url = DEFAULT_URL, as_json: AsJson = False,
     emit(rows)
     if not follow:
         return
+    from supervisor.events import Folder  # -f alone needs it
+    folder = Folder()
+    for row in rows:  # printed folded (unless --each): a repeat of one counts on
+        folder.seen(row)
+    # a repeat's line is printed again with its count at most every FOLLOW_REPRINT_S (a crash
+    # loop is a line every 10 s, not one per crash); the last count shows within that time
+    printed_at: dict[tuple, float] = {}
+    pending: dict[tuple, dict] = {}
     last = body.get("last_id") or 0
     with until_ctrl_c():
         while True:
             time.sleep(1.0)
             got = call(url, "GET", "/admin/events", params={**params, "after_id": last, "limit": 10_000})
-            if got["events"]:
-                last = got["last_id"]
+            last = got.get("last_id") or last
+            if each or as_json:
                 emit(got["events"])
+                continue
+            now = time.monotonic()
+            for e in got["events"]:
+                folded, new = folder.add(e)
+                key = folder.key(folded)
+                if new:
+                    emit([folded])
+                    printed_at[key] = now
+                    pending.pop(key, None)
+                else:
+                    pending[key] = folded
+            for key, folded in list(pending.items()):
+                if now - printed_at.get(key, 0.0) >= FOLLOW_REPRINT_S:
+                    emit([folded])
+                    printed_at[key] = now
+                    del pending[key]
 
 
 if __name__ == "__main__":

@@ -68,21 +68,43 @@ FOLD_WINDOW_S = 120.0  # a repeat this soon after the last of its kind folds int
 _FOLD_KEY = ("kind", "level", "model", "replica", "by", "message")
 
 
-def fold(rows: list[dict], window_s: float = FOLD_WINDOW_S) -> list[dict]:
-    """Rows (oldest first) with each run of repeats folded into one: an event the same as
-    one at most `window_s` before it (kind, level, model, replica, who asked, message),
-    whatever came between, joins it. A folded row is its newest repeat, in that one's
-    place, with `count` and `first_ts` (the first repeat's time): "crashed x6 over 15 s"."""
-    out: list[dict] = []
-    latest: dict[tuple, dict] = {}  # per key, its folded row
-    for row in rows:
-        key = tuple(row.get(k) for k in _FOLD_KEY)
-        last = latest.get(key)
-        if last is not None and row["ts"] - last["ts"] <= window_s:
+class Folder:
+    """Repeats folded as they come: an event the same as one at most `window_s` before it
+    (kind, level, model, replica, who asked, message), whatever came between, joins that
+    one's folded row, which takes its id and time and counts it (`count`, and `first_ts`,
+    the first repeat's time): "crashed x6 over 15 s". `llm-pool events -f` folds with it as
+    events arrive; `fold` folds a page of them."""
+
+    def __init__(self, window_s: float = FOLD_WINDOW_S) -> None:
+        self.window_s = window_s
+        self.latest: dict[tuple, dict] = {}  # per key, its folded row
+
+    @staticmethod
+    def key(row: dict) -> tuple:
+        """What makes two events repeats of each other."""
+        return tuple(row.get(k) for k in _FOLD_KEY)
+
+    def seen(self, folded: dict) -> None:
+        """A row folded before (GET /admin/events?fold=true): a repeat of it counts on."""
+        self.latest[self.key(folded)] = folded
+
+    def add(self, row: dict) -> tuple[dict, bool]:
+        """(the row's folded row, whether that row is new: not a repeat)."""
+        key = self.key(row)
+        last = self.latest.get(key)
+        if last is not None and row["ts"] - last["ts"] <= self.window_s:
             last.update(id=row["id"], ts=row["ts"], count=last["count"] + 1)
-        else:  # the first of its kind, or one after a quiet window: a row of its own
-            latest[key] = new = {**row, "count": 1, "first_ts": row["ts"]}
-            out.append(new)
+            return last, False
+        # the first of its kind, or one after a quiet window: a row of its own
+        new = self.latest[key] = {**row, "count": 1, "first_ts": row["ts"]}
+        return new, True
+
+
+def fold(rows: list[dict], window_s: float = FOLD_WINDOW_S) -> list[dict]:
+    """Rows (oldest first) with each run of repeats folded into one (Folder), each in the
+    place of its newest repeat."""
+    folder = Folder(window_s)
+    out = [folded for folded, new in map(folder.add, rows) if new]
     return sorted(out, key=lambda f: f["id"])
 
 

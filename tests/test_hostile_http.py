@@ -8,6 +8,7 @@ keep its supervisor's RSS bounded, and keep every worker (none restarted)."""
 from __future__ import annotations
 
 import json
+import re
 import select
 import socket
 import time
@@ -150,6 +151,14 @@ def test_ten_thousand_header_lines_are_refused(hostile):
     assert answer == b"" or (status(answer) == 431 and body(answer)["error"]["code"] == "headers_too_large")
     many = request(hostile, "GET", "/health", headers={f"x-h{i}": "v" for i in range(200)})
     assert status(many) == 431 and body(many)["error"]["type"] == "invalid_request_error"
+    assert_refusal_has_an_id(many)
+
+
+def assert_refusal_has_an_id(answer: bytes) -> None:
+    """A refusal before the request was whole carries a fresh x-request-id (the client's own
+    could not be read; the supervisor's warning names it, where its throttle lets it log)."""
+    head = answer.split(b"\r\n\r\n", 1)[0].decode().lower()
+    assert re.search(r"^x-request-id: req_[0-9a-f]{32}\r?$", head, re.M), head
 
 
 def test_headers_just_under_the_caps_are_served(hostile):
@@ -163,6 +172,7 @@ def test_unparseable_request_gets_the_envelope(hostile):
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n")
         answer = read_all(s)
     assert status(answer) == 400 and body(answer)["error"]["code"] == "invalid_request"
+    assert_refusal_has_an_id(answer)
 
 
 # -- item 5: slow clients -------------------------------------------------------------------------------

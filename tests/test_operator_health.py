@@ -10,6 +10,8 @@ import os
 import re
 import signal
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +21,7 @@ import httpx
 import pytest
 
 from tests.conftest import llama, synthetic
-from tests.pool import wait_for
+from tests.pool import ROOT, wait_for
 from tests.test_cli import cli
 from tests.test_lifecycle import with_options
 from tests.test_models_lifecycle import _rewrite
@@ -213,19 +215,37 @@ def test_fold_folds_repeats_within_the_window_whatever_came_between():
 
 
 def test_a_crash_loop_is_one_line_and_the_supervisors_start_and_stop_are_events(make_pool):
+    """Five crashes in a row: one folded row (`events`, the API), and `events -f`, which was
+    following them, prints the first at once and then the count at most every 10 s, not a
+    line per crash."""
     pool = make_pool([synthetic("syn")])
-    for crash in range(3):
-        os.kill(pool.workers("syn")[0]["pid"], signal.SIGKILL)
-        wait_for(lambda: (w := pool.workers("syn")[0])["state"] == "ready" and w["restarts"] == crash + 1, 30,
-                 what=f"restart {crash + 1}")
-    wait_for(lambda: len([e for e in events(pool) if e["kind"] == "crashed"]) == 3, 5, what="three crash events")
+    env = {k: v for k, v in os.environ.items() if k not in ("LLM_POOL_URL", "LLM_POOL_ADMIN_KEY")}
+    follower = subprocess.Popen([sys.executable, "-m", "supervisor.cli", "events", "-f", "--url", pool.url],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    followed: list[str] = []
+    reader = threading.Thread(target=lambda: followed.extend(follower.stdout), daemon=True)
+    reader.start()
+    try:
+        wait_for(lambda: any("ready" in line for line in followed), 30, what="events -f printing")
+        for crash in range(5):
+            os.kill(pool.workers("syn")[0]["pid"], signal.SIGKILL)
+            wait_for(lambda: (w := pool.workers("syn")[0])["state"] == "ready" and w["restarts"] == crash + 1, 30,
+                     what=f"restart {crash + 1}")
+        wait_for(lambda: any("crashed ×5" in line for line in followed), 30, what="events -f: crashed ×5")
+    finally:
+        follower.terminate()
+        follower.wait(10)
+    crashes = [line for line in followed if "crashed" in line]
+    assert "×" not in crashes[0] and len(crashes) < 5, followed  # the first alone, then counts
+    assert "(×5 over " in crashes[-1]
+    wait_for(lambda: len([e for e in events(pool) if e["kind"] == "crashed"]) == 5, 5, what="five crash events")
     folded = pool.http.get("/admin/events", params={"fold": "true"}).json()["events"]
     [loop] = [e for e in folded if e["kind"] == "crashed"]
-    assert loop["count"] == 3 and loop["first_ts"] < loop["ts"]
+    assert loop["count"] == 5 and loop["first_ts"] < loop["ts"]
     out = cli("events", url=pool.url)
     [line] = [line for line in out.stdout.splitlines() if "crashed" in line]
-    assert "crashed ×3" in line and "(×3 over " in line, out.stdout
-    assert len([line for line in cli("events", "--each", url=pool.url).stdout.splitlines() if "crashed" in line]) == 3
+    assert "crashed ×5" in line and "(×5 over " in line, out.stdout
+    assert len([line for line in cli("events", "--each", url=pool.url).stdout.splitlines() if "crashed" in line]) == 5
 
     kinds = [e["kind"] for e in events(pool)]
     assert kinds[:1] == ["started"] and "ready" in kinds

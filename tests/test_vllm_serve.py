@@ -293,7 +293,7 @@ def test_runtime_calls_and_count_tokens_reach_vllm(pool):
     # a message on vLLM's own /v1/messages: what vLLM answers itself, under the pool's name and ids
     said = direct.post("/v1/messages", json={"model": "llm-pool-model", "max_tokens": 6, "temperature": 0, **ask})
     assert said.status_code == 200, said.text
-    message = sdk.messages.create(model="tinyv", max_tokens=6, temperature=0, **ask)
+    message = sdk.messages.create(model="tinyv", max_tokens=6, extra_body={"temperature": 0}, **ask)
     assert message.model == "tinyv" and message.id != said.json()["id"]
     assert [b.text for b in message.content] == [b["text"] for b in said.json()["content"]]
     assert (message.stop_reason, message.usage.input_tokens, message.usage.output_tokens) == (

@@ -41,6 +41,7 @@ from uvicorn.importer import import_from_string
 
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ServerConfig
+from supervisor.edge.request_ids import fresh_id
 from supervisor.edge.writes import CoalescedWrites
 from supervisor.log_throttle import ThrottledLog
 
@@ -293,7 +294,7 @@ class BoundedConnection(asyncio.Protocol):
                 self._refuse_headers(f"more than {self.bounds.max_headers} request header lines")
             else:
                 self._answer_and_close(PoolError(ErrorCode.INVALID_REQUEST,
-                                                 f"invalid HTTP request: {str(exc).rstrip('.')}"))
+                                                 f"invalid HTTP request: {str(exc).rstrip('.')}"), "invalid_http")
             return b""
         token = current_connection.set(self)
         try:
@@ -384,8 +385,7 @@ class BoundedConnection(asyncio.Protocol):
 
     # -- bounds -------------------------------------------------------------------------------------------
     def _refuse_headers(self, why: str) -> None:
-        warnings.warning("headers", "refused a request from %s: %s", self.client, why)
-        self._answer_and_close(PoolError(ErrorCode.HEADERS_TOO_LARGE, why))
+        self._answer_and_close(PoolError(ErrorCode.HEADERS_TOO_LARGE, why), "headers")
 
     def _header_timeout(self) -> None:
         self._timer = None
@@ -411,14 +411,18 @@ class BoundedConnection(asyncio.Protocol):
                          "(server.write_timeout_s)", self.client, self.bounds.write_timeout_s)
         self.transport.abort()
 
-    def _answer_and_close(self, err: PoolError) -> None:
+    def _answer_and_close(self, err: PoolError, kind: str) -> None:
+        """The error's answer, then close. It carries a fresh x-request-id, which the log line
+        names too (the request was never whole: it has no row of its own, nor the client's id)."""
+        rid = fresh_id().decode()
+        warnings.warning(kind, "refused a request from %s: %s (x-request-id %s)", self.client, err.message, rid)
         self._disarm()
         if self._unanswered:  # a request before this one is being answered: no room for a reply
             return self.transport.abort()
         body = json.dumps(err.envelope()).encode()
         head = (f"HTTP/1.1 {err.status} {_REASONS.get(err.status, '')}\r\n"
                 f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
-                "connection: close\r\n\r\n").encode()
+                f"x-request-id: {rid}\r\nconnection: close\r\n\r\n").encode()
         self.transport.write(head + body)
         self.transport.close()
 

@@ -28,6 +28,10 @@ def request_id(headers) -> bytes:
             if _SAFE.fullmatch(value):
                 return value
             break
+    return fresh_id()
+
+
+def fresh_id() -> bytes:
     return b"req_%032x" % getrandbits(128)  # as unique as a uuid4; not a secret: no system call
 
 
