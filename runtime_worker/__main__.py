@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import signal
@@ -144,9 +143,10 @@ class Worker:
         match msg:
             case p.Submit(job=job, request=request, endpoint=endpoint, headers=headers):
                 self.submits_seen += 1
-                light = endpoint in p.LIGHT_ENDPOINTS
-                if (len(self.light) >= p.LIGHT_CALLS_PER_WORKER if light
-                        else len(self.jobs) - len(self.light) >= self.capacity):
+                # a light call beside the slots while there is room for one (the supervisor hands at
+                # most that many past its queue); past it, one takes a slot as any job
+                light = endpoint in p.LIGHT_ENDPOINTS and len(self.light) < p.LIGHT_CALLS_PER_WORKER
+                if not light and len(self.jobs) - len(self.light) >= self.capacity:
                     self.send(p.Error(job=job, code=ErrorCode.RUNTIME_ERROR, message="worker is at capacity"))
                 else:
                     self.cancel_watch.disarm()
@@ -171,18 +171,12 @@ class Worker:
     async def run_job(self, job: str, request: dict, endpoint: str = "chat", headers: dict | None = None) -> None:
         try:
             self.backend.check(endpoint, request)
-            # headers: for the runtime's own routes (Submit.headers); text only, whatever the frame held
-            headers = {k: v for k, v in (headers or {}).items() if isinstance(v, str)}
-            if endpoint == "messages":
-                run = functools.partial(self.backend.messages, headers=headers)
-            else:
-                run = ({"chat": self.backend.run, "completions": self.backend.complete,
-                        "embeddings": self.backend.embed}.get(endpoint)
-                       or functools.partial(self.backend.call, endpoint, headers=headers))
+            if headers:  # for the runtime's own routes (Submit.headers): text only, whatever the frame held
+                headers = {k: v for k, v in headers.items() if isinstance(v, str)}
             budget = self.args.max_job_output_bytes  # what this job may still send (characters, about bytes)
             # closed when the job ends, not by the garbage collector (whose finalizer costs a
             # thread-safe wake-up of the loop and a task per job)
-            async with contextlib.aclosing(run(job, request)) as events:
+            async with contextlib.aclosing(self.backend.job(endpoint, job, request, headers)) as events:
                 async for event in events:
                     if isinstance(event, TextDelta):
                         if event.text:

@@ -87,6 +87,7 @@ class Replica(WorkerLink):
         self.runtime_capacity: int | None = None
         self.info: dict = {}
         self.inflight: dict[str, Job] = {}
+        self.light_inflight = 0  # of them, light calls handed past the queue (Job.light): in no generation slot
         self.started_at: float | None = None  # wall clock of the current process
         self.ready_at: float | None = None  # monotonic
         self.last_heard = 0.0
@@ -156,14 +157,18 @@ class Replica(WorkerLink):
 
     @property
     def free_slots(self) -> int:
-        return self.capacity - len(self.inflight) if self.state is ReplicaState.READY else 0
+        """Generation slots free (a light call in flight takes none)."""
+        if self.state is not ReplicaState.READY:
+            return 0
+        return self.capacity - (len(self.inflight) - self.light_inflight)
 
     @property
     def free_newcomer_slots(self) -> int:
         """Free slots above `capacity`, for a tenant with nothing running on the model."""
         if self.state is not ReplicaState.READY or not self.newcomer_slots:
             return 0
-        return min(self.newcomer_slots, self.capacity + self.newcomer_slots - len(self.inflight))
+        return min(self.newcomer_slots,
+                   self.capacity + self.newcomer_slots - (len(self.inflight) - self.light_inflight))
 
     @property
     def restart_pending(self) -> bool:
@@ -365,8 +370,7 @@ class Replica(WorkerLink):
                 self.last_error or f"worker exited with code {code} before it was ready; see {self.log_path}"))
         # what the exit means is the state's alone (states.ReplicaState)
         planned = self.state in (ReplicaState.STOPPING, ReplicaState.RESTARTING)
-        lost = list(self.inflight.values())
-        self.inflight.clear()
+        lost = self._forget_all()
         self._job_deltas.clear()
         for job in lost:
             if self.cfg.retry_unstarted_on_crash and job.first_token_at is None and job.attempts < 2 \

@@ -205,9 +205,7 @@ class Executor:
         never start: the drain fails them."""
         while self.queue and self.accepting_new_requests:
             job = self.queue.peek()
-            if job.slo_deadline is not None and job.expired(time.monotonic()):  # its deadline passed queued
-                self.queue.remove(job)
-                job.finish(slo_expired(job.model, job.slo_ttft_ms))
+            if self._dropped_expired(job):
                 continue
             replica = self.choice.choose(self.replicas, job)
             if replica is None:
@@ -227,22 +225,35 @@ class Executor:
             if not spare:
                 return
             running = {job.tenant for r in self.replicas for job in r.inflight.values()}
-            job = self.queue.pop(lambda tenant: tenant not in running)
+
+            def newcomer(tenant: str) -> bool:
+                return tenant not in running
+            job = self.queue.peek(newcomer)
             if job is None:
                 return
-            if job.slo_deadline is not None and job.expired(time.monotonic()):
-                job.meter.refund()  # charged as it was handed out; it is not served
-                job.finish(slo_expired(job.model, job.slo_ttft_ms))
+            if self._dropped_expired(job):
                 continue
+            self.queue.pop(newcomer)
             self._hand_over(job, max(spare, key=lambda r: r.free_newcomer_slots))
 
-    def _hand_over(self, job: Job, replica: Replica) -> None:
+    def _dropped_expired(self, job: Job) -> bool:
+        """A queued job whose TTFT deadline passed leaves the queue with that error, its slot
+        never taken (deadlines.py): True when `job` did."""
+        if job.slo_deadline is None or not job.expired(time.monotonic()):
+            return False
+        self.queue.remove(job)
+        job.finish(slo_expired(job.model, job.slo_ttft_ms))
+        return True
+
+    def _hand_over(self, job: Job, replica: Replica, light: bool = False) -> None:
+        """`light`: past the queue, beside the replica's slots (_hand_over_light)."""
+        job.light = light  # a job run again after a crash is handed over anew
         self._idle.clear()
         try:
             replica.submit(job)
         except Exception as exc:  # a bug here must cost one job, never the loop or the slot
             log.exception("model %s: handing job %s to %s failed", self.cfg.name, job.id, replica.name)
-            replica.inflight.pop(job.id, None)
+            replica.forget(job.id)
             job.finish(PoolError(ErrorCode.RUNTIME_ERROR, f"the pool could not hand the request to "
                                  f"replica {replica.name}: {type(exc).__name__}"))
             self.replica_changed()
@@ -252,13 +263,12 @@ class Executor:
         the fewest jobs, past the queue: its runtime answers it outside the generation slots, so
         it need not wait behind generations (a client budgeting its context asks it first).
         At most LIGHT_CALLS_PER_WORKER at a time on a replica (its worker runs that many beside its
-        slots); past that, or with no replica
-        ready, it queues as any job (and so takes a slot)."""
+        slots); past that, or with no replica ready, it queues as any job and takes a slot."""
         ready = [r for r in self.replicas if r.state is ReplicaState.READY and
-                 sum(j.endpoint in LIGHT_ENDPOINTS for j in r.inflight.values()) < LIGHT_CALLS_PER_WORKER]
+                 r.light_inflight < LIGHT_CALLS_PER_WORKER]
         if not ready or not self.accepting_new_requests:
             return False
-        self._hand_over(job, min(ready, key=lambda r: len(r.inflight)))
+        self._hand_over(job, min(ready, key=lambda r: len(r.inflight)), light=True)
         return True
 
     def _has_free_slot(self) -> bool:

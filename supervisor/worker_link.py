@@ -43,6 +43,7 @@ class WorkerLink:
         job.submitted_at = job.submitted_at or time.monotonic()
         job.attempts += 1
         self.inflight[job.id] = job
+        self.light_inflight += job.light
         self.submits_sent += 1  # a send that fails means a new worker, which counts from 0
         job.submit_seq = self.submits_sent
         self.transport.send_frame(self.identity, job.frame, functools.partial(self._submit_failed, job))
@@ -53,7 +54,7 @@ class WorkerLink:
         worker exited (the crash path has dealt with the job then)."""
         if self.inflight.get(job.id) is not job:
             return
-        del self.inflight[job.id]
+        self.forget(job.id)
         job.attempts -= 1  # it never reached a worker
         if job.cancel_requested:  # its client left meanwhile: nothing to run again
             job.finish(PoolError(ErrorCode.INVALID_REQUEST, "cancelled by the client"))
@@ -78,9 +79,21 @@ class WorkerLink:
         if self._drained is not None and not self._drained.done():
             self._drained.set_result(stopped)
 
-    def _fail_all(self, code: ErrorCode, message: str) -> None:
+    def forget(self, job_id: str) -> Job | None:
+        """The job out of the in-flight table (None: it was not there); its slot or light place is free."""
+        job = self.inflight.pop(job_id, None)
+        if job is not None and job.light:
+            self.light_inflight -= 1
+        return job
+
+    def _forget_all(self) -> list[Job]:
         jobs = list(self.inflight.values())
         self.inflight.clear()
+        self.light_inflight = 0
+        return jobs
+
+    def _fail_all(self, code: ErrorCode, message: str) -> None:
+        jobs = self._forget_all()
         self._job_deltas.clear()
         for job in jobs:
             job.finish(PoolError(code, message))
@@ -88,7 +101,7 @@ class WorkerLink:
         self.owner.replica_changed()
 
     def _finish(self, job_id: str, outcome: p.Done | PoolError) -> None:
-        job = self.inflight.pop(job_id, None)
+        job = self.forget(job_id)
         deltas = self._job_deltas.pop(job_id, 0)
         if job is None:
             self.unknown_job_replies += 1  # late reply for a job already ended: dropped

@@ -9,11 +9,14 @@ from __future__ import annotations
 import json
 import logging
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import httpx
+import psutil
 import pytest
 
+from protocol import LIGHT_CALLS_PER_WORKER
 from runtime_worker.backends import backend_class
 from supervisor.config import ModelConfig
 from supervisor.models.capabilities import CALLS, capabilities, native_messages
@@ -21,6 +24,7 @@ from testkit.llama import direct_llama_server
 from testkit.tiny_gguf import write_tiny_gguf
 from tests.conftest import llama, synthetic
 from tests.pool import wait_for
+from tests.procs import frozen
 
 CONFIGS = [
     ("llama_server", {"model": "m.gguf"}),
@@ -145,6 +149,27 @@ def test_a_light_call_skips_the_queue_of_a_busy_model(syn_pool):
             if sock is not None:
                 sock.close()
     wait_for(lambda: figures() == (0, 0), timeout=30, what="both requests cancelled")
+
+
+def test_light_calls_take_no_slot_and_more_than_a_worker_takes_beside_them_queue(syn_pool):
+    """A model of one slot, its worker held (SIGSTOP) while 12 tokenize calls arrive: 8
+    (LIGHT_CALLS_PER_WORKER) go past the queue beside the slot, the 9th takes the slot, 3 wait
+    in the queue; let go, every one is answered (the worker runs the 9th in its slot)."""
+    def figures():
+        models = syn_pool.http.get("/admin/models", headers={"Authorization": "Bearer sk-admin"}).json()["models"]
+        m = {m["name"]: m for m in models}["syn"]
+        return m["runtime_inflight"], m["queue_depth"]
+    workers = syn_pool.http.get("/admin/workers", headers={"Authorization": "Bearer sk-admin"}).json()["workers"]
+    worker = psutil.Process(next(w["pid"] for w in workers if w["model"] == "syn"))
+    with ThreadPoolExecutor(12) as ex:
+        with frozen(worker):
+            calls = [ex.submit(post, syn_pool, "/tokenize", {"model": "syn", "content": f"w {i}"}) for i in range(12)]
+            wait_for(lambda: figures() == (LIGHT_CALLS_PER_WORKER + 1, 11 - LIGHT_CALLS_PER_WORKER), 30,
+                     what="8 light calls beside the slot, one in it, the rest queued")
+        answers = [c.result() for c in calls]
+    assert [a.status_code for a in answers] == [200] * 12, [a.text for a in answers if a.status_code != 200]
+    assert all(a.json()["count"] == 2 for a in answers)
+    wait_for(lambda: figures() == (0, 0), 10, what="all answered")
 
 
 # -- llama-server: the pool against the same runtime asked directly ---------------------------------------------

@@ -138,6 +138,18 @@ class Backend(abc.ABC):
         """Embeddings (endpoint "embeddings"): one Finished carrying `result`."""
         raise JobError("unsupported_endpoint", f"the {self.name} backend does not serve /v1/embeddings")
 
+    def job(self, endpoint: str, job: str, request: dict, headers: dict | None = None) -> AsyncIterator[Event]:
+        """One job's events, by its endpoint (checked by `check` first)."""
+        if endpoint == "chat":
+            return self.run(job, request)
+        if endpoint == "completions":
+            return self.complete(job, request)
+        if endpoint == "embeddings":
+            return self.embed(job, request)
+        if endpoint == "messages":
+            return self.messages(job, request, headers)
+        return self.call(endpoint, job, request, headers)
+
     def messages(self, job: str, request: dict, headers: dict | None = None) -> AsyncIterator[Event]:
         """An Anthropic Messages request on the runtime's own route (endpoint "messages"; the
         supervisor translates to chat for a backend without one)."""

