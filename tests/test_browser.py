@@ -179,6 +179,7 @@ def test_unload_button_drains_the_model(pool, open_page):
         wait_for(lambda: pool.model("syn")["runtime_inflight"] == 1, 5, what="the long request in flight")
         row.locator("button.unload").click()
         expect(row.locator(".state")).to_have_text("unloading", timeout=3000)
+        expect(row.locator(".reason")).to_contain_text("unloading: asked by page")  # planned work says so
         ui.shot("unloading")
         expect(row.locator(".state")).to_have_text("unloaded", timeout=15000)
     finally:

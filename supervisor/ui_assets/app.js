@@ -288,9 +288,19 @@ async function refreshModels() {
     el("td", {}, ago(m.last_used_at)),
     el("td", {}, m.idle_unload_in_s == null ? "-" : duration(m.idle_unload_in_s)),
     el("td", {}, m.memory_mb == null ? "-" : `${m.memory_mb} MB${m.memory_source ? " (" + m.memory_source + ")" : ""}`),
-    cut("reason", m.error || "", {lines: true}),
+    cut("reason", m.error || plannedWork(m), {lines: true}),
     el("td", {class: "actions"}, ...["load", "unload", "restart"].map((action) =>
       el("button", {class: action, "data-action": action, onclick: () => act(m.name, action)}, action))))));
+}
+
+// Planned work is no fault, but it says what it does: replicas restarting, an unload under way
+// (why, what still runs, when the drain stops waiting)
+function plannedWork(m) {
+  const left = (s) => (s == null ? "" : `, at most ${Math.ceil(s)}s more`);
+  const parts = (m.restarting || []).map((r) => `${r.name} restarting${left(r.drain_left_s)}`);
+  const u = m.unloading;
+  if (u) parts.push(`unloading: ${u.why}` + (u.draining ? `; ${u.draining} draining${left(u.drain_left_s)}` : ""));
+  return parts.join("; ");
 }
 
 async function act(name, action) {
