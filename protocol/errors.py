@@ -124,3 +124,11 @@ def exit_text(code: int | None) -> str:
         except ValueError:
             return f"signal {-code}"
     return f"code {code}"
+
+
+def context_message(prompt_tokens: int | None, context: int) -> str:
+    """A context_length_exceeded error's message in OpenAI's wording, which agents match to
+    compact a conversation (the Messages surface words it as Anthropic does, from these numbers)."""
+    resulted = f"However, your messages resulted in {prompt_tokens} tokens. " if prompt_tokens is not None else ""
+    return (f"This model's maximum context length is {context} tokens. {resulted}"
+            "Please reduce the length of the messages.")

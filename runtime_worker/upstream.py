@@ -16,7 +16,7 @@ from contextlib import aclosing
 
 import aiohttp
 
-from protocol.errors import ErrorCode
+from protocol.errors import ErrorCode, context_message
 from protocol.redact import mask_url_credentials
 from runtime_worker.backends.base import JobError, OutputLimits
 
@@ -182,14 +182,6 @@ def context_overflow(detail, message: str) -> tuple[int | None, int] | None:
         return None
     n = _CONTEXT_N.search(message)
     return (int(n.group(1) or n.group(2)) if n else None), int(m.group(1))
-
-
-def context_message(prompt_tokens: int | None, context: int) -> str:
-    """OpenAI's wording, which agents match to compact a conversation (the Messages surface
-    words it as Anthropic does, from these numbers)."""
-    resulted = f"However, your messages resulted in {prompt_tokens} tokens. " if prompt_tokens is not None else ""
-    return (f"This model's maximum context length is {context} tokens. {resulted}"
-            "Please reduce the length of the messages.")
 
 
 def upstream_error(status: int, text: str) -> JobError:

@@ -19,7 +19,7 @@ import functools
 import hmac
 
 from protocol import Done
-from protocol.errors import ErrorCode, PoolError
+from protocol.errors import ErrorCode, PoolError, context_message
 from supervisor.deadlines import NO_SLO, request_slo, unmeetable
 from supervisor.jobs import Job
 from supervisor.models.capabilities import CALLS, check_serves, forwarded_headers
@@ -110,7 +110,8 @@ class Admission:
         call, in this order: the model's name resolved once (Registry.lookup) and its scope →
         the output limit (400) → limits (429: rpm, max_inflight) → bounds and the job
         (engine.make_job) → the tpm reserve (the prompt's estimate and the most output it
-        may produce; 429) → the prompt's token ids where routing needs them → the prediction
+        may produce; 429) → the prompt's token ids where routing needs them (a prompt they show
+        to be over the model's context is refused here, as the runtime would) → the prediction
         against the request's deadlines (503 deadline_unmeetable; deadlines.py: `headers`
         carry x-slo-*) → the queue. What was counted is given back when a later step
         refuses; the reserve settles to the real usage at the job's end."""
@@ -130,6 +131,9 @@ class Admission:
             estimate = len(job.frame) // PROMPT_BYTES_PER_TOKEN
             reserved = tenant.reserve_tokens(estimate + output)
             tokens = await self.engine.prompt_tokens(entry, request, endpoint)  # None where routing needs none
+            context = served_context(entry)
+            if tokens is not None and context and len(tokens) > context:  # counted before sending
+                raise PoolError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, context_message(len(tokens), context))
             job.prediction = self.engine.predict(entry, tenant.name, len(job.frame))
             if slo is not NO_SLO:
                 refused = unmeetable(entry.cfg.name, slo, job.prediction)

@@ -303,6 +303,33 @@ def test_runtime_calls_and_count_tokens_reach_vllm(pool):
     direct.close()
 
 
+def test_a_prompt_over_the_context_is_counted_and_refused_before_vllm_gets_it(pool):
+    """With KV events on, the pool holds each prompt's token ids (vLLM's own /tokenize) before
+    it queues the request: a prompt longer than max_model_len is refused there, in OpenAI's
+    words with vLLM's own count, and vLLM never gets the chat request (its access log shows
+    none refused, though it logs the request after it)."""
+    content = "the pool counts every prompt before it sends it " * 500
+    ask = {"messages": [{"role": "user", "content": content}], "add_generation_prompt": True}
+    port = pool.workers("tinyv")[0]["runtime_info"]["port"]
+    counted = httpx.post(f"http://127.0.0.1:{port}/tokenize", json={"model": "llm-pool-model", **ask},
+                         timeout=60).json()["count"]
+    assert counted > MODEL_LEN
+    r = httpx.post(pool.url + "/v1/chat/completions", timeout=60, headers={"x-request-id": "too-long-1"},
+                   json={"model": "tinyv", "max_tokens": 5, "messages": ask["messages"]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["message"] == (f"This model's maximum context length is {MODEL_LEN} tokens. However, "
+                                           f"your messages resulted in {counted} tokens. Please reduce the length "
+                                           "of the messages.")
+    [row] = wait_for(lambda: pool.http.get("/admin/requests", params={"id": "too-long-1"}).json()["requests"], 10,
+                     what="the refused request's row")  # the log is written in batches
+    assert row["status"] == 400 and row["replica"] is None  # never handed to a replica
+    assert chat(pool, 2, "short").status_code == 200  # its access log line: the log is read past the refusal
+    wait_for(lambda: any('/v1/chat/completions HTTP/1.1" 200' in line for line in replica_log(pool)), 30,
+             what="vLLM's access log line of the short request")
+    assert not [line for line in replica_log(pool) if '/v1/chat/completions HTTP/1.1" 400' in line]
+
+
 def test_unload_drains_then_stops_vllm(pool):
     """An unload while a generation is in vLLM waits for it to run to its end, then stops every
     vLLM process. `vllm serve` is held (frozen) from before the request until the unload is
