@@ -143,10 +143,12 @@ class Worker:
         match msg:
             case p.Submit(job=job, request=request, endpoint=endpoint, headers=headers):
                 self.submits_seen += 1
-                # a light call beside the slots while there is room for one (the supervisor hands at
-                # most that many past its queue); past it, one takes a slot as any job
-                light = endpoint in p.LIGHT_ENDPOINTS and len(self.light) < p.LIGHT_CALLS_PER_WORKER
-                if not light and len(self.jobs) - len(self.light) >= self.capacity:
+                # a light call runs beside the slots, whichever way the supervisor sent it: at most
+                # LIGHT_CALLS_PER_WORKER past its queue, and the rest in slots it counts as taken (so
+                # the worker never holds a slot the supervisor thinks free)
+                light = endpoint in p.LIGHT_ENDPOINTS
+                if (len(self.light) >= p.LIGHT_CALLS_PER_WORKER + self.capacity if light
+                        else len(self.jobs) - len(self.light) >= self.capacity):
                     self.send(p.Error(job=job, code=ErrorCode.RUNTIME_ERROR, message="worker is at capacity"))
                 else:
                     self.cancel_watch.disarm()

@@ -456,12 +456,13 @@ def events(url: Url = DEFAULT_URL, as_json: AsJson = False,
                 continue
             now = time.monotonic()
             for e in got["events"]:
+                key = folder.key(e)
                 folded, new = folder.add(e)
-                key = folder.key(folded)
                 if new:
+                    if key in pending:  # its earlier run's last count, not printed yet
+                        emit([pending.pop(key)])
                     emit([folded])
                     printed_at[key] = now
-                    pending.pop(key, None)
                 else:
                     pending[key] = folded
             for key, folded in list(pending.items()):
@@ -469,6 +470,8 @@ def events(url: Url = DEFAULT_URL, as_json: AsJson = False,
                     emit([folded])
                     printed_at[key] = now
                     del pending[key]
+            folder.prune(time.time())
+            printed_at = {k: t for k, t in printed_at.items() if k in folder.latest or k in pending}
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ clipped: never a raw control character on the operator's terminal)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import typer
@@ -78,7 +79,7 @@ def planned_unload(unloading: dict) -> str:
     if not draining:
         return why
     return f"{why}; {draining} request{'s' if draining != 1 else ''} draining" + (
-        f", at most {left:.0f}s more" if isinstance(left, (int, float)) else "")
+        f", at most {math.ceil(left)}s more" if isinstance(left, (int, float)) else "")
 
 
 def ms(value: float | None) -> str:

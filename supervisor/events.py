@@ -88,6 +88,10 @@ class Folder:
         """A row folded before (GET /admin/events?fold=true): a repeat of it counts on."""
         self.latest[self.key(folded)] = folded
 
+    def prune(self, now_ts: float) -> None:
+        """Forget rows no repeat can join any more (their window has passed): a long follow stays small."""
+        self.latest = {k: row for k, row in self.latest.items() if now_ts - row["ts"] <= self.window_s}
+
     def add(self, row: dict) -> tuple[dict, bool]:
         """(the row's folded row, whether that row is new: not a repeat)."""
         key = self.key(row)

@@ -224,7 +224,7 @@ class Executor:
             spare = [r for r in self.replicas if r.free_newcomer_slots > 0]
             if not spare:
                 return
-            running = {job.tenant for r in self.replicas for job in r.inflight.values()}
+            running = {job.tenant for r in self.replicas for job in r.inflight.values() if not job.light}
 
             def newcomer(tenant: str) -> bool:
                 return tenant not in running
@@ -281,7 +281,8 @@ class Executor:
         backstop, and `stop_draining` ends it at once)."""
         self.accepting_new_requests = False
         self.fail_queued(self._unloading_error())
-        self.drain_ends_at = time.monotonic() + timeout_s
+        ends = time.monotonic() + timeout_s  # a second drain (a shutdown during an unload) ends no later
+        self.drain_ends_at = ends if self.drain_ends_at is None else min(self.drain_ends_at, ends)
         if self.runtime_inflight and not self._stop_draining.is_set():
             idle = asyncio.ensure_future(self._idle.wait())
             stop = asyncio.ensure_future(self._stop_draining.wait())

@@ -13,6 +13,7 @@ import socket
 
 import anthropic
 import pytest
+from starlette.datastructures import Headers
 
 from protocol import Delta, Done, decode
 from protocol.errors import ErrorCode, PoolError
@@ -412,9 +413,10 @@ def test_a_messages_fallback_of_another_backend_gets_its_own_way(llama_server_bi
 
 def test_a_runtimes_own_route_gets_the_clients_anthropic_headers():
     """anthropic-version and anthropic-beta reach the runtime's own /v1/messages as the client
-    sent them, and nothing else of the client's does: admission puts them in the job's frame
-    (Submit.headers), the worker's relay sends them. The runtime here is scripted: neither
-    llama-server nor vLLM reads these headers, so neither can show that they arrived."""
+    sent them, and nothing else of the client's does: what admission forwards
+    (capabilities.forwarded_headers, a header on two lines comma-joined) travels in the job's
+    frame (Submit.headers) and the worker's relay sends it. The runtime here is scripted:
+    neither llama-server nor vLLM reads these headers, so neither can show that they arrived."""
     class Messages(ScriptedHandler):
         bodies: list[dict] = []
         seen: list[dict] = []
@@ -430,6 +432,9 @@ def test_a_runtimes_own_route_gets_the_clients_anthropic_headers():
     client_headers = {"anthropic-version": "2023-06-01", "anthropic-beta": "fine-grained-tool-streaming-2025-05-14",
                       "x-api-key": "sk-secret", "x-claude-code-session-id": "s1"}
     assert forwarded_headers("chat", client_headers) is None  # only a runtime's own Anthropic routes get them
+    two_lines = Headers(raw=[(b"anthropic-beta", b"a-1"), (b"anthropic-beta", b"b-2"), (b"x-other", b"x")])
+    assert forwarded_headers("count_tokens", two_lines) == {"anthropic-beta": "a-1, b-2"}
+    assert forwarded_headers("messages", {"anthropic-beta": "x" * 2000}) is None  # left out whole, never cut
     job = Job("m", {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}, 60, endpoint="messages",
               headers=forwarded_headers("messages", client_headers))
     submit = decode(job.frame)

@@ -60,7 +60,7 @@ def syn_pool(tmp_path_factory):
     pool = Pool(tmp_path_factory.mktemp("pool"),
                 [synthetic("syn", tokens=5, max_prompt_chars=1000), synthetic("slow", tps=5, tokens=400), synthetic("other")],
                 tenants=[{"name": "team", "keys": ["sk-team"], "models": ["syn", "slow"]}],
-                server={"admin_key": "sk-admin"}).start()
+                server={"admin_key": "sk-admin", "liveness_s": 60}).start()  # a held worker is not killed
     yield pool
     pool.stop()
 
@@ -170,6 +170,9 @@ def test_light_calls_take_no_slot_and_more_than_a_worker_takes_beside_them_queue
     assert [a.status_code for a in answers] == [200] * 12, [a.text for a in answers if a.status_code != 200]
     assert all(a.json()["count"] == 2 for a in answers)
     wait_for(lambda: figures() == (0, 0), 10, what="all answered")
+    # the worker and the pool agree the slot is free again: a generation takes it
+    chat = post(syn_pool, "/v1/chat/completions", {"model": "syn", "messages": [{"role": "user", "content": "x"}]})
+    assert chat.status_code == 200, chat.text
 
 
 # -- llama-server: the pool against the same runtime asked directly ---------------------------------------------

@@ -412,13 +412,16 @@ class BoundedConnection(asyncio.Protocol):
         self.transport.abort()
 
     def _answer_and_close(self, err: PoolError, kind: str) -> None:
-        """The error's answer, then close. It carries a fresh x-request-id, which the log line
-        names too (the request was never whole: it has no row of its own, nor the client's id)."""
-        rid = fresh_id().decode()
-        warnings.warning(kind, "refused a request from %s: %s (x-request-id %s)", self.client, err.message, rid)
+        """The error's answer, then close. It carries a fresh x-request-id (the request was never
+        whole: it has no row of its own, nor the client's id), which the warning names where its
+        throttle lets it log."""
         self._disarm()
         if self._unanswered:  # a request before this one is being answered: no room for a reply
+            warnings.warning(kind, "refused a request from %s: %s (closed: no room for an answer)",
+                             self.client, err.message)
             return self.transport.abort()
+        rid = fresh_id().decode()
+        warnings.warning(kind, "refused a request from %s: %s (x-request-id %s)", self.client, err.message, rid)
         body = json.dumps(err.envelope()).encode()
         head = (f"HTTP/1.1 {err.status} {_REASONS.get(err.status, '')}\r\n"
                 f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"

@@ -48,8 +48,9 @@ def native_messages(cfg: ModelConfig) -> bool:
 
 
 # The client's headers that a runtime's own Anthropic routes get as sent: the API version and
-# the betas it asks for (llama-server and vLLM read neither today; a newer runtime may). Each
-# value is clipped: it travels in the job's frame.
+# the betas it asks for (llama-server and vLLM read neither today; a newer runtime may). A
+# header sent on several lines goes as one, comma-joined (HTTP's meaning); one longer than
+# MAX_FORWARDED_HEADER is left out whole rather than cut (a cut beta name is a wrong one).
 FORWARDED_HEADERS = {"messages": ("anthropic-version", "anthropic-beta"),
                      "count_tokens": ("anthropic-version", "anthropic-beta")}
 MAX_FORWARDED_HEADER = 1024
@@ -60,7 +61,12 @@ def forwarded_headers(endpoint: str, headers) -> dict[str, str] | None:
     names = FORWARDED_HEADERS.get(endpoint)
     if not names or not headers:
         return None
-    found = {name: headers.get(name)[:MAX_FORWARDED_HEADER] for name in names if headers.get(name)}
+    found = {}
+    for name in names:
+        values = headers.getlist(name) if hasattr(headers, "getlist") else [headers.get(name)]
+        value = ", ".join(v for v in values if v)
+        if value and len(value) <= MAX_FORWARDED_HEADER:
+            found[name] = value
     return found or None
 
 
