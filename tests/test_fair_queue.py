@@ -265,12 +265,17 @@ def test_a_higher_priority_band_goes_first_while_it_waits():
     assert sim.order[-1].tenant == "hi"
 
 
-def test_tokens_are_charged_as_they_stream_not_at_the_end():
+def handed_out() -> tuple[FairQueue, Job, float]:
+    """Tenant a's one job, handed out (output weighs 2): the queue, the job, a's counter then."""
     queue = FairQueue(output_weight=2.0)
     job = make_job("a", 0)
     queue.push(job)
     queue.pop()
-    start = queue.counters["a"]
+    return queue, job, queue.counters["a"]
+
+
+def test_tokens_are_charged_as_they_stream_not_at_the_end():
+    queue, job, start = handed_out()
     for _ in range(3):
         job.push(Delta(job=job.id, text="t"))
     assert queue.counters["a"] == start + 6
@@ -279,11 +284,7 @@ def test_tokens_are_charged_as_they_stream_not_at_the_end():
 
 
 def test_a_delta_that_joins_several_tokens_is_charged_all_of_them():
-    queue = FairQueue(output_weight=2.0)
-    job = make_job("a", 0)
-    queue.push(job)
-    queue.pop()
-    start = queue.counters["a"]
+    queue, job, start = handed_out()
     job.push(Delta(job=job.id, text="three tokens", tokens=3))
     job.push(Delta(job=job.id, text="", tokens=0))
     assert queue.counters["a"] == start + 6

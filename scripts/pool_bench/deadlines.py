@@ -25,7 +25,7 @@ import httpx
 
 from pool_bench.bench import Bench
 from pool_bench.children import PoolProc
-from pool_bench.fairness import smollm2_model
+from pool_bench.fairness import run_now, smollm2_model
 from pool_bench.load import pct
 from pool_bench.report import loadavg, say, table
 
@@ -159,13 +159,6 @@ def admission_cpu(iterations: int, lanes: int) -> dict[str, float]:
 
         def enqueue(self, entry, job, prompt_tokens=None) -> None:
             queue.push(job)
-
-    def run_now(admitting):
-        try:
-            admitting.send(None)
-        except StopIteration as done:
-            return done.value
-        raise RuntimeError("admission waited for something")
 
     request = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 16}
     done = Done(job="", finish_reason="stop", usage={"input_tokens": 2, "output_tokens": 16})

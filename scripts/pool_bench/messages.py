@@ -18,7 +18,7 @@ from pool_bench.children import CpuMeter, PoolProc
 from pool_bench.interleave import interleaved
 from pool_bench.load import Round, load, pct
 from pool_bench.report import errors_note, loadavg, ms, table
-from pool_bench.ttft import tiny_pair
+from pool_bench.ttft import tiny_pair, ttft_rounds
 
 TTFT_TOKENS = 16
 RELAY_RATE, RELAY_TOKENS = 100.0, 100  # tokens/s of each synthetic stream, tokens per answer
@@ -99,15 +99,12 @@ def relay_cpu(bench: Bench) -> str:
 
 
 def added_ttft(bench: Bench, failures: list[str]) -> str:
-    pair = tiny_pair(bench, "messages-ttft")
-    if pair is None:
-        return "TTFT skipped: needs llama-server and the tiny GGUF"
-    direct, pool = pair
-    rounds, per_round = (2, 5) if bench.quick else (8, 25)
+    rounds, per_round = ttft_rounds(bench)
     load_before = loadavg()
-    try:
-        direct.ready()
-        pool.ready()
+    with tiny_pair(bench, "messages-ttft") as pair:
+        if pair is None:
+            return "TTFT skipped: needs llama-server and the tiny GGUF"
+        direct, pool = pair
         targets = {f"{side} {family}": (url, key, family) for side, url, key in
                    (("direct", direct.url, direct.key), ("pool", pool.url, None)) for family in ("chat", "messages")}
         for url, key, family in targets.values():  # warm-up, not measured
@@ -118,9 +115,6 @@ def added_ttft(bench: Bench, failures: list[str]) -> str:
             return load(stream_call(url, "tiny", TTFT_TOKENS, family, key), per_round, c, 60)
 
         results = interleaved(targets, [1], rounds, measure, {}, "ttft", "tok/s")
-    finally:
-        pool.stop()
-        direct.stop()
     rows, out = [], {}
     for family in ("chat", "messages"):
         d, p = results[(f"direct {family}", 1)], results[(f"pool {family}", 1)]

@@ -4,7 +4,9 @@ here vs the pool (same binary, model and flags), rounds interleaved."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 from pool_bench.bench import Bench
 from pool_bench.children import LlamaProc, PoolProc
@@ -15,32 +17,42 @@ from pool_bench.report import errors_note, loadavg, ms, table
 MAX_TOKENS = 16  # random weights may spend a few tokens on no visible text; the rest is section 1's business
 
 
-def tiny_pair(bench: Bench, name: str) -> tuple[LlamaProc, PoolProc] | None:
+@contextlib.contextmanager
+def tiny_pair(bench: Bench, name: str) -> Iterator[tuple[LlamaProc, PoolProc] | None]:
     """A llama-server started here and a pool serving the same tiny GGUF with the same flags
-    (`-t 1`: the runtime leaves the other cores to the pool), not yet started; None without
-    llama-server or the tiny GGUF."""
+    (`-t 1`: the runtime leaves the other cores to the pool), both ready for the block and
+    stopped after it; None without llama-server or the tiny GGUF."""
     tiny = next((m for m in bench.llama_models() if m["name"] == "tiny"), None)
     if not bench.binary or tiny is None:
-        return None
+        yield None
+        return
     extra = ["-t", "1", "--ignore-eos"]
     direct = LlamaProc(bench.tmp, f"llama-direct-{name}", bench.binary, tiny["path"], 2048, 1, extra)
     pool = PoolProc(bench.tmp, f"pool-{name}", [{
         "name": "tiny", "backend": "llama_server", "target_inflight": 1, "load_timeout_s": 180.0,
         "options": {"model": tiny["path"], "binary": bench.binary, "ctx_size": 2048, "extra_args": extra}}])
-    return direct, pool
-
-
-def run(bench: Bench) -> None:
-    pair = tiny_pair(bench, "ttft")
-    if pair is None:
-        bench.note("section 6 skipped: needs llama-server and the tiny GGUF")
-        return
-    direct, pool = pair
-    rounds, per_round = (2, 5) if bench.quick else (8, 25)
-    load_before = loadavg()
     try:
         direct.ready()
         pool.ready()
+        yield direct, pool
+    finally:
+        pool.stop()
+        direct.stop()
+
+
+def ttft_rounds(bench: Bench) -> tuple[int, int]:
+    """(interleaved rounds, requests a round) of a TTFT measure: one request at a time."""
+    return (2, 5) if bench.quick else (8, 25)
+
+
+def run(bench: Bench) -> None:
+    rounds, per_round = ttft_rounds(bench)
+    load_before = loadavg()
+    with tiny_pair(bench, "ttft") as pair:
+        if pair is None:
+            bench.note("section 6 skipped: needs llama-server and the tiny GGUF")
+            return
+        direct, pool = pair
         targets = {"direct": (direct.url, direct.key), "pool": (pool.url, None)}
         for url, key in targets.values():  # warm-up, not measured
             load(streaming_call(url, "tiny", MAX_TOKENS, key), 3, 1, 30)
@@ -50,9 +62,6 @@ def run(bench: Bench) -> None:
             return load(streaming_call(url, "tiny", MAX_TOKENS, key), per_round, c, 60)
 
         results = interleaved(targets, [1], rounds, measure, {}, "ttft", "tok/s")
-    finally:
-        pool.stop()
-        direct.stop()
     d, p = results[("direct", 1)], results[("pool", 1)]
     added = {q: pct(p.ttfts, q) - pct(d.ttfts, q) if d.ttfts and p.ttfts else None for q in (50, 95)}
     bench.out["sections"]["ttft"] = {
