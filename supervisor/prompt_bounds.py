@@ -38,10 +38,17 @@ def check_prompt_bounds(cfg: ModelConfig, request: dict) -> None:
 
 def _text_chars(content) -> int:
     """Size of a message's content or a prompt: a string's characters, a list of
-    strings, content parts (their text), token ids (one each) or token-id lists."""
+    strings, content parts or blocks (their text, an Anthropic thinking block's thinking,
+    a tool_result's own content), token ids (one each) or token-id lists."""
     if isinstance(content, str):
         return len(content)
     if isinstance(content, list):
         return sum(_text_chars(part) if isinstance(part, (str, list))
-                   else len(part.get("text") or "") if isinstance(part, dict) else 1 for part in content)
+                   else _block_chars(part) if isinstance(part, dict) else 1 for part in content)
     return 0
+
+
+def _block_chars(block: dict) -> int:
+    text, thinking = block.get("text"), block.get("thinking")
+    return (len(text) if isinstance(text, str) else 0) + (len(thinking) if isinstance(thinking, str) else 0) \
+        + _text_chars(block.get("content"))

@@ -21,10 +21,12 @@ from runtime_worker.anthropic_relay import relay_messages
 from runtime_worker.backends.base import Finished, TextDelta
 from runtime_worker.native_server import OpenAIClient
 from supervisor import anthropic_shapes as ashapes
+from supervisor.config import ModelConfig
 from supervisor.edge.schemas import request_body
 from supervisor.edge.streams import sse_frame
 from supervisor.jobs import Job
 from supervisor.models.capabilities import forwarded_headers
+from supervisor.prompt_bounds import check_prompt_bounds
 from tests.conftest import llama, synthetic
 from tests.test_cli import cli, table_rows
 from testkit.llama import direct_llama_server
@@ -455,3 +457,17 @@ def test_a_runtimes_own_route_gets_the_clients_anthropic_headers():
     [seen] = Messages.seen
     assert seen["anthropic-version"] == "2023-06-01" and seen["anthropic-beta"].startswith("fine-grained")
     assert "x-api-key" not in seen and "x-claude-code-session-id" not in seen
+
+
+def test_max_prompt_chars_counts_every_anthropic_block_with_text():
+    """A native Messages body goes to the runtime as sent: the prompt bound counts the text in a
+    tool_result's content (a string or blocks) and a thinking block's thinking, not only `text`."""
+    cfg = ModelConfig(name="m", backend="synthetic", max_prompt_chars=100)
+    long = "x" * 101
+    for content in ([{"type": "tool_result", "tool_use_id": "t", "content": long}],
+                    [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text", "text": long}]}],
+                    [{"type": "thinking", "thinking": long, "signature": ""}]):
+        with pytest.raises(PoolError) as refused:
+            check_prompt_bounds(cfg, {"messages": [{"role": "user", "content": content}]})
+        assert "max_prompt_chars" in refused.value.message
+    check_prompt_bounds(cfg, {"messages": [{"role": "user", "content": [{"type": "thinking", "thinking": "x" * 100}]}]})
