@@ -56,6 +56,7 @@ from protocol.messages import (
     Heartbeat,
     Hello,
     KvEvents,
+    MAX_DELTA_TOKENS,
     MAX_KV_EVENTS,
     Message,
     Ready,
@@ -71,7 +72,7 @@ from protocol.messages import (
 __all__ = [
     "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "ProtocolError", "decode", "decode_many", "encode", "encode_batch",
     "find_unencodable",
-    "Cancel", "Delta", "Done", "Error", "Heartbeat", "Hello", "KvEvents", "MAX_KV_EVENTS", "Message", "Ready", "Setup",
+    "Cancel", "Delta", "Done", "Error", "Heartbeat", "Hello", "KvEvents", "MAX_DELTA_TOKENS", "MAX_KV_EVENTS", "Message", "Ready", "Setup",
     "Shutdown", "Submit", "ENDPOINTS", "LIGHT_ENDPOINTS", "LIGHT_CALLS_PER_WORKER", "delta_parts", "delta_size", "merge_deltas",
     "runtime_timings",
 ]

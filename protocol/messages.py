@@ -270,7 +270,7 @@ def merge_deltas(a: Delta, b: Delta) -> Delta:
     """`b` appended to `a` (same job). Plain text stays plain text; otherwise
     the parts are concatenated in order, and only adjacent text runs of one
     kind and one choice are joined: never across choices, never a tool part."""
-    tokens = a.tokens + b.tokens
+    tokens = min(MAX_DELTA_TOKENS, a.tokens + b.tokens)  # a joined count stays a valid one
     if not a.parts and not b.parts:
         return Delta(job=a.job, text=a.text + b.text, tokens=tokens)
     parts = list(delta_parts(a))

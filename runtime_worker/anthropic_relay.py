@@ -18,6 +18,7 @@ import aiohttp
 
 from protocol.errors import ErrorCode
 from runtime_worker.backends.base import Event, Finished, JobError, PartsDelta, TextDelta
+from runtime_worker.openai_events import MAX_TOOL_CALLS
 from runtime_worker.upstream import (
     UpstreamBody, connection_lost, json_object, runtime_reported, sse_data, upstream_error)
 
@@ -63,6 +64,8 @@ class MessagesRelay:
         block = data.get("content_block") or {}
         if block.get("type") != "tool_use":
             return None  # a text or thinking block opens with its first delta
+        if len(self.blocks) >= MAX_TOOL_CALLS:  # the pool holds each one's number: bounded as on chat
+            raise JobError(ErrorCode.PROTOCOL_ERROR, f"the runtime sent over {MAX_TOOL_CALLS} tool_use blocks")
         number = self.blocks[data.get("index", -1)] = len(self.blocks)
         given = block.get("input")
         part = {"k": "tool", "n": number, "id": str(block.get("id", "")), "name": str(block.get("name", "")),

@@ -27,7 +27,7 @@ from procutil.groups import signal_group, stop_group
 from procutil.net import free_port
 from protocol.choices import choice_limit
 from protocol.errors import ErrorCode, exit_text
-from protocol.messages import EXTRA_OWNED
+from protocol.messages import EXTRA_OWNED, MAX_DELTA_TOKENS
 from protocol.redact import mask_url_credentials
 from runtime_worker.backends.base import (
     Backend, BackendLoadError, Event, Finished, JobError, OutputLimits, PartsDelta)
@@ -220,7 +220,6 @@ class OpenAIClient:
                 if chunk.get("timings"):  # llama-server's, on its last chunk (the usage chunk, if asked for)
                     timings = chunk["timings"]
                 made = live_count(chunk)
-                extra = checked_extra(chunk) if chunk.keys() - EXTRA_OWNED else None
                 events, finishing = [], bool(chunk.get("usage"))
                 for choice in chunk.get("choices") or ():
                     index = choice_index(choice, choices)
@@ -232,14 +231,18 @@ class OpenAIClient:
                         else:
                             produced += 1
                             if made is not None:  # the runtime counts: this event carries what it made since
-                                event = dataclasses.replace(event, tokens=max(0, made - carried))
+                                event = dataclasses.replace(event, tokens=min(MAX_DELTA_TOKENS, max(0, made - carried)))
                                 carried = max(carried, made)
                         events.append(event)
                     if choice.get("finish_reason"):
                         finishes[index] = str(choice["finish_reason"])
                         finishing = True
-                if extra and own_timings and not finishing:
-                    extra.pop("timings", None)
+                # the runtime's own fields; the per-chunk timings the pool asked for itself are not
+                # the client's (left out before any copy: llama-server sends them with every token)
+                own = chunk.keys() - EXTRA_OWNED
+                if own_timings and not finishing:
+                    own.discard("timings")
+                extra = checked_extra({k: chunk[k] for k in own}) if own else None
                 if extra:  # a closing chunk's own fields go with the closing, another's with what it brought
                     if finishing:
                         closing.update(extra)

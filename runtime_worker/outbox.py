@@ -42,7 +42,7 @@ def coalesce(batch: list[p.Message | bytes]) -> list[p.Message | bytes]:
                 run = texts.get(at)
                 if run is not None and not item.parts:
                     run.append(item.text)
-                    counts[at] += item.tokens
+                    counts[at] = min(p.MAX_DELTA_TOKENS, counts[at] + item.tokens)
                     sizes[at] += size
                 else:
                     if run is not None:
@@ -137,7 +137,7 @@ class Outbox:
             self._wake.set()
         run.texts.append(text)
         run.chars += len(text)
-        run.tokens += tokens
+        run.tokens = min(p.MAX_DELTA_TOKENS, run.tokens + tokens)  # a joined count stays a valid one
 
     async def run(self) -> None:
         while True:

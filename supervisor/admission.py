@@ -116,11 +116,12 @@ class Admission:
         carry x-slo-*) → the queue. What was counted is given back when a later step
         refuses; the reserve settles to the real usage at the job's end."""
         entry = self.check_scope(tenant, model)
+        context = served_context(entry)
         if endpoint in CALLS:  # the runtime's own calls: 400 where the model's backend has none; no output
             check_serves(entry.cfg, endpoint)
             output = 0
         else:
-            output = output_reserve(request, served_context(entry))  # 400 before it counts against any limit
+            output = output_reserve(request, context)  # 400 before it counts against any limit
         slo = request_slo(headers or {}, tenant.spec, entry.cfg)
         tenant.admit()
         reserved = 0
@@ -131,7 +132,6 @@ class Admission:
             estimate = len(job.frame) // PROMPT_BYTES_PER_TOKEN
             reserved = tenant.reserve_tokens(estimate + output)
             tokens = await self.engine.prompt_tokens(entry, request, endpoint)  # None where routing needs none
-            context = served_context(entry)
             if tokens is not None and context and len(tokens) > context:  # counted before sending
                 raise PoolError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, context_message(len(tokens), context))
             job.prediction = self.engine.predict(entry, tenant.name, len(job.frame))

@@ -315,6 +315,8 @@ class MessagesStream(OneAtATime):
     parts of its kind arrive (thinking, text, each tool call) and closes when the next
     kind begins or the job is done."""
 
+    ping_frame = b'event: ping\ndata: {"type": "ping"}\n\n'  # a stream's keep-alive, Anthropic's
+
     def __init__(self, req: MessagesRequest) -> None:
         self.req = req
         self.msg_id = new_id("msg")

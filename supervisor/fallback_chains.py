@@ -64,17 +64,15 @@ class Chain:
         when there is none or the error is not one another model could help with."""
         if err is None:  # the model the request named: its own answer, a 404 too
             return self.pending.pop(0) if not self.tried and self.pending else None
-        if err is not None:
-            last = self.tried[-1][0]
-            cfg = self.config_of(last)
-            if err.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED:
-                self.pending = [cfg.context_fallback] if cfg is not None and cfg.context_fallback else []
-            elif err.code in FALLS_BACK:
-                self.pending = [*(cfg.fallbacks if cfg is not None else ()), *self.pending]
-            elif err.code is ErrorCode.MODEL_NOT_FOUND and len(self.tried) > 1:
-                pass  # a fallback out of the tenant's scope: skipped (the client hears the first model's error)
-            else:
-                return None
+        cfg = self.config_of(self.tried[-1][0])
+        if err.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED:
+            self.pending = [cfg.context_fallback] if cfg is not None and cfg.context_fallback else []
+        elif err.code in FALLS_BACK:
+            self.pending = [*(cfg.fallbacks if cfg is not None else ()), *self.pending]
+        elif err.code is ErrorCode.MODEL_NOT_FOUND and len(self.tried) > 1:
+            pass  # a fallback out of the tenant's scope: skipped (the client hears the first model's error)
+        else:
+            return None
         seen = {getattr(self.config_of(name), "name", name) for name, _ in self.tried}
         while self.pending:
             name = self.pending.pop(0)

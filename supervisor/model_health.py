@@ -63,10 +63,15 @@ def model_health(entry) -> dict:
     ready = sum(r.state is ReplicaState.READY for r in ex.replicas) if ex else 0
     reasons = replica_reasons(entry) if state in UNHEALTHY or entry.state is ModelState.LOADING else []
     # planned work, shown apart from faults: each replica in an operator's restart, and its drain's countdown
-    restarting = [{"replica": r.index, "name": r.name, "state": r.state.value, "drain_left_s": _round(
+    restarting = [{"replica": r.index, "name": r.name, "state": r.state.value, "drain_left_s": tenth(
         r.restart_drain_left_s)} for r in (ex.replicas if ex else ()) if r.in_operator_restart]
     return {"state": state, "ready": ready, "configured": entry.cfg.replicas, "replica_errors": reasons,
             "restarting": restarting, "unloading": unloading(entry)}
+
+
+def tenth(value: float | None) -> float | None:
+    """A figure in seconds (or ms) as shown: to a tenth."""
+    return None if value is None else round(value, 1)
 
 
 def unloading(entry) -> dict | None:
@@ -76,11 +81,7 @@ def unloading(entry) -> dict | None:
         return None
     ex = entry.executor
     return {"why": entry.unload_why or "unloaded", "draining": ex.runtime_inflight if ex else 0,
-            "drain_left_s": _round(ex.drain_left_s) if ex else None}
-
-
-def _round(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds, 1)
+            "drain_left_s": tenth(ex.drain_left_s) if ex else None}
 
 
 def reason_text(view: dict) -> str | None:

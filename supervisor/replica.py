@@ -156,19 +156,20 @@ class Replica(WorkerLink):
         return max(0.0, self._restart_due - self.clock())
 
     @property
+    def generating(self) -> int:
+        """Jobs in flight in generation slots (a light call handed past the queue takes none)."""
+        return len(self.inflight) - self.light_inflight
+
+    @property
     def free_slots(self) -> int:
-        """Generation slots free (a light call in flight takes none)."""
-        if self.state is not ReplicaState.READY:
-            return 0
-        return self.capacity - (len(self.inflight) - self.light_inflight)
+        return self.capacity - self.generating if self.state is ReplicaState.READY else 0
 
     @property
     def free_newcomer_slots(self) -> int:
         """Free slots above `capacity`, for a tenant with nothing running on the model."""
         if self.state is not ReplicaState.READY or not self.newcomer_slots:
             return 0
-        return min(self.newcomer_slots,
-                   self.capacity + self.newcomer_slots - (len(self.inflight) - self.light_inflight))
+        return min(self.newcomer_slots, self.capacity + self.newcomer_slots - self.generating)
 
     @property
     def restart_pending(self) -> bool:

@@ -69,6 +69,16 @@ class Pool:
         except httpx.TransportError:
             return False
 
+    def rewrite_config(self, models: list[dict], server: dict | None = None) -> None:
+        """The config file with these models (and these [server] keys changed), for a reload."""
+        import tomllib
+
+        import tomli_w
+        raw = tomllib.loads(self.config_path.read_text())
+        raw["models"] = models
+        raw["server"].update(server or {})
+        self.config_path.write_text(tomli_w.dumps(raw))
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-5000:]
 

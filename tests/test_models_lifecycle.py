@@ -10,7 +10,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import tomli_w
 
 from tests.conftest import IGNORE_EOS, llama, synthetic
 from tests.pool import wait_for
@@ -147,14 +146,6 @@ def test_aliases_route_and_are_listed(make_pool):
         pool.http.get("/admin/models/real/logs").json()["lines"]
 
 
-def _rewrite(pool, models: list[dict], server: dict | None = None) -> None:
-    import tomllib
-    raw = tomllib.loads(pool.config_path.read_text())
-    raw["models"] = models
-    raw["server"].update(server or {})
-    pool.config_path.write_text(tomli_w.dumps(raw))
-
-
 def test_reload_adds_removes_changes_while_an_unchanged_model_streams(make_pool):
     keep = synthetic("keep", tps=40, tokens=80)
     gone_model = synthetic("gone")
@@ -165,7 +156,7 @@ def test_reload_adds_removes_changes_while_an_unchanged_model_streams(make_pool)
     with stream_responses(pool, "keep") as s:
         events = sse(s)
         first_delta(events)
-        _rewrite(pool, [keep, with_options(synthetic("change"), output_tokens=5), synthetic("added")])
+        pool.rewrite_config([keep, with_options(synthetic("change"), output_tokens=5), synthetic("added")])
         r = pool.http.post("/admin/reload")
         assert r.status_code == 200, r.text
         assert r.json() == {"added": ["added"], "removed": ["gone"], "reloaded": ["change"], "kept": ["keep"]}
@@ -185,20 +176,20 @@ def test_reload_adds_removes_changes_while_an_unchanged_model_streams(make_pool)
     assert 'llm_pool_model_loads_total{reason="reload"} 2.0' in metrics
 
     # a bad config is refused whole, with serve's message, and nothing changes
-    _rewrite(pool, [keep, synthetic("x", aliases=["keep"])])
+    pool.rewrite_config([keep, synthetic("x", aliases=["keep"])])
     before = pool.models()
     r = pool.http.post("/admin/reload")
     assert r.status_code == 400 and "'keep' is already the name or an alias" in r.json()["error"]["message"]
     assert pool.models().keys() == before.keys() and pool.workers("keep")[0]["pid"] == keep_pid
     # so is a change of a [server] key bound at start (an operator rotating a key must not be told it worked)
-    _rewrite(pool, [keep], server={"admin_key": "rotated"})
+    pool.rewrite_config([keep], server={"admin_key": "rotated"})
     r = pool.http.post("/admin/reload")
     assert r.status_code == 400 and "admin_key take effect only when the pool restarts" in r.json()["error"]["message"]
     assert pool.models().keys() == before.keys()
     pool.config_path.write_text(pool.config_path.read_text().replace('admin_key = "rotated"\n', ""))
 
     # SIGHUP reloads too
-    _rewrite(pool, [keep])
+    pool.rewrite_config([keep])
     os.kill(pool.proc.pid, signal.SIGHUP)
     wait_for(lambda: set(pool.models()) == {"keep"}, 15, what="SIGHUP reload")
     assert pool.workers("keep")[0]["pid"] == keep_pid
@@ -263,11 +254,11 @@ def test_the_cli_shows_lifecycle_columns_and_reloads(make_pool):
     pool = make_pool([model])
     row = table_rows(cli("models", url=pool.url).stdout)[0]
     assert (row["MEMORY"], row["PINNED"], row["ALIASES"], row["LAST USED"]) == ("100 MB (declared)", "yes", "mini", "-")
-    _rewrite(pool, [model, lazy("n")])
+    pool.rewrite_config([model, lazy("n")])
     done = cli("reload", url=pool.url)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["added: n", "removed: -", "reloaded: -", "kept: m"]
-    _rewrite(pool, [model, lazy("n", target_inflight=0)])
+    pool.rewrite_config([model, lazy("n", target_inflight=0)])
     assert_one_line_error(cli("reload", url=pool.url), "model 'n': key 'target_inflight'")
     assert set(pool.models()) == {"m", "n"}
 

@@ -27,7 +27,6 @@ from tests.pool import ROOT, wait_for
 from tests.procs import frozen
 from tests.test_cli import cli
 from tests.test_lifecycle import with_options
-from tests.test_models_lifecycle import _rewrite
 from tests.test_operator import break_spawns, chat, events, mend_spawns
 
 
@@ -86,26 +85,30 @@ def test_ready_means_a_model_can_serve_and_check_names_each_broken_model(make_po
 
 def test_a_planned_restart_is_not_an_alert(make_pool):
     """An operator's restart drains without turning the model degraded: no warning event,
-    check exits 0 (and says a restart is under way), /ready stays 200. A crash still alerts."""
-    pool = make_pool([synthetic("syn", tps=10, tokens=30, drain_timeout_s=60)])  # 3 s a request
+    check exits 0 (and says a restart is under way), /ready stays 200. A crash still alerts.
+    The worker is held (SIGSTOP) while the drain is looked at: its request still runs then on
+    any machine."""
+    pool = make_pool([synthetic("syn", tps=10, tokens=30, drain_timeout_s=60)],  # 3 s a request, once let go
+                     server={"liveness_s": 60})  # a held worker is not taken for a dead one
     result = {}
     runner = threading.Thread(target=lambda: result.setdefault("r", chat(pool, "syn")))
     runner.start()
     wait_for(lambda: pool.model("syn")["runtime_inflight"] == 1, 5, what="the request in flight")
-    restarter = threading.Thread(target=lambda: result.setdefault("restart", pool.http.post(
-        "/admin/models/syn/restart", headers={"X-LLM-Pool-Client": "cli"})))
-    restarter.start()
-    wait_for(lambda: pool.workers("syn")[0]["state"] == "restarting", 5, what="the drain")
-    view = pool.model("syn")
-    assert view["state"] == "loaded" and view["error"] is None
-    [planned] = view["restarting"]
-    assert planned["name"] == "syn/0" and 0 < planned["drain_left_s"] <= 60
-    assert 0 < pool.workers("syn")[0]["restart_drain_left_s"] <= 60
-    health = pool.http.get("/health").json()
-    assert health["status"] == "ok" and health["unhealthy"] == [] and health["models"]["syn"]["restarting"] == ["syn/0"]
-    assert pool.http.get("/ready").status_code == 200
-    done = cli("check", url=pool.url)
-    assert done.returncode == 0 and "syn/0 restarting" in done.stdout, (done.stdout, done.stderr)
+    with frozen(psutil.Process(pool.workers("syn")[0]["pid"])):  # let go after: the request ends, then the restart
+        restarter = threading.Thread(target=lambda: result.setdefault("restart", pool.http.post(
+            "/admin/models/syn/restart", headers={"X-LLM-Pool-Client": "cli"})))
+        restarter.start()
+        wait_for(lambda: pool.workers("syn")[0]["state"] == "restarting", 5, what="the drain")
+        view = pool.model("syn")
+        assert view["state"] == "loaded" and view["error"] is None
+        [planned] = view["restarting"]
+        assert planned["name"] == "syn/0" and 0 < planned["drain_left_s"] <= 60
+        assert 0 < pool.workers("syn")[0]["restart_drain_left_s"] <= 60
+        health = pool.http.get("/health").json()
+        assert health["status"] == "ok" and health["unhealthy"] == [] and health["models"]["syn"]["restarting"] == ["syn/0"]
+        assert pool.http.get("/ready").status_code == 200
+        done = cli("check", url=pool.url)
+        assert done.returncode == 0 and "syn/0 restarting" in done.stdout, (done.stdout, done.stderr)
     runner.join(30)
     restarter.join(30)
     assert result["r"].status_code == 200 and result["restart"].status_code == 200
@@ -133,7 +136,7 @@ def test_an_unload_and_a_reload_are_planned_work_too(make_pool):
         wait_for(lambda: all(pool.model(n)["runtime_inflight"] == 1 for n in ("a", "b")), 10, what="both in flight")
         held.enter_context(frozen(*(psutil.Process(pool.workers(n)[0]["pid"]) for n in ("a", "b"))))
         unload = ex.submit(pool.http.post, "/admin/models/a/unload", headers={"X-LLM-Pool-Client": "cli"})
-        _rewrite(pool, [synthetic("a", **slow), with_options(synthetic("b", **slow), output_tokens=5),
+        pool.rewrite_config([synthetic("a", **slow), with_options(synthetic("b", **slow), output_tokens=5),
                         synthetic("c")])
         assert pool.http.post("/admin/reload").json()["reloaded"] == ["b"]
         wait_for(lambda: all(pool.model(n)["state"] == "unloading" for n in ("a", "b")), 10, what="both unloading")
@@ -242,7 +245,11 @@ def test_a_crash_loop_is_one_line_and_the_supervisors_start_and_stop_are_events(
         wait_for(lambda: any("crashed ×5" in line for _, line in followed), 30, what="events -f: crashed ×5")
     finally:
         follower.terminate()
-        follower.wait(10)
+        try:
+            follower.wait(10)
+        except subprocess.TimeoutExpired:
+            follower.kill()
+            follower.wait(10)
     crashes = [(at, line) for at, line in followed if "crashed" in line]
     assert "×" not in crashes[0][1] and "(×5 over " in crashes[-1][1], followed  # the first alone, then counts
     # a count at most every 10 s after the first line, and the last one: not a line per crash

@@ -38,7 +38,6 @@ from supervisor.metrics import CLIENT_CLOSED
 
 SESSION_HEADER = "x-claude-code-session-id"  # a Messages client's session: a key for routing = "session"
 WAITING = "waiting"  # first_event: no event yet within stream_head_hold_s
-MESSAGES_PING = sse_frame({"event": "ping", "data": '{"type": "ping"}'})
 
 
 def include_usage(body) -> bool:
@@ -314,11 +313,12 @@ class InferenceSurface:
             yield b"".join([*ready, *(sse_frame(e) for e in shape.failed(err))])
 
     def ping(self, job: Job, shape) -> bytes:
-        """A stream's keep-alive: Anthropic's `ping` event on the Messages surface; on the
-        others a comment, which says, while the job waits in its queue, its place and
-        predicted start (`: queued position=3 predicted_start_ms=1200`)."""
-        if isinstance(shape, ashapes.MessagesStream):
-            return MESSAGES_PING
+        """A stream's keep-alive: the shape's own where it has one (Anthropic's `ping` event);
+        else a comment, which says, while the job waits in its queue, its place and predicted
+        start (`: queued position=3 predicted_start_ms=1200`)."""
+        own = getattr(shape, "ping_frame", None)
+        if own is not None:
+            return own
         if job.state is JobState.QUEUED:
             waiting = self.engine.waiting(job)
             if waiting is not None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import re
 from contextvars import ContextVar
-from random import getrandbits
+
+from supervisor.openai_shapes import new_id
 
 MAX_CHARS = 128
 _SAFE = re.compile(rb"[\x21-\x7e]{1,%d}" % MAX_CHARS)
@@ -32,7 +33,7 @@ def request_id(headers) -> bytes:
 
 
 def fresh_id() -> bytes:
-    return b"req_%032x" % getrandbits(128)  # as unique as a uuid4; not a secret: no system call
+    return new_id("req").encode()
 
 
 def with_request_id(send, rid: bytes, anthropic: bool):

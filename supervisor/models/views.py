@@ -8,7 +8,7 @@ from supervisor.models.capabilities import capabilities
 from supervisor.deadlines import predict
 from supervisor.models.lifecycle import Lifecycle
 from supervisor.tenants import DEFAULT as DEFAULT_TENANT
-from supervisor.model_health import UNHEALTHY, model_health, reason_text
+from supervisor.model_health import UNHEALTHY, model_health, reason_text, tenth
 from supervisor.models.memory import Memory
 from supervisor.models.registry import ModelEntry, Registry
 from supervisor.states import ModelState, ReplicaState
@@ -70,10 +70,10 @@ class Views:
             "pinned": entry.cfg.pinned,
             "aliases": list(entry.cfg.aliases),
             "last_used_at": entry.last_used_at,
-            "idle_unload_in_s": _round(self.lifecycle.idle_unload_in(entry, time.monotonic())),
-            "memory_mb": _round(memory),
+            "idle_unload_in_s": tenth(self.lifecycle.idle_unload_in(entry, time.monotonic())),
+            "memory_mb": tenth(memory),
             "memory_source": source,
-            "gpu_memory_mb": {d: _round(mb) for d, mb in self.memory.gpu_footprint(entry).items()} or None,
+            "gpu_memory_mb": {d: tenth(mb) for d, mb in self.memory.gpu_footprint(entry).items()} or None,
             "prediction": prediction_view(entry),
         }
 
@@ -97,7 +97,3 @@ def prediction_view(entry: ModelEntry) -> dict:
             "now": {"queue_position": now.position, "queue_wait_ms": round(now.wait_s * 1000),
                     "ttft_ms": round(now.ttft_s * 1000),
                     "tpot_ms": None if now.tpot_s is None else round(now.tpot_s * 1000, 2)}}
-
-
-def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 1)
