@@ -166,16 +166,6 @@ class ModelPredictor:
         behind = ahead + 1 - free  # requests that must end before a slot is ours
         return load_left_s + (max(0, behind) * service / slots)
 
-    def prefill_s(self, replica: str, prompt_tokens: int) -> float:
-        """Hand-over to first token on `replica` for a prompt of this many tokens (0: unknown)."""
-        speeds = self.replicas.get(replica) or self._pooled()
-        at = speeds.first_token.at(prompt_tokens) if speeds else None
-        return at or 0.0
-
-    def tpot_s(self, replica: str) -> float | None:
-        speeds = self.replicas.get(replica) or self._pooled()
-        return speeds.tpot_s.value if speeds else None
-
     def fastest(self, replicas: list[str], prompt_tokens: int) -> tuple[float, float | None]:
         """(hand-over to first token, seconds per output token) on the best of these
         replicas, each figure on its own; replicas with no history yet: as the model's

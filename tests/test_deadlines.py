@@ -70,9 +70,9 @@ def test_the_predictor_learns_from_recorded_rows():
     assert p.wait_s(ahead=0, slots=2, free=2, load_left_s=4.0) == 4.0  # a cold model waits for its load
     # hand-over to first token against prompt tokens: 0.1 s at 50 tokens twice, then 0.04 s at 200
     # (a cached prompt): the fitted line never falls with more tokens (its slope is clamped at 0)
-    assert p.prefill_s("m/0", 50) == pytest.approx(speeds.first_token.y)
-    assert p.prefill_s("m/1", 1000) == p.prefill_s("m/0", 1000)  # a replica with no history: as the others
-    assert p.fastest(["m/0", "m/1"], 50) == (p.prefill_s("m/0", 50), speeds.tpot_s.value)
+    assert p.fastest(["m/0"], 50)[0] == pytest.approx(speeds.first_token.y)
+    assert p.fastest(["m/1"], 1000) == p.fastest(["m/0"], 1000)  # a replica with no history: as the others
+    assert p.fastest(["m/0", "m/1"], 50) == (p.fastest(["m/0"], 50)[0], speeds.tpot_s.value)
 
 
 def test_the_first_token_line_learns_a_fixed_and_a_per_token_cost():
@@ -80,13 +80,13 @@ def test_the_first_token_line_learns_a_fixed_and_a_per_token_cost():
     for tokens in (100, 300, 500, 100, 300, 500, 100, 300, 500) * 3:  # 20 ms + 1 ms a token
         p.observe("r", {"queued_ms": 5.0, "ttft_ms": 5.0 + 20 + tokens, "duration_ms": 1000.0, "tokens_in": tokens,
                         "tokens_out": 1})
-    assert p.prefill_s("r", 1000) == pytest.approx(1.020, rel=1e-6)
-    assert p.prefill_s("r", 0) == pytest.approx(0.020, rel=1e-6)
+    assert p.fastest(["r"], 1000)[0] == pytest.approx(1.020, rel=1e-6)
+    assert p.fastest(["r"], 0)[0] == pytest.approx(0.020, rel=1e-6)
 
 
 def test_a_predictor_with_no_history_predicts_no_wait():
     p = ModelPredictor(clock=lambda: 0.0)
-    assert p.wait_s(ahead=10, slots=1, free=0) == 0 and p.prefill_s("", 10_000) == 0 and p.tpot_s("") is None
+    assert p.wait_s(ahead=10, slots=1, free=0) == 0 and p.fastest([""], 10_000) == (0.0, None)
 
 
 def test_the_queue_place_puts_higher_bands_first_and_takes_turns_within_one():

@@ -5,7 +5,9 @@ README lists, with its reason: a new one is a regression (or a README to update)
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 
 import pytest
@@ -33,14 +35,19 @@ def test_passes_direct_fails_through_the_pool_only_where_the_readme_says(tmp_pat
     report_path = tmp_path / "report.json"
     log_path = tmp_path / "run.log"
     with open(log_path, "w") as log:
+        # its own process group: a stop reaches the script's steps too (pip, the build), not bash alone
         run = subprocess.Popen([str(ROOT / "scripts" / "test-llama-cpp"), "--json", str(report_path)],
-                               cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+                               cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             returncode = run.wait(RUN_TIMEOUT_S)
-        finally:  # SIGTERM, not SIGKILL: the runner then stops the servers it started
+        finally:  # SIGTERM first: the runner then stops the servers it started; SIGKILL if it lingers
             if run.poll() is None:
-                run.terminate()
-                run.wait(60)
+                os.killpg(run.pid, signal.SIGTERM)
+                try:
+                    run.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(run.pid, signal.SIGKILL)
+                    run.wait(10)
     output = log_path.read_text()
     assert returncode == 0, output[-5000:]
     report = json.loads(report_path.read_text())

@@ -266,41 +266,40 @@ def test_runtime_calls_and_count_tokens_reach_vllm(pool):
     count_tokens and a message go to vLLM's own Anthropic routes and answer what they answer."""
     import anthropic
     port = pool.workers("tinyv")[0]["runtime_info"]["port"]
-    direct = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
-    listed = {m["id"]: m for m in pool.http.get("/v1/models").json()["data"]}["tinyv"]
-    assert {"tokenize", "detokenize", "count_tokens", "messages"} <= set(listed["capabilities"])
-    assert "rerank" not in listed["capabilities"] and listed["context_length"] == MODEL_LEN
-    body = {"prompt": "the pool serves many models"}
-    pooled = pool.http.post("/tokenize", json={"model": "tinyv", **body})
-    assert pooled.status_code == 200, pooled.text
-    said = direct.post("/tokenize", json={"model": "llm-pool-model", **body}).json()
-    assert pooled.json()["tokens"] == said["tokens"] and pooled.json()["count"] == said["count"] > 3
-    text = pool.http.post("/detokenize", json={"model": "tinyv", "tokens": said["tokens"]})
-    assert text.status_code == 200 and text.json() == direct.post(
-        "/detokenize", json={"model": "llm-pool-model", "tokens": said["tokens"]}).json()
-    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "count me"}]
-    expected = direct.post("/tokenize", json={"model": "llm-pool-model", "messages": chat,
-                                               "add_generation_prompt": True}).json()["count"]
-    sdk = anthropic.Anthropic(base_url=pool.url, api_key="unused", max_retries=0)
-    ask = {"system": "be brief", "messages": [{"role": "user", "content": "count me"}]}
-    counted = sdk.messages.count_tokens(model="tinyv", **ask)
-    # vLLM's own count_tokens (/v1 wants the key the worker gave vLLM in its environment)
-    key = psutil.Process(pool.workers("tinyv")[0]["children"][0]["pid"]).environ()["VLLM_API_KEY"]
-    direct.headers["Authorization"] = f"Bearer {key}"
-    own = direct.post("/v1/messages/count_tokens", json={"model": "llm-pool-model", **ask})
-    assert own.status_code == 200, own.text
-    assert counted.input_tokens == own.json()["input_tokens"] >= expected > 3
-    # a message on vLLM's own /v1/messages: what vLLM answers itself, under the pool's name and ids
-    said = direct.post("/v1/messages", json={"model": "llm-pool-model", "max_tokens": 6, "temperature": 0, **ask})
-    assert said.status_code == 200, said.text
-    message = sdk.messages.create(model="tinyv", max_tokens=6, extra_body={"temperature": 0}, **ask)
-    assert message.model == "tinyv" and message.id != said.json()["id"]
-    assert [b.text for b in message.content] == [b["text"] for b in said.json()["content"]]
-    assert (message.stop_reason, message.usage.input_tokens, message.usage.output_tokens) == (
-        said.json()["stop_reason"], said.json()["usage"]["input_tokens"], said.json()["usage"]["output_tokens"])
-    refused = pool.http.post("/v1/rerank", json={"model": "tinyv", "query": "q", "documents": ["d"]})
-    assert refused.status_code == 400 and refused.json()["error"]["code"] == "unsupported_endpoint"
-    direct.close()
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as direct:
+        listed = {m["id"]: m for m in pool.http.get("/v1/models").json()["data"]}["tinyv"]
+        assert {"tokenize", "detokenize", "count_tokens", "messages"} <= set(listed["capabilities"])
+        assert "rerank" not in listed["capabilities"] and listed["context_length"] == MODEL_LEN
+        body = {"prompt": "the pool serves many models"}
+        pooled = pool.http.post("/tokenize", json={"model": "tinyv", **body})
+        assert pooled.status_code == 200, pooled.text
+        said = direct.post("/tokenize", json={"model": "llm-pool-model", **body}).json()
+        assert pooled.json()["tokens"] == said["tokens"] and pooled.json()["count"] == said["count"] > 3
+        text = pool.http.post("/detokenize", json={"model": "tinyv", "tokens": said["tokens"]})
+        assert text.status_code == 200 and text.json() == direct.post(
+            "/detokenize", json={"model": "llm-pool-model", "tokens": said["tokens"]}).json()
+        chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "count me"}]
+        expected = direct.post("/tokenize", json={"model": "llm-pool-model", "messages": chat,
+                                                   "add_generation_prompt": True}).json()["count"]
+        sdk = anthropic.Anthropic(base_url=pool.url, api_key="unused", max_retries=0)
+        ask = {"system": "be brief", "messages": [{"role": "user", "content": "count me"}]}
+        counted = sdk.messages.count_tokens(model="tinyv", **ask)
+        # vLLM's own count_tokens (/v1 wants the key the worker gave vLLM in its environment)
+        key = psutil.Process(pool.workers("tinyv")[0]["children"][0]["pid"]).environ()["VLLM_API_KEY"]
+        direct.headers["Authorization"] = f"Bearer {key}"
+        own = direct.post("/v1/messages/count_tokens", json={"model": "llm-pool-model", **ask})
+        assert own.status_code == 200, own.text
+        assert counted.input_tokens == own.json()["input_tokens"] >= expected > 3
+        # a message on vLLM's own /v1/messages: what vLLM answers itself, under the pool's name and ids
+        said = direct.post("/v1/messages", json={"model": "llm-pool-model", "max_tokens": 6, "temperature": 0, **ask})
+        assert said.status_code == 200, said.text
+        message = sdk.messages.create(model="tinyv", max_tokens=6, extra_body={"temperature": 0}, **ask)
+        assert message.model == "tinyv" and message.id != said.json()["id"]
+        assert [b.text for b in message.content] == [b["text"] for b in said.json()["content"]]
+        assert (message.stop_reason, message.usage.input_tokens, message.usage.output_tokens) == (
+            said.json()["stop_reason"], said.json()["usage"]["input_tokens"], said.json()["usage"]["output_tokens"])
+        refused = pool.http.post("/v1/rerank", json={"model": "tinyv", "query": "q", "documents": ["d"]})
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "unsupported_endpoint"
 
 
 def test_a_prompt_over_the_context_is_counted_and_refused_before_vllm_gets_it(pool):
