@@ -24,7 +24,7 @@ import pytest
 
 from tests.conftest import llama, synthetic
 from tests.pool import ROOT, wait_for
-from tests.procs import frozen
+from tests.procs import frozen, stop_tree
 from tests.test_cli import cli
 from tests.test_lifecycle import with_options
 from tests.test_operator import break_spawns, chat, events, mend_spawns
@@ -244,12 +244,7 @@ def test_a_crash_loop_is_one_line_and_the_supervisors_start_and_stop_are_events(
                      what=f"restart {crash + 1}")
         wait_for(lambda: any("crashed ×5" in line for _, line in followed), 30, what="events -f: crashed ×5")
     finally:
-        follower.terminate()
-        try:
-            follower.wait(10)
-        except subprocess.TimeoutExpired:
-            follower.kill()
-            follower.wait(10)
+        stop_tree(follower, set(), 10)
     crashes = [(at, line) for at, line in followed if "crashed" in line]
     assert "×" not in crashes[0][1] and "(×5 over " in crashes[-1][1], followed  # the first alone, then counts
     # a count at most every 10 s after the first line, and the last one: not a line per crash
