@@ -15,7 +15,6 @@ which a reload replaces; with no [[tenants]] there is one tenant, "default".
 
 from __future__ import annotations
 
-import functools
 import hmac
 
 from protocol import Done
@@ -124,13 +123,15 @@ class Admission:
             output = output_reserve(request, context)  # 400 before it counts against any limit
         slo = request_slo(headers or {}, tenant.spec, entry.cfg)
         tenant.admit()
-        reserved = 0
+        counted = Counted(tenant)
         try:
             job = self.engine.make_job(entry, request, endpoint, tenant.name,
                                        headers=forwarded_headers(endpoint, headers))
             job.session = session  # a session key its headers gave, for routing = "session"
-            estimate = len(job.frame) // PROMPT_BYTES_PER_TOKEN
-            reserved = tenant.reserve_tokens(estimate + output)
+            # whatever ends the job from here on (the queue, a deadline, a worker) settles what it holds
+            job.on_end = counted.settle
+            counted.estimate = len(job.frame) // PROMPT_BYTES_PER_TOKEN
+            counted.reserved = tenant.reserve_tokens(counted.estimate + output)
             tokens = await self.engine.prompt_tokens(entry, request, endpoint)  # None where routing needs none
             if tokens is not None and context and len(tokens) > context:  # counted before sending
                 raise PoolError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, context_message(len(tokens), context))
@@ -141,14 +142,13 @@ class Admission:
                     raise refused
                 if slo.ttft_ms is not None:
                     job.set_slo(slo.ttft_ms)
+            # the model's state, load_on_demand and shutdown are checked again there: an await above
+            # (the prompt's tokens) may have changed them
             self.engine.enqueue(entry, job, tokens)
         except BaseException:  # refused (queue full, ...) or the client left: it used nothing
-            tenant.refused()
-            tenant.charge_tokens(-reserved)
+            counted.refuse()
             raise
-        job.on_end = functools.partial(_settle, tenant, estimate, reserved)
         return job
-
     # -- what a tenant sees ------------------------------------------------------------------------------------
     def model_list(self, tenant: Tenant) -> list[dict]:
         """/v1/models for this tenant: only what it may use."""
@@ -171,11 +171,35 @@ class Admission:
         return send_with_limits
 
 
-def _settle(tenant: Tenant, estimate: int, reserved: int, job: Job, outcome) -> None:
-    """A job's end: its tenant's reserve settles to what it used."""
-    tenant.release()
-    usage = outcome.usage if isinstance(outcome, Done) else {}
-    meter = job.meter
-    used = (int(usage.get("input_tokens") or (meter.prompt if meter else estimate))
-            + int(usage.get("output_tokens") or (meter.output if meter else 0)))
-    tenant.charge_tokens(used - reserved)
+class Counted:
+    """What an admitted request holds of its tenant (a place in flight, its tpm reserve), given
+    back exactly once: `settle` at the job's end, however it ends (attached before anything can
+    end it), or `refuse` when admission refuses it after counting it."""
+
+    __slots__ = ("tenant", "estimate", "reserved", "open")
+
+    def __init__(self, tenant: Tenant) -> None:
+        self.tenant = tenant
+        self.estimate = 0  # the prompt's tokens as admission guessed them
+        self.reserved = 0  # held of the tpm window
+        self.open = True
+
+    def refuse(self) -> None:
+        """Refused on the way in: it used nothing (its rpm place too goes back)."""
+        if self.open:
+            self.open = False
+            self.tenant.refused()
+            self.tenant.charge_tokens(-self.reserved)
+
+    def settle(self, job: Job, outcome) -> None:
+        """The job ended: the reserve settles to what it used."""
+        if not self.open:
+            return
+        self.open = False
+        tenant = self.tenant
+        tenant.release()
+        usage = outcome.usage if isinstance(outcome, Done) else {}
+        meter = job.meter
+        used = (int(usage.get("input_tokens") or (meter.prompt if meter else self.estimate))
+                + int(usage.get("output_tokens") or (meter.output if meter else 0)))
+        tenant.charge_tokens(used - self.reserved)

@@ -171,7 +171,7 @@ class ModelRouterEngine:
             executors = [e.executor for e in self.models.values() if e.executor]
             for ex in executors:
                 for r in ex.replicas:
-                    r.drain()  # a crash now is final: no restart while the pool stops
+                    r.wind_down()  # no worker starts again; a crash now is final
             self._drain = asyncio.ensure_future(asyncio.gather(
                 *(ex.drain(grace_s) for ex in executors), return_exceptions=True))
         await asyncio.shield(self._drain)
@@ -274,9 +274,7 @@ class ModelRouterEngine:
         """The job for `request` on `entry`, not yet queued: 400 for a request out of bounds,
         409/503 for a model that refuses work in its state."""
         check_request_bounds(request, endpoint)
-        if self.shutting_down:
-            raise PoolError(ErrorCode.MODEL_UNLOADING, "the pool is shutting down")
-        refused = self.lifecycle.refusal(entry)
+        refused = self.lifecycle.refusal(entry)  # early, before the body's bounds; enqueue asks again
         if refused is not None:
             raise refused
         check_prompt_bounds(entry.cfg, request)
@@ -293,14 +291,6 @@ class ModelRouterEngine:
         job.prompt_tokens = prompt_tokens
         entry.used()
         self.lifecycle.admit(entry, job)
-
-    def submit(self, model: str, request: dict, endpoint: str = "chat", tenant: str = DEFAULT_TENANT) -> Job:
-        """A job made and queued, with no tenant's limits (admission.admit is the path of a
-        client's request; this is the engine's own, for tests and tools)."""
-        entry = self.registry.lookup(model)
-        job = self.make_job(entry, request, endpoint, tenant)
-        self.enqueue(entry, job)
-        return job
 
     def learn(self, job: Job, done: Done) -> None:
         """A request served: its model's predictor learns from it (latency_predictor.py)."""

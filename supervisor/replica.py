@@ -109,11 +109,11 @@ class Replica(WorkerLink):
         self.protocol_errors = 0
         self.submits_sent = 0  # Submits sent to the current worker; its heartbeats say how many it got
         # an operator's restart of this replica while it served, from its drain to its new worker's
-        # start (planned work: its model is not degraded by it): the monotonic time its drain ends;
-        # None when none is under way
+        # start (planned work: its model is not degraded by it): the monotonic time its drain ends,
+        # a countdown shown to operators; None when none is under way. Whether the restart goes
+        # on is the state's alone (RESTARTING; a stop moves it to STOPPING).
         self.operator_restart_until: float | None = None
-        # a restart's drain: resolved when it may end, True when a stop ends the restart too
-        self._drained: asyncio.Future | None = None
+        self._drained: asyncio.Future | None = None  # a restart's drain: resolved when it may end
         # One lifecycle action at a time (start, stop, operator or crash restart), so a
         # replica never has two workers and a stop never races a start.
         self._lock = asyncio.Lock()
@@ -189,15 +189,31 @@ class Replica(WorkerLink):
 
     async def stop(self) -> None:
         """Stop the worker now: a clean Shutdown, then SIGTERM/SIGKILL of its tree.
-        A start in progress is abandoned (its worker killed); no restart follows."""
-        if self.state is ReplicaState.RESTARTING:  # a restart's drain ends now; the restart then stops, not starts
-            self._set(ReplicaState.STOPPING)
-        self._drain_over(stopped=True)
+        Whatever start is under way (a load, a crash restart, any phase of an operator
+        restart) ends without a new worker (wind_down)."""
+        self.wind_down()
         await self._cancel_restart()
-        if self._ready and not self._ready.done():
-            self._ready.set_exception(LoadFailed("stopped before it was ready"))
         async with self._lock:
             await self._stop()
+
+    def wind_down(self) -> None:
+        """A stop is wanted (unload, shutdown, a reload's change), in this loop turn: no worker
+        of this replica starts from now on. A start under way is abandoned (its worker killed),
+        an operator restart ends in any phase (STOPPING: it starts nothing after its drain or
+        its stop), a pending crash restart is cancelled, a crash kill's exit becomes final; a
+        serving worker drains (its running jobs finish, its exit is final)."""
+        if self.state is ReplicaState.READY:
+            self.drain()
+        elif self.state in (ReplicaState.RESTARTING, ReplicaState.KILLING):
+            self._set(ReplicaState.STOPPING)
+        elif self.state is ReplicaState.BACKOFF:
+            if self._restart_task is not None:
+                self._restart_task.cancel()
+                self._restart_task = None
+            self._set(ReplicaState.STOPPED)
+        self._drain_over()
+        if self._ready and not self._ready.done():
+            self._ready.set_exception(LoadFailed("stopped before it was ready"))
 
     async def restart(self, drain_timeout_s: float | None = None) -> None:
         """Operator restart: out of rotation, running jobs get `drain_timeout_s`
@@ -230,14 +246,18 @@ class Replica(WorkerLink):
                             self.name, len(self.inflight), drain_timeout_s)
             finally:
                 self._drained = None
-            if self.state is ReplicaState.STOPPING or (drained.done() and drained.result()):
-                # stopped (shutdown, unload) meanwhile; a crash meanwhile leaves it STOPPED: restarted
+            if self.state is not ReplicaState.RESTARTING:
+                # stopped (shutdown, unload) meanwhile; a crash meanwhile leaves it RESTARTING: restarted
                 raise LoadFailed(f"replica {self.name} was stopped while it drained; not restarted")
             if self.inflight:
                 self._fail_all(ErrorCode.RUNTIME_RESTARTED, f"replica {self.name} was restarted by the "
                                f"operator; the request did not finish within drain_timeout_s "
                                f"({drain_timeout_s:g}s)")
-        await self._stop()
+        restarting = self.state is ReplicaState.RESTARTING
+        await self._stop()  # RESTARTING stays so through the old worker's exit (_watch)
+        if restarting and self.state is not ReplicaState.RESTARTING:
+            # a stop came while the old worker stopped (wind_down): it wins, nothing starts
+            raise LoadFailed(f"replica {self.name} was stopped during its restart; not restarted")
         self.history = CrashHistory()
         self.restarts += 1
         await self._start()
@@ -384,9 +404,11 @@ class Replica(WorkerLink):
         if self.state in (ReplicaState.READY, ReplicaState.KILLING) and up_since is not None:
             self._crashed(up_since)  # it served, and nobody stopped it: back off and restart
             return
-        # stopped or restarted on purpose, drained (an unload: never restarted), or crashed
-        # while loading (start() reports that; no restart loop)
-        self._set(ReplicaState.STOPPED)
+        # stopped on purpose, drained (an unload: never restarted), or crashed while loading
+        # (start() reports that; no restart loop); an operator's restart stays RESTARTING: it
+        # starts the next worker itself
+        if self.state is not ReplicaState.RESTARTING:
+            self._set(ReplicaState.STOPPED)
         self._drain_over()
 
     def _lost_job_error(self, code: int) -> PoolError:

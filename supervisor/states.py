@@ -44,7 +44,7 @@ class ReplicaState(StrEnum):
     STARTING = "starting"  # spawned, loading: an exit fails the start (never restarted from here)
     READY = "ready"  # in rotation: an exit is a crash, restarted with back-off
     DRAINING = "draining"  # an unload's drain: no new jobs; an exit is final (a crash event, never restarted)
-    RESTARTING = "restarting"  # an operator restart, from its drain to its stop: its exit is planned
+    RESTARTING = "restarting"  # an operator restart, from its drain to its next start: its exit is planned
     STOPPING = "stopping"  # the pool stops it (unload, shutdown, a failed start): its exit is planned
     KILLING = "killing"  # hung, corrupt or unreachable: its tree is killed; its exit is a crash
     STOPPED = "stopped"
@@ -85,8 +85,9 @@ REPLICA_TRANSITIONS: dict[ReplicaState, set[ReplicaState]] = {
     ReplicaState.READY: {ReplicaState.DRAINING, ReplicaState.RESTARTING, ReplicaState.STOPPING,
                          ReplicaState.KILLING, ReplicaState.STOPPED, ReplicaState.BACKOFF, ReplicaState.FATAL},
     ReplicaState.DRAINING: {ReplicaState.STOPPING, ReplicaState.STOPPED},
-    # a stop (unload, shutdown) during an operator restart's drain ends the restart
-    ReplicaState.RESTARTING: {ReplicaState.STOPPING, ReplicaState.STOPPED},
+    # a stop (unload, shutdown) in any phase of an operator restart ends it; else, the old
+    # worker gone, the restart starts the new one
+    ReplicaState.RESTARTING: {ReplicaState.STOPPING, ReplicaState.STARTING},
     ReplicaState.STOPPING: {ReplicaState.STOPPED},
     # a crash kill ends in a back-off (or fatal), or stopped when it never was ready
     ReplicaState.KILLING: {ReplicaState.STOPPING, ReplicaState.RESTARTING, ReplicaState.STOPPED,

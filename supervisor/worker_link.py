@@ -75,9 +75,9 @@ class WorkerLink:
             job.cancel_requested = True
             self.transport.send(self.identity, p.Cancel(job=job.id))
 
-    def _drain_over(self, stopped: bool = False) -> None:
+    def _drain_over(self) -> None:
         if self._drained is not None and not self._drained.done():
-            self._drained.set_result(stopped)
+            self._drained.set_result(None)
 
     def forget(self, job_id: str) -> Job | None:
         """The job out of the in-flight table (None: it was not there); its slot or light place is free."""

@@ -81,7 +81,11 @@ class Machine:
         assert self.state(name) is S.LOADED
 
     def submit(self, name: str) -> Job:
-        return self.engine.submit(name, {"messages": [{"role": "user", "content": "hi"}]}, "chat")
+        """A job made and queued as admission does it, without a tenant's limits."""
+        entry = self.engine.entry(name)
+        job = self.engine.make_job(entry, {"messages": [{"role": "user", "content": "hi"}]}, "chat")
+        self.engine.enqueue(entry, job)
+        return job
 
     def done(self, job: Job) -> None:
         self.transport.deliver(job.replica.identity, p.Done(job=job.id, finish_reason="stop"))
@@ -410,14 +414,16 @@ async def unload_during_a_load(m: Machine) -> None:
     with pytest.raises(PoolError) as refused:
         m.submit("m")
     assert refused.value.code is ErrorCode.MODEL_UNLOADING
-    await m.ready("m")
-    await load  # the load ends (200), the unload drains and stops
+    with pytest.raises(PoolError) as overridden:  # the unload wins: the worker loading is stopped
+        await load
+    assert overridden.value.code is ErrorCode.MODEL_UNLOADING
     assert (await unload).state is S.UNLOADED
     assert outcome(job).code is ErrorCode.MODEL_UNLOADING and not m.launcher.alive()
+    assert len(m.launcher.procs) == 1 and m.entry("m").error is None  # nothing started after; not a failure
 
 
 @scenario
-async def test_an_unload_during_a_load_lets_it_end_then_drains():
+async def test_an_unload_during_a_load_wins_the_loading_worker_is_stopped():
     m = Machine(model())
     with recorded(m):
         await unload_during_a_load(m)

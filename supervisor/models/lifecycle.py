@@ -79,7 +79,12 @@ class Lifecycle:
 
     # -- requests ------------------------------------------------------------------------------
     def admit(self, entry: ModelEntry, job: Job) -> None:
-        """Where a job waits, by the model's state. Raises the request's error."""
+        """Where a job waits, by the model's state now; raises the request's error. The one
+        hand-over of a job to its model: whatever was checked before an await is checked
+        again here, in the loop turn that queues it (the state, load_on_demand, shutdown)."""
+        refused = self.refusal(entry)
+        if refused is not None:
+            raise refused
         state = entry.state
         if state is ModelState.AUTO_UNLOADING:  # wait for the next load on demand
             entry.waiting = [j for j in entry.waiting if j.state is JobState.QUEUED]  # gone ones hold no place
@@ -93,7 +98,9 @@ class Lifecycle:
             entry.executor.enqueue(job)  # while loading, it waits in the queue for the replicas
 
     def refusal(self, entry: ModelEntry) -> PoolError | None:
-        """Why a request for this model is refused before it is even read; None if it is not."""
+        """Why a request for this model is refused in its state now; None if it is not."""
+        if self.shutting_down:
+            return PoolError(ErrorCode.MODEL_UNLOADING, "the pool is shutting down")
         if entry.state is ModelState.UNLOADING:
             return PoolError(ErrorCode.MODEL_UNLOADING, f"model {entry.cfg.name!r} is unloading", param="model",
                              retry_after_s=1)
@@ -178,6 +185,8 @@ class Lifecycle:
                      level=logging.ERROR)
                 await executor.close()
             raise
+        if entry.state is not ModelState.LOADING:  # an unload came while it waited for memory: it wins
+            raise PoolError(ErrorCode.MODEL_UNLOADING, f"model {name!r} was unloaded while it loaded")
         try:
             if entry.cfg.remote:
                 await self.cluster.connect()
@@ -187,6 +196,8 @@ class Lifecycle:
             results = await asyncio.gather(*(r.start() for r in executor.replicas), return_exceptions=True)
             errors = [f"{r.name}: {res}" for r, res in zip(executor.replicas, results)
                       if isinstance(res, BaseException)]
+        if errors and entry.state is not ModelState.LOADING:  # an unload's stop failed them: the unload ends it
+            raise PoolError(ErrorCode.MODEL_UNLOADING, f"model {name!r} was unloaded while it loaded")
         if errors:
             entry.error = "; ".join(errors)
             error = PoolError(ErrorCode.LOAD_FAILED, f"model {name!r} failed to load: {entry.error}")
@@ -214,14 +225,20 @@ class Lifecycle:
 
     def _detach(self, entry: ModelEntry) -> None:
         """Its replicas are stopped: the executor goes (the caller sets the state that
-        has none in the same loop turn, then closes it) and its memory leaves the ledger."""
+        has none in the same loop turn, then closes it), its memory leaves the ledger, and a
+        reload's new config takes its place (so the next load, whoever asks it, runs that)."""
         entry.executor = None
         self.memory.release(entry)
+        if entry.next_cfg is not None:  # a reload's config: in effect now that nothing runs the old one
+            entry.cfg, entry.next_cfg = entry.next_cfg, None
+            entry.measured_mb = None
 
     # -- unload --------------------------------------------------------------------------------
     def stop_intake(self, entry: ModelEntry, why: str = "unloaded") -> None:
         """An unload begins: new requests get 503 from now on, before any lock is
-        waited for. An automatic unload it overrides lets its waiters go with 503."""
+        waited for, and no worker of the model starts from now on (Replica.wind_down: a load,
+        a restart or a crash restart under way ends). An automatic unload it overrides lets
+        its waiters go with 503."""
         if entry.state in RUNNING or entry.state in (ModelState.LOADING, ModelState.AUTO_UNLOADING):
             entry.unload_why = why
         if entry.state is ModelState.AUTO_UNLOADING:
@@ -232,6 +249,11 @@ class Lifecycle:
             entry.set_state(ModelState.UNLOADING)
         elif entry.state in RUNNING or entry.state is ModelState.LOADING:
             entry.set_state(ModelState.UNLOADING)
+        if entry.state is ModelState.UNLOADING:
+            # the stop wins over any start under way (a load, a restart, a crash restart): no
+            # worker starts from now on, and serving ones drain
+            for r in entry.executor.replicas if entry.executor else ():
+                r.wind_down()
 
     async def unload(self, name: str, drain_timeout_s: float | None = None, why: str = "unloaded") -> ModelEntry:
         """Drain and stop a model; waits for a load or restart of it under way first."""
@@ -255,7 +277,7 @@ class Lifecycle:
             return
         executor = entry.executor
         for r in executor.replicas:
-            r.drain()
+            r.wind_down()  # stop_intake did; a replica a restart brought back since is wound down too
         await executor.drain(drain_timeout_s if drain_timeout_s is not None else entry.cfg.request_timeout_s)
         await asyncio.gather(*(r.stop() for r in executor.replicas), return_exceptions=True)
         self._detach(entry)
@@ -360,6 +382,9 @@ class Lifecycle:
             drain_s = None if now else entry.cfg.drain_timeout_s
             failed = []
             for r in targets:  # one at a time: the others keep serving
+                if entry.state not in RUNNING or self.shutting_down:  # an unload or a stop came: it wins
+                    failed.append(f"{r.name}: not restarted: the model is {entry.state.public.value}")
+                    continue
                 how = "now (running jobs are cut)" if now else f"after its running jobs finish (up to {drain_s:g}s)"
                 emit(EventKind.RESTARTING, f"replica {r.name}: restarting {how}", model=name, replica=r.index, by=by)
                 try:

@@ -89,6 +89,9 @@ class ModelEntry:
     measured_at: float = 0.0  # monotonic: the footprint's last measurement
     waiting: list[Job] = field(default_factory=list)  # AUTO_UNLOADING only: requests for the next load
     failed_replicas: list = field(default_factory=list)  # of the last load that failed: still shown (ops)
+    # a reload's changed config while the old one still runs: it becomes `cfg` when the executor goes
+    # (Lifecycle._detach), so `cfg` is always the config its workers run
+    next_cfg: ModelConfig | None = None
     unload_why: str | None = None  # the unload under way: why (planned work, shown apart from faults)
     predictor: ModelPredictor = field(default_factory=ModelPredictor)  # learned speeds, kept across loads
     # told (entry, old, new) after every change of state: the registry's watchers (events, metrics)
@@ -118,6 +121,19 @@ class ModelEntry:
             self.executor.loading = state is ModelState.LOADING
         if self.observer is not None and state is not old:
             self.observer(self, old, state)
+
+    def take_config(self, cfg: ModelConfig, in_place: bool = True) -> None:
+        """A reload's config for this model. `in_place`: only keys read per request or per
+        lifecycle action changed (reload.IN_PLACE_KEYS), so it applies now. Otherwise it waits
+        in `next_cfg` while an executor runs the old one, and applies at once when none does."""
+        if in_place and self.next_cfg is not None:  # an earlier reload's change still waits: this joins it
+            self.next_cfg = cfg
+        elif in_place or self.executor is None:
+            self.cfg, self.next_cfg = cfg, None
+            if not in_place:
+                self.measured_mb = None
+        else:
+            self.next_cfg = cfg
 
     def replicas_changed(self) -> None:
         """A loaded model follows its replicas: LOADED with all ready (or in an operator's

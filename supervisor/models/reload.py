@@ -67,7 +67,7 @@ class Reloader:
     def apply(self, change: ConfigDiff, new: PoolConfig) -> None:
         new_models = {m.name: m for m in new.models}
         for name in change.kept:
-            self.registry.models[name].cfg = new_models[name]  # the executor's copy differs in nothing it reads
+            self.registry.models[name].take_config(new_models[name])  # in place: nothing it runs differs
         removed = [self.registry.models[name] for name in change.removed]
         self.registry.configure(new.models)  # removed names are 404 from now on; a request cannot load them
         for name in change.added:
@@ -80,6 +80,7 @@ class Reloader:
         for name in change.changed:
             entry = self.registry.models[name]
             was_loaded = entry.state in RUNNING or entry.state is ModelState.LOADING
+            entry.take_config(new_models[name], in_place=False)  # in the same loop turn as its intake stops
             self.lifecycle.stop_intake(entry, "its config changed")
             self._spawn(self._reload_model(entry, new_models[name], was_loaded))
         for name in change.added:
@@ -93,12 +94,9 @@ class Reloader:
         self.registry.forget(entry)
 
     async def _reload_model(self, entry: ModelEntry, cfg: ModelConfig, was_loaded: bool) -> None:
-        """A changed model: drain and unload it with its old config, then load the new one
-        if it was loaded (or loads on start)."""
+        """A changed model: drain and unload it with its old config (the new one takes effect as
+        its executor goes), then load the new one if it was loaded (or loads on start)."""
         log.info("model %s: reloading (its config changed)", entry.cfg.name)
         await self.lifecycle.unload_entry(entry, why="its config changed")
-        async with entry.action:
-            entry.cfg = cfg
-            entry.measured_mb = None
         if was_loaded or cfg.load_on_start:
             await self.lifecycle.load_quietly(cfg.name, "reload")
