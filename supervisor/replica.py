@@ -46,6 +46,8 @@ class ReplicaOwner(Protocol):
 
     def replica_kv_events(self, replica: Replica, events: list, reset: bool) -> None: ...  # its engine's cache
 
+    def wants_workers(self) -> bool: ...  # its model takes work: a worker may start (else a stop was asked)
+
 
 class Launcher(Protocol):
     """Starts a worker (process.spawn_worker; ray_placement.RayLauncher, which also
@@ -269,6 +271,8 @@ class Replica(WorkerLink):
             self._set(ReplicaState.DRAINING)
 
     async def _start(self) -> None:  # holds self._lock
+        if not self.owner.wants_workers():  # an unload or shutdown was asked before this start ran
+            raise LoadFailed(f"replica {self.name}: not started, its model is stopping")
         self._set(ReplicaState.STARTING)
         # unique in this process: a model removed by a reload may still drain while a new
         # one of the same name starts, and a routing id must never be shared

@@ -144,6 +144,11 @@ class Executor:
         """A new worker starts for `replica`: its cache starts empty."""
         self.choice.forget(replica)
 
+    def wants_workers(self) -> bool:
+        """Whether a replica may start a worker: only while the model takes work (an unload or
+        a shutdown stops its intake in the loop turn it is asked, so no start follows it)."""
+        return self.accepting_new_requests and not self._closed
+
     def replica_kv_events(self, replica: Replica, events: list, reset: bool) -> None:
         """The replica's engine says what its cache stored and dropped. Bad events are
         the index's to skip; a bug there must not break the replica's messages."""

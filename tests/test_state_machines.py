@@ -114,6 +114,9 @@ class FakeOwner:
     def replica_restarted(self, replica) -> None:
         self.restarted += 1
 
+    def wants_workers(self) -> bool:
+        return True
+
 
 class Rig:
     """One replica wired to fakes. Workers exit on Shutdown unless `obey_shutdown` is off."""
