@@ -4,17 +4,18 @@ No speed is asserted: that depends on the machine."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import psutil
 import pytest
 
 from tests.pool import ROOT
-
-pytestmark = pytest.mark.llama
 
 MARK = "LLM_POOL_BENCH_TEST_MARK"  # inherited by every process the benchmark starts
 
@@ -143,6 +144,21 @@ def check_figures(found: dict[str, list[dict[str, str]]]) -> None:
     assert memory["synthetic pool (c<=64)"]["backend child RSS MiB"] == "none"
 
 
+def check_profile(report: str, path: Path) -> None:
+    """Section 2's profile of the supervisor: written and said, or the report says why not
+    (py-spy not installed, or not allowed to read the supervisor)."""
+    if "No profile: " in report:
+        assert not path.exists(), report
+        return
+    assert re.search(r"Profile of the supervisor under this load \(c = 16, \d+ requests, \d+ µs of CPU", report), report
+    doc = json.loads(path.read_text())  # speedscope: frames shared by one sampled profile a thread
+    assert any(p["samples"] for p in doc["profiles"]), doc
+    frames = doc["shared"]["frames"]
+    assert any(f["name"] == "serve" and f["file"].endswith("supervisor/cli.py")
+               for p in doc["profiles"] for s in p["samples"] for f in (frames[i] for i in s)), "not the supervisor"
+
+
+@pytest.mark.llama
 @pytest.mark.timeout(600)
 def test_bench_quick(llama_server_bin, tmp_path):
     mark = uuid.uuid4().hex
@@ -154,6 +170,7 @@ def test_bench_quick(llama_server_bin, tmp_path):
         assert out.returncode == 0, f"stdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-5000:]}"
         assert (tmp_path / "results" / "results.md").read_text() == out.stdout.rstrip("\n") + "\n"
         check_figures(tables(out.stdout))
+        check_profile(out.stdout, tmp_path / "results" / "profile-section2-c16.speedscope.json")
     finally:
         left = _left_behind(mark)
         for line in left:  # never leave anything behind, even when failing
@@ -162,3 +179,62 @@ def test_bench_quick(llama_server_bin, tmp_path):
             except psutil.Error:
                 pass
     assert not left, f"processes left after the benchmark: {left}"
+
+
+def run_bench(args: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """scripts/bench with `args`; nothing it started may outlive it."""
+    mark = uuid.uuid4().hex
+    try:
+        return subprocess.run([sys.executable, str(ROOT / "scripts" / "bench"), *args], cwd=cwd,
+                              env={**os.environ, **env, "PYTHONUNBUFFERED": "1", MARK: mark},
+                              capture_output=True, text=True, timeout=timeout)
+    finally:
+        left = _left_behind(mark)
+        for line in left:
+            try:
+                psutil.Process(int(line.split(":")[0])).kill()
+            except psutil.Error:
+                pass
+        assert not left, f"processes left after the benchmark: {left}"
+
+
+@pytest.mark.timeout(300)
+def test_bench_against_head(tmp_path):
+    """--against HEAD, section 2 at --quick, one run a side: the ref's own checkout is made
+    from git and its code is what its side runs, both sides run in turn, the table and the JSON
+    carry both sides' figures. The plumbing, not the speed (one run a side gives no verdict)."""
+    checkouts, results = tmp_path / "checkouts", tmp_path / "results"
+    out = run_bench(["--against", "HEAD", "--sections", "2", "--quick", "--rounds", "1", "--out", str(results)],
+                    tmp_path, {"LLM_POOL_BENCH_CHECKOUTS": str(checkouts)}, 240)
+    assert out.returncode == 0, f"stdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-5000:]}"
+    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    checkout = checkouts / sha
+    tracked = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "-r", "--name-only", "HEAD"], capture_output=True,
+                             text=True, check=True).stdout.split()
+    assert all((checkout / name).exists() for name in tracked)
+
+    report = json.loads((results / f"against-{sha[:9]}.json").read_text())
+    assert report["ref_sha"] == report["this_sha"] == sha
+    assert [r["side"] for r in report["runs"]] == ["ref", "this"] and all(r["ok"] for r in report["runs"])
+    assert Path(report["code"]["ref"]).is_relative_to(checkout)  # the ref's side ran the ref's code
+    assert Path(report["code"]["this"]).is_relative_to(ROOT)
+    for run in report["runs"]:  # each run is a whole bench of its own, its results kept
+        assert json.loads((Path(run["out"]) / "results.json").read_text())["sections"]["capacity"]
+    names = [f"{what}, c={c}" for c in (1, 4, 16, 64) for what in (
+        "supervisor CPU µs/req", "worker CPU µs/req", "pool/bare req/s", "pool/(bare+zmq) req/s")]
+    assert [r["figure"] for r in report["figures"]] == names
+    for r in report["figures"]:
+        assert len(r["ref"]) == len(r["this"]) == 1 and r["verdict"].startswith("?"), r
+        assert r["ref_median"] == r["ref"][0] >= 0 and r["this_median"] == r["this"][0] >= 0, r
+
+    rows = tables(out.stdout)["2"]
+    assert [r["figure"].split(" (")[0] for r in rows] == names
+    by_name = {r["figure"]: r for r in report["figures"]}
+    for row in rows:
+        figure = by_name[row["figure"].split(" (")[0]]
+        a, b = (float(row[k].replace(",", "")) for k in ("A (ref): median (min–max)", "B (this): median (min–max)"))
+        assert abs(a - figure["ref"][0]) <= 0.01 * a + 0.01 and abs(b - figure["this"][0]) <= 0.01 * b + 0.01, row
+        if a and b:
+            ratio_of(row["B/A"], b, a)
+    assert (results / f"against-{sha[:9]}.md").read_text() == out.stdout

@@ -1,0 +1,127 @@
+"""What scripts/bench --against compares: figures read from each run's results.json, per side
+the median and the spread (min-max) of the rounds, their ratio, and a verdict.
+
+The noise of a figure is the larger of the two sides' spreads (max - min of its rounds), and at
+least NOISE_FLOOR of the ref's median (one round a side has no spread); a difference of the
+medians within it is "same", beyond it "better" or "regression" by the figure's direction."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+from pool_bench.report import table
+
+NOISE_FLOOR = 0.05
+
+Figure = tuple[str, str, float | None]  # (name, "lower" or "higher" is better, value)
+
+
+def _div(a, b) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def capacity(out: dict) -> list[Figure]:
+    figures = []
+    for row in out.get("capacity") or []:
+        c, done, cpu = row["concurrency"], row["requests"][2], row["cpu_s"]["pool"]
+        figures += [
+            (f"supervisor CPU µs/req, c={c}", "lower", _div(cpu.get("supervisor", 0) * 1e6, done)),
+            (f"worker CPU µs/req, c={c}", "lower", _div(cpu.get("worker", 0) * 1e6, done)),
+            (f"pool/bare req/s, c={c}", "higher", _div(row["pool_rps"], row["bare_rps"])),
+            (f"pool/(bare+zmq) req/s, c={c}", "higher", _div(row["pool_rps"], row["bare_zmq_rps"]))]
+    return figures
+
+
+def relay(out: dict) -> list[Figure]:
+    figures = []
+    for row in out.get("relay") or []:
+        case = f"{row['n']} × {row['rate']:g}"
+        figures += [
+            (f"pool CPU µs/token, {case}", "lower", row["pool_cpu_us_per_tok"]),
+            (f"pool/bare CPU per token, {case}", "lower", _div(row["pool_cpu_us_per_tok"], row["bare_cpu_us_per_tok"])),
+            (f"pool gap p99 ms, {case}", "lower", row["pool_gap_p99_ms"])]
+    return figures
+
+
+def ttft(out: dict) -> list[Figure]:
+    row = out.get("ttft") or {}
+    ms = {q: None if row.get(f"added_{q}") is None else row[f"added_{q}"] * 1000 for q in ("p50", "p95")}
+    return [("added TTFT p50 ms", "lower", ms["p50"]), ("added TTFT p95 ms", "lower", ms["p95"])]
+
+
+SECTIONS: dict[str, tuple[str, Callable[[dict], list[Figure]]]] = {
+    "2": ("Scheduler capacity (synthetic backend)", capacity),
+    "5": ("Relay of many streams", relay),
+    "6": ("Added time to first token (tiny GGUF)", ttft),
+}
+
+
+def verdict(ref: list[float], this: list[float], better: str) -> dict:
+    if not ref or not this:
+        return {"verdict": "-"}
+    a, b = statistics.median(ref), statistics.median(this)
+    noise = max(max(ref) - min(ref), max(this) - min(this), NOISE_FLOOR * abs(a))
+    if len(ref) < 2 or len(this) < 2:
+        said = "? (no spread: one run a side)"
+    elif abs(b - a) <= noise:
+        said = "same"
+    else:
+        said = "better" if (b < a) == (better == "lower") else "regression"
+    return {"ref_median": a, "this_median": b, "ratio": b / a if a > 0 and b > 0 else None, "noise": noise,
+            "verdict": said}
+
+
+def figures(ref_runs: list[dict], this_runs: list[dict], sections: list[str]) -> list[dict]:
+    """One row per figure of the sections, in the report's order: each side's values (one a
+    run where it had the figure), medians, ratio this/ref, noise and verdict."""
+    rows = []
+    for key in sections:
+        read = SECTIONS[key][1]
+        values: dict[str, dict] = {}
+        for side, runs in (("ref", ref_runs), ("this", this_runs)):
+            for out in runs:
+                for name, better, value in read(out.get("sections", {})):
+                    row = values.setdefault(name, {"section": key, "figure": name, "better": better,
+                                                   "ref": [], "this": []})
+                    if value is not None:
+                        row[side].append(value)
+        rows += [{**row, **verdict(row["ref"], row["this"], row["better"])} for row in values.values()]
+    return rows
+
+
+def _num(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.2f}"
+
+
+def _spread(values: list[float], median: float | None) -> str:
+    if not values:
+        return "-"
+    return _num(median) if len(values) == 1 else f"{_num(median)} ({_num(min(values))}–{_num(max(values))})"
+
+
+def markdown(rows: list[dict]) -> str:
+    parts = []
+    for key, (title, _) in SECTIONS.items():
+        mine = [r for r in rows if r["section"] == key]
+        if not mine:
+            continue
+        lines = [[f"{r['figure']} ({r['better']} is better)", _spread(r["ref"], r.get("ref_median")),
+                  _spread(r["this"], r.get("this_median")), "-" if r.get("ratio") is None else f"{r['ratio']:.2f}",
+                  _noise(r), f"**{r['verdict']}**" if r["verdict"] == "regression" else r["verdict"]]
+                 for r in mine]
+        parts.append(f"### {key}. {title}\n\n" + table(
+            ["figure", "A (ref): median (min–max)", "B (this): median (min–max)", "B/A", "noise", "verdict"], lines))
+    parts.append(f"Each figure is one value a run (a run = one whole bench of the section); noise = the larger "
+                 f"side's spread (max − min), at least {NOISE_FLOOR:.0%} of A's median; medians further apart "
+                 "than that are a regression or better, else the same; one run a side gives no verdict.")
+    return "\n\n".join(parts)
+
+
+def _noise(r: dict) -> str:
+    if r.get("noise") is None:
+        return "-"
+    a = r["ref_median"]
+    return f"±{r['noise'] / abs(a):.0%}" if a else f"±{_num(r['noise'])}"
