@@ -150,7 +150,8 @@ def check_profile(report: str, path: Path) -> None:
     if "No profile: " in report:
         assert not path.exists(), report
         return
-    assert re.search(r"Profile of the supervisor under this load \(c = 16, \d+ requests, \d+ µs of CPU", report), report
+    said = r"Profile of the supervisor under this load \(c = 16, \d+ requests, \d+ µs of CPU"
+    assert re.search(said, report), report
     doc = json.loads(path.read_text())  # speedscope: frames shared by one sampled profile a thread
     assert any(p["samples"] for p in doc["profiles"]), doc
     frames = doc["shared"]["frames"]
@@ -204,7 +205,7 @@ def test_bench_against_head(tmp_path):
     from git and its code is what its side runs, both sides run in turn, the table and the JSON
     carry both sides' figures. The plumbing, not the speed (one run a side gives no verdict)."""
     checkouts, results = tmp_path / "checkouts", tmp_path / "results"
-    out = run_bench(["--against", "HEAD", "--sections", "2", "--quick", "--rounds", "1", "--out", str(results)],
+    out = run_bench(["--against", "HEAD", "--sections", "2", "--quick", "--rounds", "1", "--out", "results"],
                     tmp_path, {"LLM_POOL_BENCH_CHECKOUTS": str(checkouts)}, 240)
     assert out.returncode == 0, f"stdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-5000:]}"
     sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -238,3 +239,27 @@ def test_bench_against_head(tmp_path):
         if a and b:
             ratio_of(row["B/A"], b, a)
     assert (results / f"against-{sha[:9]}.md").read_text() == out.stdout
+
+
+def test_against_verdicts():
+    """--against's verdict per figure: the medians apart by more than the rounds' spread
+    (at least 5% of A's) is a regression or better by the figure's direction, else the same;
+    one run a side has no spread and gives no verdict."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from pool_bench.compare import verdict
+
+    def said(ref, this, better="lower"):
+        return verdict(ref, this, better)["verdict"]
+
+    assert said([100, 110], [130, 140]) == "regression"  # 30 apart, spread 10
+    assert said([100, 110], [104, 116]) == "same"  # 5 apart, within B's spread of 12
+    assert said([100, 110], [80, 85]) == "better"
+    assert said([100, 100.5], [104, 104.5]) == "same"  # no spread: the 5% floor
+    assert said([100, 100.5], [106, 106.5]) == "regression"
+    assert said([0.80, 0.82], [0.60, 0.62], "higher") == "regression"
+    assert said([0.80, 0.82], [0.95, 0.97], "higher") == "better"
+    assert said([100], [200]).startswith("?") and said([100, 101], [200]).startswith("?")
+    assert said([], [1, 2]) == "-"
+    added = verdict([-0.2, 0.1], [2.0, 2.2], "lower")  # added TTFT may be below zero: no ratio, still a verdict
+    assert added["verdict"] == "regression" and added["ratio"] is None
+    assert verdict([300, 340], [330, 350], "lower")["ratio"] == 340 / 320

@@ -27,6 +27,7 @@ from pool_bench.children import Proc
 from pool_bench.report import loadavg, say
 from testkit import ROOT
 
+# the refs' checkouts, one folder a commit (LLM_POOL_BENCH_CHECKOUTS elsewhere: the tests' temporary folder)
 CACHE = Path(os.environ.get("LLM_POOL_BENCH_CHECKOUTS")
              or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llm-pool" / "bench-worktrees")
 READY = ".llm-pool-bench-ready"  # written last: a checkout or venv without it is half made and made again
@@ -152,7 +153,8 @@ def run(args) -> int:
     python, env_said = environment(root)
     sides = {"ref": (root, python), "this": (ROOT, sys.executable)}
     code = {side: code_of(py, side_root) for side, (side_root, py) in sides.items()}
-    runs_dir = Path(args.out) / f"against-{sha[:9]}-{time.strftime('%Y%m%d-%H%M%S')}"
+    # absolute: each side runs from its own checkout
+    runs_dir = Path(args.out).resolve() / f"against-{sha[:9]}-{time.strftime('%Y%m%d-%H%M%S')}"
     timeout = 600 if args.quick else 3600
     got: dict[str, list[dict]] = {"ref": [], "this": []}
     runs, load_before, started = [], loadavg(), time.monotonic()
@@ -165,7 +167,7 @@ def run(args) -> int:
         if result is not None:
             got[side].append(result)
     this_sha, dirty = git("rev-parse", "HEAD"), bool(git("status", "--porcelain"))
-    rows = compare.figures(got["ref"], got["this"], sections)
+    rows, unread = compare.figures(got["ref"], got["this"], sections)
     said = {"ref": args.against if sha.startswith(args.against) else f"{args.against} ({sha[:9]})",
             "this": f"this checkout ({this_sha[:9]}{', with uncommitted changes' if dirty else ''})"}
     head = (f"## scripts/bench --against {args.against}: sections {args.sections}, {args.rounds} run(s) a side"
@@ -176,12 +178,14 @@ def run(args) -> int:
             f"- order: {' '.join('A' if s == 'ref' else 'B' for s in order(args.rounds))}; each run's results "
             f"and log: {runs_dir}\n")
     failed = [f"run {i + 1} ({r['side']}) failed: see {r['out']}/bench.log" for i, r in enumerate(runs) if not r["ok"]]
+    failed += unread
     text = head + "\n" + compare.markdown(rows) + "".join(f"\n- {f}" for f in failed)
     print(text, flush=True)
     write(Path(args.out), sha[:9], text, {
         "ref": args.against, "ref_sha": sha, "this_sha": this_sha, "this_dirty": dirty, "sections": sections,
         "rounds": args.rounds, "quick": args.quick, "order": order(args.rounds), "environment": env_said,
-        "code": code, "cpus": os.cpu_count(), "runs": runs, "figures": rows, "noise_floor": compare.NOISE_FLOOR})
+        "code": code, "cpus": os.cpu_count(), "runs": runs, "problems": failed, "figures": rows,
+        "noise_floor": compare.NOISE_FLOOR})
     return 1 if failed or not got["ref"] or not got["this"] else 0
 
 

@@ -44,17 +44,7 @@ def main(doc: str) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGHUP, on_signal)
     if args.against:
-        if args.sections == ap.get_default("sections"):
-            args.sections = ",".join(compare.SECTIONS)
-        if args.rounds < 1:
-            ap.error("--rounds must be at least 1")
-        try:
-            return against.run(args)
-        except KeyboardInterrupt:
-            say("interrupted: stopping everything")
-            return 130
-        finally:
-            Proc.stop_all()
+        return run_against(ap, args)
     sections = {s.strip() for s in args.sections.split(",") if s.strip()}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -103,3 +93,18 @@ def main(doc: str) -> int:
     if interrupted:
         return 130
     return 1 if bench.failed else 0
+
+
+def run_against(ap: argparse.ArgumentParser, args) -> int:
+    """--against REF: pool_bench/against.py runs whole benches, this checkout's and the ref's."""
+    if args.sections == ap.get_default("sections"):
+        args.sections = ",".join(compare.SECTIONS)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    try:
+        return against.run(args)
+    except KeyboardInterrupt:
+        say("interrupted: stopping everything")
+        return 130
+    finally:
+        Proc.stop_all()

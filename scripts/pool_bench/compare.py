@@ -72,22 +72,29 @@ def verdict(ref: list[float], this: list[float], better: str) -> dict:
             "verdict": said}
 
 
-def figures(ref_runs: list[dict], this_runs: list[dict], sections: list[str]) -> list[dict]:
+def figures(ref_runs: list[dict], this_runs: list[dict], sections: list[str]) -> tuple[list[dict], list[str]]:
     """One row per figure of the sections, in the report's order: each side's values (one a
-    run where it had the figure), medians, ratio this/ref, noise and verdict."""
-    rows = []
+    run where it had the figure), medians, ratio this/ref, noise and verdict; and the runs
+    whose results could not be read (a ref whose bench wrote other shapes)."""
+    rows, unread = [], []
     for key in sections:
         read = SECTIONS[key][1]
         values: dict[str, dict] = {}
         for side, runs in (("ref", ref_runs), ("this", this_runs)):
-            for out in runs:
-                for name, better, value in read(out.get("sections", {})):
+            for i, out in enumerate(runs):
+                try:
+                    found = read(out.get("sections", {}))
+                except (KeyError, TypeError, ValueError) as exc:
+                    unread.append(f"section {key}, {side}'s run {i + 1}: results not understood "
+                                  f"({type(exc).__name__}: {exc})")
+                    continue
+                for name, better, value in found:
                     row = values.setdefault(name, {"section": key, "figure": name, "better": better,
                                                    "ref": [], "this": []})
                     if value is not None:
                         row[side].append(value)
         rows += [{**row, **verdict(row["ref"], row["this"], row["better"])} for row in values.values()]
-    return rows
+    return rows, unread
 
 
 def _num(v: float | None) -> str:
@@ -112,8 +119,8 @@ def markdown(rows: list[dict]) -> str:
                   _spread(r["this"], r.get("this_median")), "-" if r.get("ratio") is None else f"{r['ratio']:.2f}",
                   _noise(r), f"**{r['verdict']}**" if r["verdict"] == "regression" else r["verdict"]]
                  for r in mine]
-        parts.append(f"### {key}. {title}\n\n" + table(
-            ["figure", "A (ref): median (min–max)", "B (this): median (min–max)", "B/A", "noise", "verdict"], lines))
+        header = ["figure", "A (ref): median (min–max)", "B (this): median (min–max)", "B/A", "noise", "verdict"]
+        parts.append(f"### {key}. {title}\n\n" + table(header, lines))
     parts.append(f"Each figure is one value a run (a run = one whole bench of the section); noise = the larger "
                  f"side's spread (max − min), at least {NOISE_FLOOR:.0%} of A's median; medians further apart "
                  "than that are a regression or better, else the same; one run a side gives no verdict.")
