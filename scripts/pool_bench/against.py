@@ -3,12 +3,13 @@
 The ref runs from its own checkout (git archive of the commit, under the user's cache dir,
 one per commit and kept for the next run) with its own environment: this bench's venv when
 the ref's dependencies (the project's and the dev extra's) are the same as this checkout's,
-else a venv of its own beside the checkout (pip install -e '.[dev]', pip's cache). Each round
-runs the whole bench of one side in a subprocess from that side's checkout, in the order
+else a venv of its own beside the checkout (pip install -e '.[dev]', pip's cache). Each run
+is the whole bench of one side in a subprocess from that side's checkout, in the order
 A B B A A B ..., on the same machine; compare.py reads both sides' results.json."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import io
 import json
@@ -20,12 +21,14 @@ import sys
 import tarfile
 import time
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 from pool_bench import compare, profile
 from pool_bench.children import Proc
 from pool_bench.report import loadavg, say
 from testkit import ROOT
+from testkit.waits import wait_for
 
 # the refs' checkouts, one folder a commit (LLM_POOL_BENCH_CHECKOUTS elsewhere: the tests' temporary folder)
 CACHE = Path(os.environ.get("LLM_POOL_BENCH_CHECKOUTS")
@@ -52,14 +55,28 @@ def dependencies(pyproject: Path) -> tuple[list[str], list[str]]:
     return project.get("dependencies", []), project.get("optional-dependencies", {}).get("dev", [])
 
 
+@contextlib.contextmanager
+def held(lock_path: Path) -> Iterator[None]:
+    """An exclusive lock on a file, waited for as long as another bench may take to make a venv."""
+    with open(lock_path, "w") as lock:
+        def taken() -> bool:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                return False
+
+        wait_for(taken, SETUP_TIMEOUT_S, interval=0.5, what=f"the lock {lock_path} (another bench --against)")
+        yield
+
+
 def checkout(sha: str) -> Path:
     """The commit's files under the cache (made once; a lock keeps two benches from making it at
     once). git archive rather than git worktree: nothing is registered in this repository, so
     deleting the cache folder is all the cleaning up there is."""
     CACHE.mkdir(parents=True, exist_ok=True)
     path = CACHE / sha
-    with open(CACHE / f"{sha}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with held(CACHE / f"{sha}.lock"):
         if not (path / READY).exists():
             shutil.rmtree(path, ignore_errors=True)
             say(f"--against: checking out {sha[:12]} into {path}")
@@ -78,8 +95,7 @@ def environment(path: Path) -> tuple[str, str]:
         return sys.executable, f"this bench's venv ({sys.prefix}): the same dependencies"
     venv = path / ".venv"
     python = venv / "bin" / "python"
-    with open(path.parent / f"{path.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with held(path.parent / f"{path.name}.lock"):
         if not (venv / READY).exists():
             shutil.rmtree(venv, ignore_errors=True)
             say(f"--against: the ref's dependencies differ: making its venv {venv} (minutes)")
