@@ -227,14 +227,14 @@ def test_bench_against_head(tmp_path):
     assert [r["figure"] for r in report["figures"]] == names
     for r in report["figures"]:
         assert len(r["ref"]) == len(r["this"]) == 1 and r["verdict"].startswith("?"), r
-        assert r["ref_median"] == r["ref"][0] >= 0 and r["this_median"] == r["this"][0] >= 0, r
+        assert r["ref_mean"] == r["ref"][0] >= 0 and r["this_mean"] == r["this"][0] >= 0, r
 
     rows = tables(out.stdout)["2"]
     assert [r["figure"].split(" (")[0] for r in rows] == names
     by_name = {r["figure"]: r for r in report["figures"]}
     for row in rows:
         figure = by_name[row["figure"].split(" (")[0]]
-        a, b = (float(row[k].replace(",", "")) for k in ("A (ref): median (min–max)", "B (this): median (min–max)"))
+        a, b = (float(row[k].replace(",", "")) for k in ("A (ref): mean (min–max)", "B (this): mean (min–max)"))
         assert abs(a - figure["ref"][0]) <= 0.01 * a + 0.01 and abs(b - figure["this"][0]) <= 0.01 * b + 0.01, row
         if a and b:
             ratio_of(row["B/A"], b, a)
@@ -242,18 +242,19 @@ def test_bench_against_head(tmp_path):
 
 
 def test_against_verdicts():
-    """--against's verdict per figure: the medians apart by more than the rounds' spread
-    (at least 5% of A's) is a regression or better by the figure's direction, else the same;
-    one run a side has no spread and gives no verdict."""
+    """--against's verdict per figure: the means apart by more than a 95% bound from the runs'
+    spread (Student's t times the standard error, at least 5% of A's mean) is a regression or
+    better by the figure's direction, else the same; one run a side gives no verdict."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from pool_bench.compare import verdict
 
     def said(ref, this, better="lower"):
         return verdict(ref, this, better)["verdict"]
 
-    assert said([100, 110], [130, 140]) == "regression"  # 30 apart, spread 10
-    assert said([100, 110], [104, 116]) == "same"  # 5 apart, within B's spread of 12
-    assert said([100, 110], [80, 85]) == "better"
+    assert said([100, 110, 105, 95], [130, 140, 135, 125]) == "regression"  # 30 apart, noise 2.45 x 4.6
+    assert said([100, 110, 105, 95], [104, 116, 98, 110]) == "same"  # 4.5 apart
+    assert said([100, 110, 105, 95], [80, 85, 82, 78]) == "better"
+    assert said([100, 140], [130, 170]) == "same"  # 30 apart, but two runs a side spread that wide: t = 4.30
     assert said([100, 100.5], [104, 104.5]) == "same"  # no spread: the 5% floor
     assert said([100, 100.5], [106, 106.5]) == "regression"
     assert said([0.80, 0.82], [0.60, 0.62], "higher") == "regression"
