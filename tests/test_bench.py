@@ -4,17 +4,18 @@ No speed is asserted: that depends on the machine."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import psutil
 import pytest
 
 from tests.pool import ROOT
-
-pytestmark = pytest.mark.llama
 
 MARK = "LLM_POOL_BENCH_TEST_MARK"  # inherited by every process the benchmark starts
 
@@ -143,6 +144,22 @@ def check_figures(found: dict[str, list[dict[str, str]]]) -> None:
     assert memory["synthetic pool (c<=64)"]["backend child RSS MiB"] == "none"
 
 
+def check_profile(report: str, path: Path) -> None:
+    """Section 2's profile of the supervisor: written and said, or the report says why not
+    (py-spy not installed, or not allowed to read the supervisor)."""
+    if "No profile: " in report:
+        assert not path.exists(), report
+        return
+    said = r"Profile of the supervisor under this load \(c = 16, \d+ requests, \d+ µs of CPU"
+    assert re.search(said, report), report
+    doc = json.loads(path.read_text())  # speedscope: frames shared by one sampled profile a thread
+    assert any(p["samples"] for p in doc["profiles"]), doc
+    frames = doc["shared"]["frames"]
+    assert any(f["name"] == "serve" and f["file"].endswith("supervisor/cli.py")
+               for p in doc["profiles"] for s in p["samples"] for f in (frames[i] for i in s)), "not the supervisor"
+
+
+@pytest.mark.llama
 @pytest.mark.timeout(600)
 def test_bench_quick(llama_server_bin, tmp_path):
     mark = uuid.uuid4().hex
@@ -154,6 +171,7 @@ def test_bench_quick(llama_server_bin, tmp_path):
         assert out.returncode == 0, f"stdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-5000:]}"
         assert (tmp_path / "results" / "results.md").read_text() == out.stdout.rstrip("\n") + "\n"
         check_figures(tables(out.stdout))
+        check_profile(out.stdout, tmp_path / "results" / "profile-section2-c16.speedscope.json")
     finally:
         left = _left_behind(mark)
         for line in left:  # never leave anything behind, even when failing
@@ -162,3 +180,87 @@ def test_bench_quick(llama_server_bin, tmp_path):
             except psutil.Error:
                 pass
     assert not left, f"processes left after the benchmark: {left}"
+
+
+def run_bench(args: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """scripts/bench with `args`; nothing it started may outlive it."""
+    mark = uuid.uuid4().hex
+    try:
+        return subprocess.run([sys.executable, str(ROOT / "scripts" / "bench"), *args], cwd=cwd,
+                              env={**os.environ, **env, "PYTHONUNBUFFERED": "1", MARK: mark},
+                              capture_output=True, text=True, timeout=timeout)
+    finally:
+        left = _left_behind(mark)
+        for line in left:
+            try:
+                psutil.Process(int(line.split(":")[0])).kill()
+            except psutil.Error:
+                pass
+        assert not left, f"processes left after the benchmark: {left}"
+
+
+@pytest.mark.timeout(300)
+def test_bench_against_head(tmp_path):
+    """--against HEAD, section 2 at --quick, one run a side: the ref's own checkout is made
+    from git and its code is what its side runs, both sides run in turn, the table and the JSON
+    carry both sides' figures. The plumbing, not the speed (one run a side gives no verdict)."""
+    checkouts, results = tmp_path / "checkouts", tmp_path / "results"
+    out = run_bench(["--against", "HEAD", "--sections", "2", "--quick", "--rounds", "1", "--out", "results"],
+                    tmp_path, {"LLM_POOL_BENCH_CHECKOUTS": str(checkouts)}, 240)
+    assert out.returncode == 0, f"stdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-5000:]}"
+    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    checkout = checkouts / sha
+    tracked = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "-r", "--name-only", "HEAD"], capture_output=True,
+                             text=True, check=True).stdout.split()
+    assert all((checkout / name).exists() for name in tracked)
+
+    report = json.loads((results / f"against-{sha[:9]}.json").read_text())
+    assert report["ref_sha"] == report["this_sha"] == sha
+    assert [r["side"] for r in report["runs"]] == ["ref", "this"] and all(r["ok"] for r in report["runs"])
+    assert Path(report["code"]["ref"]).is_relative_to(checkout)  # the ref's side ran the ref's code
+    assert Path(report["code"]["this"]).is_relative_to(ROOT)
+    for run in report["runs"]:  # each run is a whole bench of its own, its results kept
+        assert json.loads((Path(run["out"]) / "results.json").read_text())["sections"]["capacity"]
+    names = [f"{what}, c={c}" for c in (1, 4, 16, 64) for what in (
+        "supervisor CPU µs/req", "worker CPU µs/req", "pool/bare req/s", "pool/(bare+zmq) req/s")]
+    assert [r["figure"] for r in report["figures"]] == names
+    for r in report["figures"]:
+        assert len(r["ref"]) == len(r["this"]) == 1 and r["verdict"].startswith("?"), r
+        assert r["ref_mean"] == r["ref"][0] >= 0 and r["this_mean"] == r["this"][0] >= 0, r
+
+    rows = tables(out.stdout)["2"]
+    assert [r["figure"].split(" (")[0] for r in rows] == names
+    by_name = {r["figure"]: r for r in report["figures"]}
+    for row in rows:
+        figure = by_name[row["figure"].split(" (")[0]]
+        a, b = (float(row[k].replace(",", "")) for k in ("A (ref): mean (min–max)", "B (this): mean (min–max)"))
+        assert abs(a - figure["ref"][0]) <= 0.01 * a + 0.01 and abs(b - figure["this"][0]) <= 0.01 * b + 0.01, row
+        if a and b:
+            ratio_of(row["B/A"], b, a)
+    assert (results / f"against-{sha[:9]}.md").read_text() == out.stdout
+
+
+def test_against_verdicts():
+    """--against's verdict per figure: the means apart by more than a 95% bound from the runs'
+    spread (Student's t times the standard error, at least 5% of A's mean) is a regression or
+    better by the figure's direction, else the same; one run a side gives no verdict."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from pool_bench.compare import verdict
+
+    def said(ref, this, better="lower"):
+        return verdict(ref, this, better)["verdict"]
+
+    assert said([100, 110, 105, 95], [130, 140, 135, 125]) == "regression"  # 30 apart, noise 2.45 x 4.6
+    assert said([100, 110, 105, 95], [104, 116, 98, 110]) == "same"  # 4.5 apart
+    assert said([100, 110, 105, 95], [80, 85, 82, 78]) == "better"
+    assert said([100, 140], [130, 170]) == "same"  # 30 apart, but two runs a side spread that wide: t = 4.30
+    assert said([100, 100.5], [104, 104.5]) == "same"  # no spread: the 5% floor
+    assert said([100, 100.5], [106, 106.5]) == "regression"
+    assert said([0.80, 0.82], [0.60, 0.62], "higher") == "regression"
+    assert said([0.80, 0.82], [0.95, 0.97], "higher") == "better"
+    assert said([100], [200]).startswith("?") and said([100, 101], [200]).startswith("?")
+    assert said([], [1, 2]) == "-"
+    added = verdict([-0.2, 0.1], [2.0, 2.2], "lower")  # added TTFT may be below zero: no ratio, still a verdict
+    assert added["verdict"] == "regression" and added["ratio"] is None
+    assert verdict([300, 340], [330, 350], "lower")["ratio"] == 340 / 320

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from pool_bench import memory
+from pool_bench import memory, profile
 from pool_bench.bench import Bench, synthetic_model
 from pool_bench.children import CpuMeter, PoolProc, Proc, RssSampler, wait_http
 from pool_bench.interleave import interleaved
@@ -83,6 +83,9 @@ while True:
 '''
 
 
+PROFILE = "profile-section2-c16.speedscope.json"  # beside results.json
+
+
 def start_bare_zmq(tmp: Path) -> tuple[Proc, Proc]:
     """The bare app relaying over ZeroMQ, and its echo (start_bare_app wrote the body first)."""
     (tmp / "bench_bare_zmq_app.py").write_text(BARE_ZMQ_APP)
@@ -121,7 +124,7 @@ def run(bench: Bench) -> None:
     say("section 2: starting the synthetic pool and a bare FastAPI endpoint")
     pool = PoolProc(bench.tmp, "pool-synthetic", [synthetic_model("synth", 64, 16)])
     bare = bare_zmq = echo = None
-    rows, data, notes = [], [], []
+    rows, data, notes, profiled = [], [], [], None
     try:
         pool.ready()
         body = httpx.post(pool.url + "/v1/chat/completions", timeout=30, json={
@@ -143,6 +146,9 @@ def run(bench: Bench) -> None:
         with RssSampler([pool.pid]) as sampler:
             results = interleaved(targets, concs, rounds, measure, meters, "", "req/s")
         memory.record(bench, "synthetic pool (c<=64)", pool, idle_rss, sampler.peak.get(pool.pid))
+        # after the measured rounds: py-spy pauses the process to sample it, which would bend their figures
+        profiled = profile.record(pool.pid, Path(bench.args.out) / PROFILE, bench.tmp, lambda: load(
+            plain_call(pool.url, "synth", 16), 3 * requests, 16, 3 * cap, raw_url=pool.url))
     finally:
         pool.stop()
         for proc in (bare, bare_zmq, echo):
@@ -176,4 +182,7 @@ def run(bench: Bench) -> None:
              "ZeroMQ costs at least. Load: one client process (uvloop, one raw keep-alive HTTP/1.1 "
              "connection per concurrent caller; httpx's pool would cap the ceiling near 500 req/s) on the "
              f"same machine as the servers. 1-min load average: {load_before} before, {loadavg()} after.")
+    if profiled:
+        text += f"\n\n{profiled}"
+        bench.out["sections"]["capacity_profile"] = profiled
     bench.emit("2. Scheduler capacity: synthetic backend vs bare FastAPI", text, notes)

@@ -13,6 +13,7 @@ import time
 import traceback
 from pathlib import Path
 
+from pool_bench import against, compare
 from pool_bench.bench import Bench
 from pool_bench.children import Proc
 from pool_bench.plot import plot
@@ -29,16 +30,24 @@ def main(doc: str) -> int:
                     help=f"comma-separated subset of {','.join(SECTIONS)} (default: all but "
                          f"{','.join(sorted(ON_REQUEST))})")
     ap.add_argument("--out", default="bench-results", help="folder for bench.png, results.md, results.json")
+    ap.add_argument("--against", metavar="REF",
+                    help="run the sections (2, 5, 6; default all three) ABBA against this git ref, each side "
+                         "from its own checkout: both sides, their ratio and a verdict per figure "
+                         "(against-SHA.md and .json in --out)")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="with --against: runs a side, in the order A B B A A B ... (default 2)")
     args = ap.parse_args()
-    sections = {s.strip() for s in args.sections.split(",") if s.strip()}
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGHUP, on_signal)
+    if args.against:
+        return run_against(ap, args)
+    sections = {s.strip() for s in args.sections.split(",") if s.strip()}
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="llm-pool-bench-"))
     bench = Bench(args, tmp)
@@ -84,3 +93,18 @@ def main(doc: str) -> int:
     if interrupted:
         return 130
     return 1 if bench.failed else 0
+
+
+def run_against(ap: argparse.ArgumentParser, args) -> int:
+    """--against REF: pool_bench/against.py runs whole benches, this checkout's and the ref's."""
+    if args.sections == ap.get_default("sections"):
+        args.sections = ",".join(compare.SECTIONS)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    try:
+        return against.run(args)
+    except KeyboardInterrupt:
+        say("interrupted: stopping everything")
+        return 130
+    finally:
+        Proc.stop_all()
