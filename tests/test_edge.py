@@ -91,7 +91,7 @@ def test_a_body_must_be_sent_as_json():
 def test_responses_bodies_keep_their_runtime_fields_and_drop_bookkeeping():
     sent = {"model": "m", "input": "hi", "seed": 3, "top_k": 2, "store": True, "include": [], "user": "u"}
     body, data = request_body(json.dumps(sent).encode(), JSON, rshapes.ResponsesRequest)
-    job = rshapes.job_request_from_responses(body, data)
+    job = rshapes.job_request_from_responses(body, data).request
     assert job == {"messages": [{"role": "user", "content": "hi"}], "seed": 3, "top_k": 2, "user": "u"}
     assert refused(b'{"model": "m", "input": "x", "top_p": 0}', model=rshapes.ResponsesRequest).param == "top_p"
     # a huge number where none is checked is the standard library's infinity, for the runtime to judge
