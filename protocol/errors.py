@@ -21,6 +21,7 @@ class ErrorCode(StrEnum):
     INVALID_API_KEY = "invalid_api_key"  # a key no tenant holds
     FORBIDDEN = "forbidden"  # a browser or Host the admin surface refuses
     HEADERS_TOO_LARGE = "headers_too_large"
+    UPGRADE_REQUIRED = "websocket_not_served"  # a WebSocket upgrade: the pool answers over HTTP only
     MODEL_NOT_FOUND = "model_not_found"
     MODEL_NOT_LOADED = "model_not_loaded"
     MODEL_BUSY = "model_busy"  # a load, unload or restart of the model is under way
@@ -50,6 +51,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_API_KEY: 401,
     ErrorCode.FORBIDDEN: 403,
     ErrorCode.HEADERS_TOO_LARGE: 431,
+    ErrorCode.UPGRADE_REQUIRED: 426,
     ErrorCode.MODEL_NOT_FOUND: 404,
     ErrorCode.MODEL_NOT_LOADED: 409,
     ErrorCode.MODEL_BUSY: 409,
@@ -79,6 +81,7 @@ ERROR_TYPE: dict[int, str] = {
     404: "not_found_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
+    426: "invalid_request_error",
     431: "invalid_request_error",
     429: "rate_limit_error",
 }

@@ -32,12 +32,12 @@ class Ready:
 
 # /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/messages (a runtime's own route: its
 # body is Anthropic's); then the runtime's own calls, each answered whole (Done.result): /tokenize,
-# /detokenize, /apply-template, /v1/rerank, /v1/messages/count_tokens
+# /detokenize, /apply-template, /v1/rerank, /v1/messages/count_tokens, /v1/chat/completions/input_tokens
 ENDPOINTS = ("chat", "completions", "embeddings", "messages", "tokenize", "detokenize", "apply_template", "rerank",
-             "count_tokens")
+             "count_tokens", "input_tokens")
 # Calls a runtime answers outside its generation slots: a worker runs up to LIGHT_CALLS_PER_WORKER
 # of them beside its capacity's jobs (the supervisor hands them over past the model's queue)
-LIGHT_ENDPOINTS = frozenset({"tokenize", "detokenize", "apply_template", "count_tokens"})
+LIGHT_ENDPOINTS = frozenset({"tokenize", "detokenize", "apply_template", "count_tokens", "input_tokens"})
 LIGHT_CALLS_PER_WORKER = 8
 
 

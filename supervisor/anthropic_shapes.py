@@ -401,14 +401,16 @@ def error_envelope(err: PoolError) -> tuple[int, dict]:
 
 
 def anthropic_model_page(listed: list[dict], limit: int, after_id: str | None) -> dict:
-    """/v1/models as Anthropic's Models API pages it (`limit` 1 to 1000, after `after_id`)."""
+    """/v1/models as Anthropic's Models API pages it (`limit` 1 to 1000, after `after_id`);
+    `max_input_tokens`: the model's context window, where its runtime reports it (else null)."""
     if not 1 <= limit <= 1000:
         raise _bad("limit must be between 1 and 1000", "limit")
     ids = [m["id"] for m in listed]
     start = ids.index(after_id) + 1 if after_id in ids else 0
     page = listed[start:start + limit]
     data = [{"type": "model", "id": m["id"], "display_name": m["id"],
-             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(m.get("created") or 0))}
+             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(m.get("created") or 0)),
+             "max_input_tokens": m.get("context_length")}
             for m in page]
     return {"data": data, "has_more": start + limit < len(listed),
             "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}

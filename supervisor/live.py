@@ -13,7 +13,7 @@ from collections import deque
 
 from protocol import Done, runtime_timings
 from protocol.errors import PoolError
-from supervisor.edge.request_ids import REQUEST_ID
+from supervisor.edge.request_ids import REQUEST_ID, SKIPPED_TOOLS
 from supervisor.events import EventKind, EventLog, emit
 from supervisor.state_dir import make_private_dir
 from supervisor.jobs import Job
@@ -141,7 +141,8 @@ class Activity:
                               error and error.message, queued, ttft, duration, tokens_in, tokens_out, prompt, output,
                               job.tenant if job is not None else tenant, cached, prefill, decode,
                               REQUEST_ID.get(), job.replica.name if job is not None and job.replica else None,
-                              job.chain.text() if job is not None and job.chain and job.chain.fell_back else None))
+                              job.chain.text() if job is not None and job.chain and job.chain.fell_back else None,
+                              SKIPPED_TOOLS.get()))
 
     # -- live samples ----------------------------------------------------------------------------
     def sample(self) -> dict:

@@ -26,7 +26,9 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 ENDPOINTS = {"/v1/responses": "responses", "/v1/chat/completions": "chat_completions",
              "/v1/completions": "completions", "/v1/embeddings": "embeddings", "/v1/messages": "messages",
              "/v1/messages/count_tokens": "count_tokens", "/tokenize": "tokenize", "/detokenize": "detokenize",
-             "/apply-template": "apply_template", "/v1/rerank": "rerank", "/rerank": "rerank"}
+             "/apply-template": "apply_template", "/v1/rerank": "rerank", "/rerank": "rerank",
+             "/v1/reranking": "rerank", "/reranking": "rerank", "/v1/chat/completions/input_tokens": "input_tokens",
+             "/chat/completions/input_tokens": "input_tokens"}
 OTHER_ENDPOINT = "other"  # a request refused before it reached an inference route
 CLIENT_CLOSED = 499  # status counted for a request whose client left before its answer was complete
 UNKNOWN_MODEL = "unknown"  # a model name that is not configured

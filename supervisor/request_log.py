@@ -35,7 +35,7 @@ REFUSED_ROWS_PER_S = 10
 
 COLUMNS = ("ts", "model", "endpoint", "status", "error_code", "error_message", "queued_ms", "ttft_ms",
            "duration_ms", "tokens_in", "tokens_out", "prompt", "output", "tenant", "cached_tokens",
-           "runtime_prefill_tps", "runtime_decode_tps", "request_id", "replica", "fallback_chain")
+           "runtime_prefill_tps", "runtime_decode_tps", "request_id", "replica", "fallback_chain", "skipped_tools")
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -58,7 +58,8 @@ CREATE TABLE IF NOT EXISTS requests (
     runtime_decode_tps REAL,     -- (llama-server's timings); NULL: it gave none
     request_id TEXT,             -- the answer's x-request-id (the client's own when it sent a safe one)
     replica TEXT,                -- the replica that served it (model/index); NULL: it never reached one
-    fallback_chain TEXT          -- the models tried when another served it: "a (queue_full) -> b"
+    fallback_chain TEXT,         -- the models tried when another served it: "a (queue_full) -> b"
+    skipped_tools TEXT           -- a Responses body's tools the pool left out (no local meaning): "web_search, ..."
 );
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 """
@@ -66,14 +67,15 @@ CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 INDEXES = "CREATE INDEX IF NOT EXISTS requests_request_id ON requests (request_id);"
 # Each stored text column is cut to this many characters (what runs past says how much more)
 TEXT_LIMITS = {"model": 200, "endpoint": 64, "error_code": 64, "error_message": 1024, "tenant": 200,
-               "request_id": 128, "replica": 220, "fallback_chain": 1024,
+               "request_id": 128, "replica": 220, "fallback_chain": 1024, "skipped_tools": 400,
                "prompt": BODY_CHARS + 64, "output": BODY_CHARS + 64}  # room for truncate()'s note
 _LIMITS = tuple(TEXT_LIMITS.get(name) for name in COLUMNS)  # None: not a text column
 _KEEP = tuple("\n\t" if name in ("prompt", "output") else "" for name in COLUMNS)
 # columns added since the first schema: a log written by an older version gets them on open
 # tenant: also "(unknown key)" (tenants.UNKNOWN_KEY) for a 401 whose key no tenant holds; NULL with no key
 ADDED_COLUMNS = {"tenant": "TEXT", "cached_tokens": "INTEGER", "runtime_prefill_tps": "REAL",
-                 "runtime_decode_tps": "REAL", "request_id": "TEXT", "replica": "TEXT", "fallback_chain": "TEXT"}
+                 "runtime_decode_tps": "REAL", "request_id": "TEXT", "replica": "TEXT", "fallback_chain": "TEXT",
+                 "skipped_tools": "TEXT"}
 
 
 def truncate(text: str | None, limit: int = BODY_CHARS) -> str | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import msgspec
@@ -18,6 +19,9 @@ from protocol.errors import ErrorCode, PoolError
 from supervisor.openai_shapes import (
     Choices, ModelName, OneAtATime, OutputTokens, Temperature, new_id, runtime_fields)
 from supervisor.request_bounds import echo
+from supervisor.responses_tools import ChatTools, chat_tool_choice, chat_tools
+
+OUTPUT_LIMIT_KEYS = ("max_tokens", "max_completion_tokens")  # what stops the output, as the runtime is sent it
 
 # Responses fields about the Responses API's own storage and delivery: the pool stores
 # nothing and answers at once, so these ask nothing of the runtime and are not sent on.
@@ -75,11 +79,21 @@ def _content(content, where: str) -> str | list[dict]:
             raise _bad(f"content part type {echo(kind)} is not supported", f"{where}.content.{n}",
                        ErrorCode.UNSUPPORTED_PARAMETER)
     if all(part["type"] == "text" for part in parts):
-        return "".join(part["text"] for part in parts)
+        return joined_text(part["text"] for part in parts)
     return parts
 
 
-def _messages(req: ResponsesRequest) -> list[dict]:
+def joined_text(texts) -> str:
+    """Text parts as one text, as llama-server joins them for a chat template (common/chat.cpp's
+    concat_content_parts) and vLLM does: one newline between parts, none before the first
+    text (empty parts at the start add nothing)."""
+    out = ""
+    for text in texts:
+        out = f"{out}\n{text}" if out else text
+    return out
+
+
+def _messages(req: ResponsesRequest, tools: ChatTools) -> list[dict]:
     messages: list[dict] = [{"role": "system", "content": req.instructions}] if req.instructions else []
     if isinstance(req.input, str):
         return messages + [{"role": "user", "content": req.input}]
@@ -99,8 +113,9 @@ def _messages(req: ResponsesRequest) -> list[dict]:
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise _bad(f"{where}: a function_call needs call_id, name and arguments (text)", where)
+            namespace = item.get("namespace") if isinstance(item.get("namespace"), str) else None
             call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+                    "function": {"name": tools.chat_name(item["name"], namespace), "arguments": item["arguments"]}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and reasoning is None:
                 last.setdefault("tool_calls", []).append(call)  # parallel calls: one assistant turn
@@ -127,30 +142,6 @@ def _messages(req: ResponsesRequest) -> list[dict]:
     return messages
 
 
-def _tools(tools: list[dict]) -> list[dict]:
-    out = []
-    for n, tool in enumerate(tools):
-        if tool.get("type") != "function":
-            raise _bad(f"tool type {echo(tool.get('type'))} is not supported: only function tools",
-                       f"tools.{n}.type", ErrorCode.UNSUPPORTED_PARAMETER)
-        if not isinstance(tool.get("name"), str):
-            raise _bad("a function tool needs a name", f"tools.{n}.name")
-        function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
-        out.append({"type": "function", "function": function})
-    return out
-
-
-def _tool_choice(choice) -> str | dict:
-    if isinstance(choice, str):
-        if choice not in ("auto", "none", "required"):
-            raise _bad(f"tool_choice {echo(choice)} is not auto, none or required", "tool_choice")
-        return choice
-    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
-    raise _bad(f"tool_choice of type {echo(choice.get('type'))} is not supported", "tool_choice",
-               ErrorCode.UNSUPPORTED_PARAMETER)
-
-
 def _response_format(text: dict) -> dict | None:
     fmt = text.get("format")
     if fmt is None or fmt.get("type") == "text":
@@ -167,30 +158,41 @@ def _response_format(text: dict) -> dict | None:
                ErrorCode.UNSUPPORTED_PARAMETER)
 
 
-def job_request_from_responses(req: ResponsesRequest, data: dict) -> dict:
-    """The Chat Completions body for a Responses request (`data`: its JSON object as sent)."""
+@dataclass
+class ResponsesJob:
+    """A Responses request as a chat runtime's job: its Chat Completions body, what became of
+    its tools (`ChatTools`: skipped ones, namespaced names), and the output limit it set."""
+    request: dict
+    tools: ChatTools
+    output_limit: int | None
+
+
+def job_request_from_responses(req: ResponsesRequest, data: dict) -> ResponsesJob:
+    """The Chat Completions job for a Responses request (`data`: its JSON object as sent)."""
     if req.previous_response_id is not None:
         raise _bad("previous_response_id is not supported (the pool stores no responses): send the "
                    "conversation in `input`", "previous_response_id")
-    request: dict[str, Any] = {"messages": _messages(req)}
+    if data.get("background"):
+        raise _bad("background responses are not supported", "background", ErrorCode.UNSUPPORTED_PARAMETER)
+    tools = chat_tools(req.tools or [])
+    request: dict[str, Any] = {"messages": _messages(req, tools)}
     for key, value in (("max_tokens", req.max_output_tokens), ("temperature", req.temperature),
                        ("top_p", req.top_p), ("parallel_tool_calls", req.parallel_tool_calls)):
         if value is not None:
             request[key] = value
-    if req.tools:
-        request["tools"] = _tools(req.tools)
+    if tools.tools:
+        request["tools"] = tools.tools
     if req.tool_choice is not None:
-        request["tool_choice"] = _tool_choice(req.tool_choice)
+        request["tool_choice"] = chat_tool_choice(req.tool_choice, tools)
     if req.text and (fmt := _response_format(req.text)):
         request["response_format"] = fmt
     if req.reasoning and req.reasoning.get("effort") is not None:
         request["reasoning_effort"] = req.reasoning["effort"]
-    if data.get("background"):
-        raise _bad("background responses are not supported", "background", ErrorCode.UNSUPPORTED_PARAMETER)
     for key, value in data.items():  # e.g. seed, top_k, user: the runtime judges them
         if key not in DECLARED and key not in BOOKKEEPING and key != "background":
             request[key] = value
-    return request
+    limits = [v for k in OUTPUT_LIMIT_KEYS if isinstance(v := request.get(k), int) and not isinstance(v, bool)]
+    return ResponsesJob(request, tools, min(limits, default=None))
 
 
 # -- Responses objects ----------------------------------------------------------------------------
@@ -215,8 +217,9 @@ def reasoning_item(item_id: str, text: str | None, status: str) -> dict:
     return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
-def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
-    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+def function_call_item(item_id: str, call_id: str, names: dict, arguments: str, status: str) -> dict:
+    """`names`: {"name"}, with its "namespace" for a namespaced function (ChatTools.call_names)."""
+    return {"type": "function_call", "id": item_id, "call_id": call_id, **names, "arguments": arguments,
             "status": status}
 
 
@@ -227,7 +230,7 @@ def response_object(req: ResponsesRequest, resp_id: str, created_at: int, *, sta
         "id": resp_id, "object": "response", "created_at": created_at, "status": status,
         "completed_at": int(time.time()) if status in ("completed", "incomplete") else None,
         "model": req.model, "output": output, "error": error,
-        "incomplete_details": {"reason": reason or "max_output_tokens"} if status == "incomplete" else None,
+        "incomplete_details": {"reason": reason} if status == "incomplete" else None,
         "instructions": req.instructions, "metadata": req.metadata or {},
         "previous_response_id": None, "max_output_tokens": req.max_output_tokens,
         "temperature": req.temperature if req.temperature is not None else 1.0,
@@ -240,18 +243,34 @@ def response_object(req: ResponsesRequest, resp_id: str, created_at: int, *, sta
     }
 
 
-def response_status(finish_reason: str) -> tuple[str, str | None]:
-    """(status, incomplete reason) for a finish reason."""
-    if finish_reason == "length":
-        return "incomplete", "max_output_tokens"
-    if finish_reason == "content_filter":
+# The incomplete reason of a response its runtime cut off at the end of the model's context
+# window, not at an output limit. OpenAI's Responses API names only max_output_tokens and
+# content_filter (its models' contexts are far larger than any output they allow); this is
+# Anthropic's name for the same stop (stop_reason "model_context_window_exceeded").
+CONTEXT_FULL = "model_context_window_exceeded"
+
+
+def response_status(done: Done, output_limit: int | None = None, context: int | None = None) -> tuple[str, str | None]:
+    """(status, incomplete reason) for how a job ended. A "length" finish is max_output_tokens
+    when the output reached the request's own limit, or when the model's `context` (tokens a
+    request may hold, where the runtime reports it) was not reached either (the runtime's own
+    output limit); else the context window was full: CONTEXT_FULL."""
+    if done.finish_reason == "content_filter":
         return "incomplete", "content_filter"
-    return "completed", None
+    if done.finish_reason != "length":
+        return "completed", None
+    output = int(done.usage.get("output_tokens", 0))
+    if output_limit is not None and output >= output_limit:
+        return "incomplete", "max_output_tokens"
+    if context is not None and int(done.usage.get("input_tokens", 0)) + output < context - 1:
+        return "incomplete", "max_output_tokens"  # llama-server stops one short of its context
+    return "incomplete", CONTEXT_FULL
 
 
-def response_json(req: ResponsesRequest, choices: Choices, done: Done) -> dict:
+def response_json(req: ResponsesRequest, choices: Choices, done: Done, job: ResponsesJob,
+                  context: int | None = None) -> dict:
     """A whole (not streamed) response: reasoning, message and function_call items in that order."""
-    status, reason = response_status(done.finish_reason)
+    status, reason = response_status(done, job.output_limit, context)
     item_status = "completed" if status == "completed" else "incomplete"
     c = choices.get(0)
     output = []
@@ -260,8 +279,8 @@ def response_json(req: ResponsesRequest, choices: Choices, done: Done) -> dict:
     if c.text or c.refusal or not c.tools:
         output.append(message_item(new_id("msg"), "".join(c.text + c.refusal), item_status))
     for _, call in sorted(c.tools.items()):
-        output.append(function_call_item(new_id("fc"), call["id"] or new_id("call"), call["name"] or "",
-                                         "".join(call["args"]), "completed"))
+        output.append(function_call_item(new_id("fc"), call["id"] or new_id("call"), job.tools.call_names(
+            call["name"] or ""), "".join(call["args"]), "completed"))
     # no runtime's own fields on a whole response: llama-server's own Responses API has none there either
     return response_object(req, new_id("resp"), int(time.time()), status=status, output=output,
                            usage=done.usage, reason=reason)
@@ -272,8 +291,10 @@ class ResponsesStream(OneAtATime):
     items open as the runtime's parts arrive (reasoning, message text, each
     function call) and close when the next kind begins or the job is done."""
 
-    def __init__(self, req: ResponsesRequest) -> None:
+    def __init__(self, req: ResponsesRequest, job: ResponsesJob, context: int | None = None) -> None:
         self.req = req
+        self.job = job
+        self.context = context  # the serving model's context window, where its runtime reports it
         self.resp_id = new_id("resp")
         self.created_at = int(time.time())
         self.seq = 0
@@ -329,8 +350,8 @@ class ResponsesStream(OneAtATime):
             self.item = reasoning_item(new_id("rs"), None, "in_progress")
             part_obj = {"type": "reasoning_text", "text": ""}
         else:
-            self.item = function_call_item(new_id("fc"), part.get("id") or new_id("call"), part.get("name", ""),
-                                           "", "in_progress")
+            self.item = function_call_item(new_id("fc"), part.get("id") or new_id("call"),
+                                           self.job.tools.call_names(part.get("name", "")), "", "in_progress")
             return events + [self._event("response.output_item.added", output_index=index, item=self.item)]
         return events + [
             self._event("response.output_item.added", output_index=index, item=self.item),
@@ -378,7 +399,7 @@ class ResponsesStream(OneAtATime):
                             output_index=index, content_index=0, delta=piece, logprobs=[])]
 
     def closing(self, done: Done) -> list[dict]:
-        status, reason = response_status(done.finish_reason)
+        status, reason = response_status(done, self.job.output_limit, self.context)
         events = []
         if not self.output and self.item is None:  # nothing came: an empty message, as a whole response has
             events += self._open("text", {})

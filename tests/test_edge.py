@@ -91,7 +91,7 @@ def test_a_body_must_be_sent_as_json():
 def test_responses_bodies_keep_their_runtime_fields_and_drop_bookkeeping():
     sent = {"model": "m", "input": "hi", "seed": 3, "top_k": 2, "store": True, "include": [], "user": "u"}
     body, data = request_body(json.dumps(sent).encode(), JSON, rshapes.ResponsesRequest)
-    job = rshapes.job_request_from_responses(body, data)
+    job = rshapes.job_request_from_responses(body, data).request
     assert job == {"messages": [{"role": "user", "content": "hi"}], "seed": 3, "top_k": 2, "user": "u"}
     assert refused(b'{"model": "m", "input": "x", "top_p": 0}', model=rshapes.ResponsesRequest).param == "top_p"
     # a huge number where none is checked is the standard library's infinity, for the runtime to judge
@@ -194,6 +194,37 @@ def content_length(data: bytes) -> int:
         if name.strip().lower() == b"content-length":
             return int(value)
     return 0
+
+
+WS_HANDSHAKE = (b"GET %s HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+                b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                b"Authorization: Bearer unused\r\n\r\n")
+
+
+@pytest.mark.parametrize("path", [b"/v1/responses", b"/v1/responses?x=1", b"/nope", b"/health"])
+def test_a_websocket_upgrade_is_426_and_the_connection_goes_on_over_http(pool, path):
+    """Codex tries a WebSocket to /v1/responses first: 426 (not 405 or 404, which it retries with
+    backoff for seconds) makes it fall back to HTTP at once. No path is served as WebSocket."""
+    body = json.dumps({"model": "syn", "input": "hi"}).encode()
+    with socket.create_connection(("127.0.0.1", pool.port), timeout=10) as s:
+        s.sendall(WS_HANDSHAKE % path)
+        answer = read_response(s)
+        assert answer.startswith(b"HTTP/1.1 426 "), answer[:300]
+        error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error["code"] == "websocket_not_served" and "HTTP" in error["message"]
+        assert b"x-request-id: req_" in answer.lower()
+        s.sendall(b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        answer = read_response(s)  # the same connection, over HTTP/1.1
+        assert answer.startswith(b"HTTP/1.1 200 ") and b'"completed"' in answer, answer[:300]
+    # a WebSocket client library hears the same: no switch, status 426
+    ws_client = pytest.importorskip("websockets.sync.client")
+    with pytest.raises(Exception) as refused:
+        ws_client.connect(f"ws://127.0.0.1:{pool.port}{path.decode()}", open_timeout=10)
+    assert getattr(getattr(refused.value, "response", None), "status_code", None) == 426, repr(refused.value)
+    # an Upgrade that is not a WebSocket's is answered as HTTP/1.1 (test_edge_attacks.py)
+    h2c = pool.http.get("/health", headers={"Connection": "Upgrade", "Upgrade": "h2c"})
+    assert h2c.status_code == 200
 
 
 def test_the_bodies_being_read_are_bounded_all_together(pool):

@@ -15,7 +15,7 @@ import pydantic
 import pytest
 
 from testkit.llama import direct_llama_server
-from tests.conftest import llama, synthetic
+from tests.conftest import IGNORE_EOS, llama, synthetic
 from tests.pool import Pool
 from tests.scripted_openai import ScriptedHandler, serve, sse_chunks
 
@@ -100,6 +100,7 @@ def direct(direct_url):
 def pool(llama_server_bin, tiny_gguf, scripted, tmp_path_factory):
     models = [llama("tiny", tiny_gguf, llama_server_bin, slots=SLOTS, ctx=CTX, extra_args=LLAMA_FLAGS),
               llama("plain", tiny_gguf, llama_server_bin, ctx=2048),  # no --embeddings
+              llama("short", tiny_gguf, llama_server_bin, ctx=256, extra_args=IGNORE_EOS),  # its context fills
               {"name": "scripted", "backend": "openai_remote", "target_inflight": 2,
                "options": {"base_url": scripted.url + "/v1", "model": "upstream-name",
                            "extra_body": {"top_k": 5, "seed": 1}}},
@@ -401,14 +402,82 @@ def test_responses_structured_output_matches_chat_direct(direct, client):
 
 def test_responses_refuse_what_they_cannot_map(client):
     with pytest.raises(openai.BadRequestError) as err:
-        client.responses.create(model="scripted", input="x", tools=[{"type": "web_search"}])
-    assert err.value.code == "unsupported_parameter" and err.value.param == "tools.0.type"
-    with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model="scripted", input="x", previous_response_id="resp_1")
     assert err.value.param == "previous_response_id"
     with pytest.raises(openai.BadRequestError) as err:  # a backend that cannot honour tools says so
         client.responses.create(model="syn", input="x", tools=RESPONSES_TOOLS)
     assert err.value.code == "unsupported_parameter" and err.value.param == "tools"
+
+
+# Codex's tools: its own functions, its sub-agents in a namespace, and hosted tools no local runtime has
+CODEX_TOOLS = [{"type": "function", "name": "shell", "parameters": {"type": "object"}},
+               {"type": "web_search", "external_web_access": False},
+               {"type": "namespace", "name": "weather", "description": "Weather tools",
+                "tools": [{"type": "function", "name": "get_weather", "parameters": RESPONSES_TOOLS[0]["parameters"]}]}]
+
+
+def test_namespace_tools_are_flattened_and_hosted_tools_skipped(pool, scripted):
+    """As llama-server's own Responses route, a tool with no Chat Completions equivalent is skipped
+    (not a 400); the answer says which. A namespace's functions reach the runtime as functions,
+    and its calls come back naming their namespace, as Codex dispatches them."""
+    history = [{"role": "user", "content": "weather?"},
+               {"type": "function_call", "call_id": "call_0", "name": "get_weather", "namespace": "weather",
+                "arguments": '{"city":"Oslo"}'},
+               {"type": "function_call_output", "call_id": "call_0", "output": "rain"}]
+    scripted.bodies.clear()
+    r = pool.http.post("/v1/responses", json={"model": "scripted", "input": history, "tools": CODEX_TOOLS})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-llm-pool-skipped-tools"] == "web_search"
+    sent = scripted.bodies[-1]
+    assert [t["function"]["name"] for t in sent["tools"]] == ["shell", "get_weather"]
+    assert sent["messages"][1]["tool_calls"][0]["function"]["name"] == "get_weather"
+    calls = [(i["name"], i.get("namespace")) for i in r.json()["output"] if i["type"] == "function_call"]
+    assert calls == [("get_weather", "weather"), ("get_time", None)]  # get_time: no tool of a namespace
+    events = sse_json(pool.url, "/v1/responses", {"model": "scripted", "input": "x", "tools": CODEX_TOOLS,
+                                                  "stream": True})
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done" and e["item"]["type"] == "function_call"]
+    assert [(i["name"], i.get("namespace")) for i in done] == calls
+    assert events[-1]["response"]["tools"] == CODEX_TOOLS  # the response echoes the tools as sent
+
+
+def test_a_multi_part_prompt_is_rendered_as_llama_server_renders_it(direct_url, pool):
+    """Several text parts of one message are joined as llama-server joins them (with newlines):
+    the pool's prompt is direct llama-server's, token for token, on the Responses and chat surfaces."""
+    parts = ["Hi", "there", "", "the pool model"]
+    responses = {"instructions": "be brief", "max_output_tokens": 4, "temperature": 0, "input": [
+        {"role": "developer", "content": [{"type": "input_text", "text": "one"}, {"type": "input_text", "text": "two"}]},
+        {"role": "user", "content": [{"type": "input_text", "text": t} for t in parts]}]}
+    want = httpx.post(direct_url + "/v1/responses", json={"model": "x", **responses}, timeout=60).json()
+    got = pool.http.post("/v1/responses", json={"model": "tiny", **responses}).json()
+    assert got["usage"]["input_tokens"] == want["usage"]["input_tokens"] > 10, (got["usage"], want["usage"])
+    text = [c["text"] for i in got["output"] if i["type"] == "message" for c in i["content"]]
+    assert text == [c["text"] for i in want["output"] if i["type"] == "message" for c in i["content"]]
+    chat = {"max_tokens": 4, "temperature": 0, "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "system", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]},
+        {"role": "user", "content": [{"type": "text", "text": t} for t in parts]}]}
+    want = httpx.post(direct_url + "/v1/chat/completions", json={"model": "x", **chat}, timeout=60).json()
+    got = pool.http.post("/v1/chat/completions", json={"model": "tiny", **chat}).json()
+    assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+    assert got["choices"][0]["message"] == want["choices"][0]["message"]
+    # the count llama-server gives for the same chat with its parts joined by hand, as it joins them
+    joined = [{"role": "system", "content": "be brief"}, {"role": "system", "content": "one\ntwo"},
+              {"role": "user", "content": "Hi\nthere\n\nthe pool model"}]
+    counted = httpx.post(direct_url + "/v1/chat/completions/input_tokens", json={"messages": joined}, timeout=60)
+    assert counted.json()["input_tokens"] == got["usage"]["prompt_tokens"], counted.text
+
+
+def test_a_response_cut_by_a_full_context_says_so(pool, client):
+    """No output limit, a context of 256 tokens that fills: incomplete for the context window,
+    not for max_output_tokens; with a limit that is reached, max_output_tokens."""
+    r = client.responses.create(model="short", input="hi", temperature=0)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "model_context_window_exceeded"
+    assert r.usage.input_tokens + r.usage.output_tokens >= 255
+    events = sse_json(pool.url, "/v1/responses", {"model": "short", "input": "hi", "temperature": 0, "stream": True})
+    assert events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"]["incomplete_details"] == {"reason": "model_context_window_exceeded"}
+    r = client.responses.create(model="short", input="hi", temperature=0, max_output_tokens=5)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
 
 
 # -- to the letter: what llama-server frames its answer with, the pool relays ---------------------------------

@@ -270,6 +270,7 @@ def test_keys_as_x_api_key_and_the_models_list(make_pool):
     assert client.messages.create(model="syn", max_tokens=5, messages=[{"role": "user", "content": "x"}]).content
     page = client.models.list(limit=1)
     assert [m.id for m in page.data] == ["syn"] and page.has_more and page.data[0].type == "model"
+    assert page.data[0].max_input_tokens is None  # the synthetic runtime reports no context window
     assert [m.id for m in client.models.list()] == ["syn", "other"]  # the SDK pages on by after_id
 
 
@@ -281,7 +282,10 @@ def test_pool_and_direct_llama_server_give_the_same_message(llama_server_bin, ti
         ask = dict(model="tiny", max_tokens=12, messages=[{"role": "user", "content": "hi"}],
                    extra_body={"temperature": 0})  # greedy (this SDK release takes no temperature argument)
         direct = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0).messages.create(**ask)
-        pooled = anthropic.Anthropic(base_url=pool.url, api_key="unused", max_retries=0).messages.create(**ask)
+        pooled_client = anthropic.Anthropic(base_url=pool.url, api_key="unused", max_retries=0)
+        pooled = pooled_client.messages.create(**ask)
+        # the model page gives the context window the pool knows (llama-server's context per slot)
+        assert [(m.id, m.max_input_tokens) for m in pooled_client.models.list()] == [("tiny", 4096)]
     assert [b.type for b in pooled.content] == [b.type for b in direct.content]
     assert pooled.content[0].text == direct.content[0].text
     assert pooled.stop_reason == direct.stop_reason == "max_tokens"

@@ -578,3 +578,40 @@ def test_the_shared_writer_bounds_its_queue_and_outlives_a_failed_batch(tmp_path
     assert writer.written == 4 and writer._thread is None
     with closing(sqlite3.connect(path)) as db:
         assert [v for (v,) in db.execute("SELECT v FROM t")] == [0, 1, 2, 7]
+
+
+def test_responses_refused_while_mapped_are_logged_and_counted(make_pool):
+    """A Responses body is mapped onto chat inside the request's path: each refusal gets its
+    row and its count, as chat's and Messages' do (issue 45)."""
+    pool = make_pool([synthetic("syn")])
+    bodies = [({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+              ({"input": []}, "input"), ({"input": "x", "background": True}, "background"),
+              ({"input": [{"type": "mystery"}]}, "input.0.type"),
+              ({"input": "x", "tools": [{"type": "namespace", "tools": []}]}, "tools.0.name")]
+    for body, param in bodies:
+        r = pool.http.post("/v1/responses", json={"model": "syn", **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    rows = wait_for(lambda: (rows := logged(pool)) and len(rows) == len(bodies) and rows, 5, what="a row each")
+    assert [(r["model"], r["endpoint"], r["status"]) for r in rows] == [("syn", "responses", 400)] * len(bodies)
+    assert [r["error_message"] for r in rows[::-1]] == [
+        pool.http.post("/v1/responses", json={"model": "syn", **body}).json()["error"]["message"] for body, _ in bodies]
+    assert 'llm_pool_requests_total{endpoint="responses",model="syn",status="400"} 10.0' in pool.http.get(
+        "/metrics").text
+
+
+def test_skipped_tools_are_said_in_the_answer_and_its_row(make_pool):
+    pool = make_pool([synthetic("syn", tokens=3)])
+    body = {"model": "syn", "input": "x", "tools": [{"type": "web_search"}, {"type": "file_search",
+                                                                             "vector_store_ids": ["vs_1"]}]}
+    r = pool.http.post("/v1/responses", json=body)
+    assert r.status_code == 200 and r.json()["status"] == "completed", r.text
+    assert r.headers["x-llm-pool-skipped-tools"] == "web_search, file_search"
+    with pool.http.stream("POST", "/v1/responses", json={**body, "stream": True}) as streamed:
+        assert streamed.headers["x-llm-pool-skipped-tools"] == "web_search, file_search"
+        assert b"response.completed" in streamed.read()
+    refused = pool.http.post("/v1/responses", json={**body, "previous_response_id": "r"})  # refused first
+    assert refused.status_code == 400 and "x-llm-pool-skipped-tools" not in refused.headers
+    plain = chat(pool, "syn")  # the next request on the same connection says nothing of them
+    assert plain.status_code == 200 and "x-llm-pool-skipped-tools" not in plain.headers
+    rows = wait_for(lambda: (rows := logged(pool)) and len(rows) == 4 and rows, 5, what="four rows")
+    assert [r["skipped_tools"] for r in rows] == [None, None, "web_search, file_search", "web_search, file_search"]

@@ -19,7 +19,7 @@ import pytest
 from protocol import LIGHT_CALLS_PER_WORKER
 from runtime_worker.backends import backend_class
 from supervisor.config import ModelConfig
-from supervisor.models.capabilities import CALLS, capabilities, native_messages
+from supervisor.models.capabilities import CALLS, capabilities, native_input_tokens, native_messages
 from testkit.llama import direct_llama_server
 from testkit.tiny_gguf import write_tiny_gguf
 from tests.conftest import llama, synthetic
@@ -47,9 +47,11 @@ def test_capabilities_agree_with_what_each_worker_serves(backend, options):
     listed = set(capabilities(cfg))
     # messages and its count: the runtime's own routes on llama-server; elsewhere translated to chat
     # (counted by a tokenize of that chat)
-    translated = {"count_tokens": "tokenize", "messages": "chat"}
+    # and a chat's input_tokens: llama-server's own route; elsewhere a tokenize of the chat
+    translated = {"count_tokens": "tokenize", "messages": "chat", "input_tokens": "tokenize"}
     for call in (*CALLS, "messages"):
-        asked = call if native_messages(cfg) else translated.get(call, call)
+        native = native_input_tokens(cfg) if call == "input_tokens" else native_messages(cfg)
+        asked = call if native else translated.get(call, call)
         assert (call in listed) == (asked in served), (backend, options, call)
     assert "chat" in listed and "chat" in served and ("completions" in listed) == ("completions" in served)
 
@@ -73,14 +75,15 @@ def test_calls_are_served_scoped_and_refused_by_name(syn_pool):
     models = syn_pool.http.get("/v1/models", headers={"Authorization": "Bearer sk-team"}).json()["data"]
     listed = {m["id"]: m for m in models}
     assert listed["syn"]["capabilities"] == ["chat", "completions", "responses", "messages", "count_tokens",
-                                             "tokenize"]
+                                             "input_tokens", "tokenize"]
     answer = post(syn_pool, "/tokenize", {"model": "syn", "content": "the pool  model"})
     assert answer.status_code == 200 and answer.json()["count"] == 3 and len(answer.json()["tokens"]) == 3
     for path, body in [("/detokenize", {"tokens": [1, 2]}), ("/apply-template", {"messages": []}),
-                       ("/v1/rerank", {"query": "q", "documents": ["d"]}), ("/rerank", {"query": "q", "documents": ["d"]})]:
+                       *((path, {"query": "q", "documents": ["d"]})
+                         for path in ("/v1/rerank", "/rerank", "/v1/reranking", "/reranking"))]:
         refused = post(syn_pool, path, {"model": "syn", **body})
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "unsupported_endpoint", path
-        assert path in refused.json()["error"]["message"] or path == "/rerank"
+        assert path in refused.json()["error"]["message"] or path in ("/rerank", "/v1/reranking", "/reranking")
     keyless = syn_pool.http.post("/tokenize", json={"model": "syn", "content": "x"})
     assert keyless.status_code == 401 and keyless.json()["error"]["code"] == "unauthorized"
     # out of the tenant's scope: the same 404 as a model that does not exist
@@ -115,6 +118,22 @@ def test_count_tokens_is_what_a_message_would_prompt(syn_pool):
     with pytest.raises(anthropic.BadRequestError) as bad:
         client.messages.count_tokens(model="syn", messages=[{"role": "robot", "content": "x"}])
     assert bad.value.body["type"] == "error" and "role" in bad.value.body["error"]["message"]
+
+
+def test_chat_input_tokens_is_what_a_chat_would_prompt(syn_pool):
+    """llama-server's /v1/chat/completions/input_tokens (and /chat/completions/input_tokens),
+    on a runtime without it: its /tokenize of the chat."""
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "how many are here"}]
+    created = post(syn_pool, "/v1/chat/completions", {"model": "syn", "messages": messages, "max_tokens": 2})
+    for path in ("/v1/chat/completions/input_tokens", "/chat/completions/input_tokens"):
+        counted = post(syn_pool, path, {"model": "syn", "messages": messages})
+        assert counted.status_code == 200, counted.text
+        assert counted.json() == {"object": "response.input_tokens",
+                                  "input_tokens": created.json()["usage"]["prompt_tokens"]}
+    bad = post(syn_pool, "/v1/chat/completions/input_tokens", {"model": "syn", "messages": []})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+    assert post(syn_pool, "/v1/chat/completions/input_tokens",
+                {"model": "other", "messages": messages}).status_code == 404
 
 
 def _open_stream(pool, model: str, content: str) -> socket.socket:
@@ -198,6 +217,13 @@ def test_tokenize_detokenize_template_and_count_match_llama_server(llama_server_
         counted = anthropic.Anthropic(base_url=pool.url, api_key="unused", max_retries=0).messages.count_tokens(**ask)
         assert counted.input_tokens == anthropic.Anthropic(
             base_url=url, api_key="unused", max_retries=0).messages.count_tokens(**ask).input_tokens > 3
+        chat = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": [
+            {"type": "text", "text": "the pool"}, {"type": "text", "text": "model"}]}]}
+        for path in ("/v1/chat/completions/input_tokens", "/chat/completions/input_tokens"):
+            pooled = pool.http.post(path, json={"model": "tiny", **chat})
+            assert pooled.status_code == 200, pooled.text
+            assert pooled.json() == direct.post(path, json=chat).json()
+            assert pooled.json()["input_tokens"] > 3 and pooled.json()["object"] == "response.input_tokens"
         refused = pool.http.post("/v1/rerank", json={"model": "tiny", "query": "q", "documents": ["d"]})
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "unsupported_endpoint"
         direct.close()
@@ -214,7 +240,7 @@ def test_rerank_matches_llama_server(llama_server_bin, tmp_path, make_pool):
         pool = make_pool([model])
         direct = httpx.post(url + "/v1/rerank", json=body, timeout=30).json()
         assert "rerank" in {m["id"]: m for m in pool.http.get("/v1/models").json()["data"]}["rr"]["capabilities"]
-        for path in ("/v1/rerank", "/rerank"):
+        for path in ("/v1/rerank", "/rerank", "/v1/reranking", "/reranking"):  # llama-server's aliases too
             pooled = pool.http.post(path, json={"model": "rr", **body})
             assert pooled.status_code == 200, pooled.text
             answer = pooled.json()

@@ -158,8 +158,9 @@ def test_usage_goes_where_the_runtime_put_it():
 def test_responses_and_messages_streams_place_or_leave_the_runtimes_fields():
     from protocol import Delta, Done
     from supervisor.anthropic_shapes import MessagesRequest, MessagesStream
-    from supervisor.responses_shapes import ResponsesRequest, ResponsesStream
-    shape = ResponsesStream(ResponsesRequest(model="m", input="x"))
+    from supervisor.responses_shapes import ResponsesRequest, ResponsesStream, job_request_from_responses
+    req = ResponsesRequest(model="m", input="x")
+    shape = ResponsesStream(req, job_request_from_responses(req, {}))
     shape.opening()
     progress = {"prompt_progress": {"total": 9}}
     events = _data(shape.delta(Delta(job="j", parts=[{"k": "open", "i": 0, "d": {"content": None}},
@@ -189,3 +190,96 @@ def test_a_stream_that_opened_while_waiting_opens_once():
         Delta(job="j", parts=[{"k": "open", "d": {"content": None}}, {"k": "text", "t": "hi"}]))
     deltas = [json.loads(c["data"])["choices"][0]["delta"] for c in chunks]
     assert deltas == [{"role": "assistant", "content": ""}, {"content": "hi"}]
+
+
+# -- Responses bodies mapped onto chat: tools, several text parts, why a response was cut --------------
+CODEX_TOOLS = [  # as Codex sends them: function tools, a namespace of sub-agent tools, hosted tools
+    {"type": "function", "name": "shell", "parameters": {"type": "object"}, "strict": False},
+    {"type": "web_search", "external_web_access": False},
+    {"type": "namespace", "name": "agents", "description": "Sub-agents", "tools": [
+        {"type": "function", "name": "spawn_agent", "description": "start one", "parameters": {"type": "object"}},
+        {"type": "function", "name": "shell", "parameters": {"type": "object"}},
+        {"type": "custom", "name": "apply_patch", "format": {"type": "grammar"}}]},
+    {"type": "image_generation"}]
+
+
+def _responses_job(body: dict):
+    import msgspec
+
+    from supervisor.responses_shapes import ResponsesRequest, job_request_from_responses
+    req = msgspec.convert({"model": "m", **body}, ResponsesRequest)
+    return req, job_request_from_responses(req, {"model": "m", **body})
+
+
+def test_namespace_tools_are_flattened_and_hosted_tools_skipped_and_said():
+    history = [{"role": "user", "content": "go"},
+               {"type": "function_call", "call_id": "c1", "name": "shell", "namespace": "agents", "arguments": "{}"},
+               {"type": "function_call_output", "call_id": "c1", "output": "ok"}]
+    _, job = _responses_job({"input": history, "tools": CODEX_TOOLS,
+                             "tool_choice": {"type": "function", "name": "spawn_agent", "namespace": "agents"}})
+    names = [t["function"]["name"] for t in job.request["tools"]]
+    assert names == ["shell", "spawn_agent", "agents__shell"]  # a name another tool holds is qualified
+    assert job.request["tools"][1]["function"] == {"name": "spawn_agent", "description": "start one",
+                                                   "parameters": {"type": "object"}}
+    assert job.tools.skipped_text() == "web_search, custom agents.apply_patch, image_generation"
+    assert job.request["messages"][1]["tool_calls"][0]["function"]["name"] == "agents__shell"
+    assert job.request["tool_choice"] == {"type": "function", "function": {"name": "spawn_agent"}}
+    # the runtime's calls come back naming their namespace, as the client's tools were named
+    assert job.tools.call_names("agents__shell") == {"name": "shell", "namespace": "agents"}
+    assert job.tools.call_names("spawn_agent") == {"name": "spawn_agent", "namespace": "agents"}
+    assert job.tools.call_names("shell") == {"name": "shell"}
+    _, only_hosted = _responses_job({"input": "x", "tools": [{"type": "web_search"}, {"type": "file_search"}]})
+    assert "tools" not in only_hosted.request and only_hosted.tools.skipped_text() == "web_search, file_search"
+
+
+def test_a_streamed_namespaced_call_names_its_namespace():
+    from protocol import Delta, Done
+    from supervisor.responses_shapes import ResponsesStream
+    req, job = _responses_job({"input": "x", "tools": CODEX_TOOLS, "stream": True})
+    shape = ResponsesStream(req, job)
+    shape.opening()
+    events = _data(shape.delta(Delta(job="j", parts=[
+        {"k": "tool", "i": 0, "n": 0, "id": "call_9", "name": "agents__shell", "args": "{}"}])))
+    events += _data(shape.closing(Done(job="j", finish_reason="tool_calls")))
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [(i["type"], i["name"], i.get("namespace"), i["call_id"]) for i in done] == [
+        ("function_call", "shell", "agents", "call_9")]
+
+
+def test_bad_namespace_tools_are_400s_naming_the_field():
+    from protocol.errors import PoolError
+    for tools, param in [([{"type": "namespace", "tools": []}], "tools.0.name"),
+                         ([{"type": "namespace", "name": "a"}], "tools.0.tools"),
+                         ([{"type": "namespace", "name": "a", "tools": [{"type": "function"}]}], "tools.0.tools.0.name"),
+                         ([{"type": "function", "name": "f"}, {"type": "function", "name": "f"},
+                           {"type": "namespace", "name": "a", "tools": [{"type": "function", "name": "f"},
+                                                                        {"type": "function", "name": "f"}]}],
+                          "tools.2.tools.1.name")]:
+        with pytest.raises(PoolError) as err:
+            _responses_job({"input": "x", "tools": tools})
+        assert err.value.status == 400 and err.value.param == param, (tools, err.value.message)
+
+
+@pytest.mark.parametrize("parts,text", [
+    (["a", "b"], "a\nb"), (["a", "", "b"], "a\n\nb"), (["", "a"], "a"), (["a", ""], "a\n"), ([""], ""),
+    (["Hi", "there"], "Hi\nthere")])
+def test_text_parts_join_as_llama_server_joins_them(parts, text):
+    _, job = _responses_job({"input": [{"role": "user", "content": [{"type": "input_text", "text": t}
+                                                                    for t in parts]}]})
+    assert job.request["messages"] == [{"role": "user", "content": text}]
+
+
+@pytest.mark.parametrize("finish,usage,limit,context,want", [
+    ("stop", {}, None, None, ("completed", None)),
+    ("content_filter", {}, None, None, ("incomplete", "content_filter")),
+    ("length", {"input_tokens": 10, "output_tokens": 5}, 5, 4096, ("incomplete", "max_output_tokens")),
+    # no limit asked, and the context filled (llama-server stops one token short of it)
+    ("length", {"input_tokens": 3934, "output_tokens": 161}, None, 4096, ("incomplete", "model_context_window_exceeded")),
+    ("length", {"input_tokens": 90, "output_tokens": 10}, 500, 100, ("incomplete", "model_context_window_exceeded")),
+    # no limit asked, far from the context: the runtime's own output limit
+    ("length", {"input_tokens": 10, "output_tokens": 128}, None, 4096, ("incomplete", "max_output_tokens")),
+    ("length", {"input_tokens": 10, "output_tokens": 128}, None, None, ("incomplete", "model_context_window_exceeded"))])
+def test_the_incomplete_reason_names_what_stopped_the_response(finish, usage, limit, context, want):
+    from protocol import Done
+    from supervisor.responses_shapes import response_status
+    assert response_status(Done(job="j", finish_reason=finish, usage=usage), limit, context) == want

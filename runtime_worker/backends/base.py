@@ -101,9 +101,10 @@ NEUTRAL = {"n": 1, "logprobs": False, "echo": False, "parallel_tool_calls": True
            "frequency_penalty": 0, "stream": False}
 _ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings",
                    "tokenize": "/tokenize", "detokenize": "/detokenize", "apply_template": "/apply-template",
-                   "rerank": "/v1/rerank", "count_tokens": "/v1/messages/count_tokens", "messages": "/v1/messages"}
+                   "rerank": "/v1/rerank", "count_tokens": "/v1/messages/count_tokens", "messages": "/v1/messages",
+                   "input_tokens": "/v1/chat/completions/input_tokens"}
 # The runtime's own calls (protocol.ENDPOINTS after the first three): each answered whole, by `call`
-CALLS = frozenset({"tokenize", "detokenize", "apply_template", "rerank", "count_tokens"})
+CALLS = frozenset({"tokenize", "detokenize", "apply_template", "rerank", "count_tokens", "input_tokens"})
 
 
 class Backend(abc.ABC):

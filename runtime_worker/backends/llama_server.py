@@ -66,7 +66,8 @@ def reranks(options: dict) -> bool:
 class LlamaServerBackend(OpenAIServerBackend):
     name = "llama_server"
     call_paths = {"tokenize": "/tokenize", "detokenize": "/detokenize", "apply_template": "/apply-template",
-                  "rerank": "/v1/rerank", "count_tokens": "/v1/messages/count_tokens"}
+                  "rerank": "/v1/rerank", "count_tokens": "/v1/messages/count_tokens",
+                  "input_tokens": "/v1/chat/completions/input_tokens"}
 
     def __init__(self, options: dict, *args, **kwargs) -> None:
         super().__init__(options, *args, **kwargs)

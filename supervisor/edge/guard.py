@@ -19,7 +19,8 @@ from supervisor.admission import Admission, key_matches, presented_key
 from supervisor.anthropic_shapes import error_envelope
 from supervisor.config import ServerConfig
 from supervisor.edge.listener import DISCONNECT_KEY, current_connection, warnings
-from supervisor.edge.request_ids import REQUEST_ID, request_id, with_request_id
+from supervisor.edge.request_ids import REQUEST_ID, SKIPPED_TOOLS, request_id, with_request_id
+from supervisor.request_bounds import echo
 from supervisor.tenants import UNKNOWN_KEY
 
 # an unknown path: the app's own 404, given before the body is read
@@ -63,6 +64,22 @@ def error_response(err: PoolError, path: str = "") -> JSONResponse:
     if err.code in NO_RETRY:
         headers["x-should-retry"] = "false"
     return JSONResponse(err.envelope(), status_code=err.status, headers=headers)
+
+
+def websocket_refusal(scope) -> PoolError | None:
+    """426 for a WebSocket upgrade (any path: the pool serves none as WebSocket), so that a
+    client that tries one first (Codex, on /v1/responses) falls back to HTTP at once rather
+    than retrying the handshake. uvicorn (ws="none") hands such a request on as plain HTTP."""
+    upgrade = connection = b""
+    for name, value in scope["headers"]:
+        if name == b"upgrade":
+            upgrade = value.lower()
+        elif name == b"connection":
+            connection = value.lower()
+    if b"websocket" not in upgrade or b"upgrade" not in connection:
+        return None
+    return PoolError(ErrorCode.UPGRADE_REQUIRED, f"{echo(scope['path'])} is not served over WebSocket here: "
+                     "send the request over HTTP")
 
 
 class HttpEdge:
@@ -123,6 +140,7 @@ class HttpEdge:
         # every answer carries the request's id (request_ids.py), and its request-log row too
         rid = request_id(scope["headers"])
         token = REQUEST_ID.set(rid.decode("ascii"))
+        skipped = SKIPPED_TOOLS.set(None)
         send = with_request_id(send, rid, scope["path"].startswith(ANTHROPIC_PATHS))
         connection = current_connection.get()
         request = None
@@ -134,10 +152,11 @@ class HttpEdge:
             if request is not None:
                 connection.end_request(request)
             REQUEST_ID.reset(token)
+            SKIPPED_TOOLS.reset(skipped)
 
     async def _serve(self, scope, receive, send):
         """Key and browser rules, the route, then the body; every refusal before the body is read."""
-        refusal = self._refusal(scope)
+        refusal = self._refusal(scope) or websocket_refusal(scope)
         if refusal is not None:
             return await error_response(refusal, scope["path"])(scope, receive, send)
         tenant = scope.get(TENANT_KEY)

@@ -27,11 +27,13 @@ from supervisor import runtime_call_shapes as cshapes
 from supervisor.admission import DEFAULT_TENANT
 from supervisor.edge.guard import TENANT_KEY, error_response, tenant_name
 from supervisor.edge.listener import DISCONNECT_KEY, Disconnect
+from supervisor.edge.request_ids import SKIPPED_TOOLS
 from supervisor.edge.schemas import document, named_model, request_body
 from supervisor.edge.streams import AnswerJSON, InferenceEndpoint, JobStream, sse_frame, watch_for_disconnect
 from supervisor.fallback_chains import Chain
 from supervisor.jobs import Job
-from supervisor.models.capabilities import CALLS, capabilities, native_messages
+from supervisor.models.capabilities import CALLS, capabilities, native_input_tokens, native_messages
+from supervisor.models.views import served_context
 from supervisor.states import JobState
 from supervisor.metrics import CLIENT_CLOSED
 
@@ -66,6 +68,7 @@ class InferenceSurface:
                 ("/v1/embeddings", shapes.EmbeddingRequest, self.create_embeddings),
                 ("/v1/messages", ashapes.MessagesRequest, self.create_message),
                 ("/v1/messages/count_tokens", ashapes.CountTokensRequest, self.count_tokens),
+                *((path, shapes.ChatRequest, self.chat_input_tokens) for path in cshapes.INPUT_TOKENS_PATHS),
                 *((path, cshapes.RerankRequest if label == "rerank" else cshapes.RuntimeCall,
                    functools.partial(self.runtime_call, label)) for path, label in cshapes.PATHS.items())):
             endpoint = self.endpoints[path] = InferenceEndpoint(functools.partial(self.answer, path, body_type, handle))
@@ -93,9 +96,27 @@ class InferenceSurface:
     # -- 2. the endpoints: what each asks of a job and how its answer is shaped -----------------------------------
     # A stream's shape is made once the model that serves is known (a fallback's name is the answer's `model`)
     async def create_response(self, body: rshapes.ResponsesRequest, data: dict, request: Request):
-        return await self.serve_job(request, "responses", body, rshapes.job_request_from_responses(body, data),
-                                    (lambda: rshapes.ResponsesStream(body)) if body.stream else None,
-                                    lambda choices, done: rshapes.response_json(body, choices, done))
+        """Mapped onto chat inside the request's path (serve_job), so that a body refused while it
+        is mapped is counted and logged as any refusal. Tools skipped in the mapping are said in
+        the answer's header and the request log (request_ids.SKIPPED_TOOLS)."""
+        mapped: list[rshapes.ResponsesJob] = []
+
+        def job_for(model: str) -> tuple[dict, str]:  # the same for every model of a fallback chain
+            if not mapped:
+                mapped.append(rshapes.job_request_from_responses(body, data))
+                SKIPPED_TOOLS.set(mapped[0].tools.skipped_text())
+            return mapped[0].request, "chat"
+        return await self.serve_job(
+            request, "responses", body, job_for,
+            (lambda: rshapes.ResponsesStream(body, mapped[0], self.context_of(body.model))) if body.stream else None,
+            lambda choices, done: rshapes.response_json(body, choices, done, mapped[0], self.context_of(body.model)))
+
+    def context_of(self, model: str) -> int | None:
+        """The tokens one request may hold on `model`, where its runtime reports it."""
+        try:
+            return served_context(self.engine.entry(model))
+        except PoolError:
+            return None
 
     async def chat_completions(self, body: shapes.ChatRequest, data: dict, request: Request):
         return await self.serve_job(
@@ -138,6 +159,19 @@ class InferenceSurface:
         return await self.serve_job(
             request, "count_tokens", body, ashapes.tokenize_request(body), None,
             lambda choices, done: {"input_tokens": cshapes.token_count(done.result)}, "tokenize")
+
+    async def chat_input_tokens(self, body: shapes.ChatRequest, data: dict, request: Request):
+        """{"object": "response.input_tokens", "input_tokens": N}: the prompt tokens of a chat body,
+        llama-server's own count (its /v1/chat/completions/input_tokens); elsewhere the runtime's
+        /tokenize of the chat with its template."""
+        cfg = self.model_config(body.model)
+        if cfg is None or native_input_tokens(cfg) or "input_tokens" not in capabilities(cfg):
+            return await self.serve_job(request, "input_tokens", body, cshapes.call_request(data), None,
+                                        lambda choices, done: cshapes.call_answer(body.model, done.result),
+                                        "input_tokens")
+        return await self.serve_job(
+            request, "input_tokens", body, cshapes.chat_tokenize_request(data), None,
+            lambda choices, done: cshapes.input_tokens_answer(cshapes.token_count(done.result)), "tokenize")
 
     async def runtime_call(self, label: str, body, data: dict, request: Request):
         """/tokenize, /detokenize, /apply-template, /v1/rerank: the runtime's own call, answered whole."""

@@ -4,7 +4,9 @@ too on the Messages routes. A client that sends a safe `x-request-id` (printable
 ASCII, no spaces, at most MAX_CHARS) gets it back and finds it in the request log;
 any other is replaced by a fresh `req_...` id. The request log row of the request
 (live.Activity.finished) reads it from `REQUEST_ID`, the context of the request's
-task, so no stage in between carries it."""
+task, so no stage in between carries it. So does what the pool left out of the request
+(`SKIPPED_TOOLS`: a Responses body's tools with no local meaning), which the answer's
+`x-llm-pool-skipped-tools` header says too."""
 
 from __future__ import annotations
 
@@ -20,6 +22,9 @@ ANTHROPIC_HEADER = b"request-id"
 
 # the id of the request this task serves (set by the edge); None outside a request
 REQUEST_ID: ContextVar[str | None] = ContextVar("llm_pool.request_id", default=None)
+# the tools the request's body named that the pool left out (set by the Responses mapping); None: none
+SKIPPED_TOOLS: ContextVar[str | None] = ContextVar("llm_pool.skipped_tools", default=None)
+SKIPPED_HEADER = b"x-llm-pool-skipped-tools"
 
 
 def request_id(headers) -> bytes:
@@ -37,12 +42,15 @@ def fresh_id() -> bytes:
 
 
 def with_request_id(send, rid: bytes, anthropic: bool):
-    """`send` that adds the id's headers to the response's start. A plain function that
-    returns `send`'s awaitable: no coroutine of its own for each body chunk."""
+    """`send` that adds the id's headers to the response's start, and the skipped tools'
+    (SKIPPED_TOOLS, read then). A plain function that returns `send`'s awaitable: no
+    coroutine of its own for each body chunk."""
     extra = [(HEADER, rid), (ANTHROPIC_HEADER, rid)] if anthropic else [(HEADER, rid)]
 
     def send_with_id(message):
         if message["type"] == "http.response.start":
-            message = {**message, "headers": [*message.get("headers", ()), *extra]}
+            skipped = SKIPPED_TOOLS.get()
+            more = [(SKIPPED_HEADER, skipped.encode())] if skipped else []
+            message = {**message, "headers": [*message.get("headers", ()), *extra, *more]}
         return send(message)
     return send_with_id

@@ -13,15 +13,16 @@ from supervisor.config import ModelConfig
 # generation slot in the runtime (protocol.LIGHT_ENDPOINTS) is handed to a ready replica past
 # the model's queue (scheduler.Executor.enqueue); rerank runs on the runtime's slots, so it
 # queues as any job.
-CALLS = frozenset({"tokenize", "detokenize", "apply_template", "rerank", "count_tokens"})
+CALLS = frozenset({"tokenize", "detokenize", "apply_template", "rerank", "count_tokens", "input_tokens"})
 
 CHAT = ("chat", "completions", "responses", "messages")
 _BY_BACKEND = {
-    # messages, count_tokens: llama-server's and vLLM's own routes; elsewhere translated (a tokenize of the chat)
-    "llama_server": (*CHAT, "count_tokens", "tokenize", "detokenize", "apply_template"),
-    "vllm_serve": (*CHAT, "count_tokens", "tokenize", "detokenize"),
+    # messages, count_tokens: llama-server's and vLLM's own routes; input_tokens (a chat's count):
+    # llama-server's own; elsewhere both translated (a tokenize of the chat)
+    "llama_server": (*CHAT, "count_tokens", "input_tokens", "tokenize", "detokenize", "apply_template"),
+    "vllm_serve": (*CHAT, "count_tokens", "input_tokens", "tokenize", "detokenize"),
     "openai_remote": (*CHAT, "embeddings"),
-    "synthetic": (*CHAT, "count_tokens", "tokenize"),
+    "synthetic": (*CHAT, "count_tokens", "input_tokens", "tokenize"),
     "exllamav3": ("chat", "responses", "messages"),
 }
 EMBEDDING_ARGS = {"llama_server": ("--embedding", "--embeddings"), "vllm_serve": ("embed", "embedding", "pooling")}
@@ -45,6 +46,12 @@ def native_messages(cfg: ModelConfig) -> bool:
     """Whether /v1/messages and its count_tokens go to the runtime's own routes (llama-server's, vLLM's),
     not translated to chat (and counted as a tokenize of that chat)."""
     return cfg.backend in ("llama_server", "vllm_serve")
+
+
+def native_input_tokens(cfg: ModelConfig) -> bool:
+    """Whether a chat's input_tokens goes to the runtime's own route (llama-server's), not to its
+    /tokenize of that chat."""
+    return cfg.backend == "llama_server"
 
 
 # The client's headers that a runtime's own Anthropic routes get as sent: the API version and
@@ -71,7 +78,8 @@ def forwarded_headers(endpoint: str, headers) -> dict[str, str] | None:
 
 
 CALL_PATHS = {"tokenize": "/tokenize", "detokenize": "/detokenize", "apply_template": "/apply-template",
-              "rerank": "/v1/rerank", "count_tokens": "/v1/messages/count_tokens"}
+              "rerank": "/v1/rerank", "count_tokens": "/v1/messages/count_tokens",
+              "input_tokens": "/v1/chat/completions/input_tokens"}
 
 
 def check_serves(cfg: ModelConfig, endpoint: str) -> None:
