@@ -9,6 +9,7 @@ each request's and all together. The bytes came through supervisor/edge/listener
 from __future__ import annotations
 
 import ipaddress
+import logging
 from urllib.parse import urlsplit
 
 from fastapi.responses import JSONResponse
@@ -18,7 +19,7 @@ from protocol.errors import ErrorCode, PoolError
 from supervisor.admission import Admission, key_matches, presented_key
 from supervisor.anthropic_shapes import error_envelope
 from supervisor.config import ServerConfig
-from supervisor.edge.listener import DISCONNECT_KEY, current_connection, warnings
+from supervisor.edge.listener import DISCONNECT_KEY, connection_of, warnings
 from supervisor.edge.request_ids import REQUEST_ID, request_id, with_request_id
 from supervisor.tenants import UNKNOWN_KEY
 
@@ -65,6 +66,13 @@ def error_response(err: PoolError, path: str = "") -> JSONResponse:
     return JSONResponse(err.envelope(), status_code=err.status, headers=headers)
 
 
+def internal_error(exc: Exception) -> PoolError:
+    """The contract's 500 for an exception in a handler (the app's own handler answers with it
+    too, for its routes: api.py)."""
+    return PoolError(ErrorCode.INTERNAL_ERROR, f"the pool failed to answer: an internal error "
+                     f"({type(exc).__name__}; the supervisor's log has it, x-request-id {REQUEST_ID.get()})")
+
+
 class HttpEdge:
     """Every request's first layer: who may call what, checked before anything
     reads the request, then the body bounds. One pure ASGI layer (each layer
@@ -91,20 +99,28 @@ class HttpEdge:
     that would go over is refused with 429 and Retry-After. The request goes
     on to `app` with its body in one message.
 
-    The connection (BoundedConnection) tells the request's handler when its
-    client goes: `scope[DISCONNECT_KEY]`.
+    The connection (BoundedConnection) comes in the request's scope (listener.connection_of)
+    and tells the request's handler when its client goes: `scope[DISCONNECT_KEY]`.
+
+    A handler that raises (a fault of the pool's own) gets the contract's 500
+    (`internal_error`) in the path's envelope, a request-log row, and its traceback in the
+    log at most once per 10 s for each place it was raised.
 
     Inference POSTs go straight to their endpoint in `inference`, every other
     request to `app`. Every answer from here on carries the request's id
     (request_ids.py; the listener's own refusals, before a request is whole, do not)."""
 
     def __init__(self, app, server: ServerConfig, admission: Admission, admin_key: str | None,
-                 inference: dict | None = None, on_key_refused=None) -> None:
+                 inference: dict | None = None, on_key_refused=None, on_failure=None) -> None:
         self.app = app
         self.inference = inference or {}  # path -> the ASGI endpoint of its POST
         # on_key_refused(path, error, tenant): a /v1/ request refused for its key (401); tenant is
         # UNKNOWN_KEY when a key was given that no tenant holds, None when none was given
         self.on_key_refused = on_key_refused
+        self.on_failure = on_failure  # on_failure(path, error, tenant): a handler raised (a row, 500)
+        # set where the server is BoundedConnection's (server.run): every request must come with its
+        # connection, whose count of unanswered requests only this layer brings down
+        self.connection_required = False
         self.limit = server.max_body_bytes
         self.budget = server.max_buffered_body_bytes
         self.buffered = 0  # bytes of the bodies being read now
@@ -124,16 +140,36 @@ class HttpEdge:
         rid = request_id(scope["headers"])
         token = REQUEST_ID.set(rid.decode("ascii"))
         send = with_request_id(send, rid, scope["path"].startswith(ANTHROPIC_PATHS))
-        connection = current_connection.get()
+        connection = connection_of(scope)
         request = None
         if connection is not None:  # else another server than BoundedConnection's: no disconnect notice
             scope[DISCONNECT_KEY] = request = connection.begin_request()
         try:
+            if connection is None and self.connection_required:
+                raise RuntimeError("a request came without its connection (scope['state'][CONNECTION_KEY])")
             return await self._serve(scope, receive, send)
+        except Exception as exc:  # a fault of the pool's own: the contract's 500, a row, a throttled log
+            await self._failed(scope, receive, send, exc)
         finally:
             if request is not None:
                 connection.end_request(request)
             REQUEST_ID.reset(token)
+
+    async def _failed(self, scope, receive, send, exc: Exception) -> None:
+        """A handler raised: logged (with its traceback) at most once per 10 s for each kind,
+        one request-log row, and, unless an answer had begun, the 500 in the path's envelope."""
+        where = exc.__traceback__
+        while where.tb_next is not None:
+            where = where.tb_next
+        kind = f"{type(exc).__name__} at {where.tb_frame.f_code.co_filename}:{where.tb_lineno}"
+        rid = REQUEST_ID.get()
+        warnings.warning(f"handler {kind}", "a request's handler failed (%s %s, x-request-id %s): %s",
+                         scope["method"], scope["path"][:200], rid, kind, level=logging.ERROR, exc_info=exc)
+        err = internal_error(exc)
+        if self.on_failure is not None:
+            self.on_failure(scope["path"], err, tenant_name(scope))
+        if not send.started:
+            await error_response(err, scope["path"])(scope, receive, send)
 
     async def _serve(self, scope, receive, send):
         """Key and browser rules, the route, then the body; every refusal before the body is read."""

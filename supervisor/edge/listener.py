@@ -33,7 +33,6 @@ import enum
 import json
 import logging
 from asyncio import TimerHandle
-from contextvars import ContextVar
 
 import httptools
 from uvicorn.config import HTTP_PROTOCOLS
@@ -51,10 +50,16 @@ warnings = ThrottledLog(log, every_s=10.0)  # a client can make any of these at 
 DISCONNECT_KEY = "llm_pool.disconnect"  # in the ASGI scope of each request read by a BoundedConnection
 HEAD_END = b"\r\n\r\n"  # where a request's head ends (and a chunked body)
 
-# The connection whose bytes are being handed to the server's protocol. The request task that
-# the server starts then inherits it (asyncio copies the context into a new task), so that the
-# guard finds the connection of the request it serves.
-current_connection: ContextVar[BoundedConnection | None] = ContextVar("llm_pool.connection", default=None)
+# The connection of a request, in its scope's "state": uvicorn hands its protocol the lifespan
+# state (`app_state`) and copies it into each request's scope["state"] (the ASGI lifespan state:
+# a shallow copy per request). Each connection gives its own protocol that state plus itself.
+CONNECTION_KEY = "llm_pool.connection"
+
+
+def connection_of(scope) -> BoundedConnection | None:
+    """The BoundedConnection that read this request; None under another server."""
+    state = scope.get("state")
+    return state.get(CONNECTION_KEY) if state is not None else None
 
 
 class Phase(enum.Enum):
@@ -160,7 +165,10 @@ class BoundedConnection(asyncio.Protocol):
     inner_class: type[asyncio.Protocol]
 
     def __init__(self, *args, **kwargs) -> None:
-        # whatever the server passes to its protocol factory goes to its protocol, untouched
+        # what the server passes to its protocol factory goes to its protocol, the lifespan state with
+        # this connection added (the state is whole before the server accepts a connection)
+        if isinstance(kwargs.get("app_state"), dict):
+            kwargs["app_state"] = {**kwargs["app_state"], CONNECTION_KEY: self}
         self.inner = self.inner_class(*args, **kwargs)
         self.bounds = self.connections.bounds
         self.transport: CoalescedWrites | None = None
@@ -296,11 +304,7 @@ class BoundedConnection(asyncio.Protocol):
                 self._answer_and_close(PoolError(ErrorCode.INVALID_REQUEST,
                                                  f"invalid HTTP request: {str(exc).rstrip('.')}"), "invalid_http")
             return b""
-        token = current_connection.set(self)
-        try:
-            self.inner.data_received(data)
-        finally:
-            current_connection.reset(token)
+        self.inner.data_received(data)
         if rest or self._timer is not None or self.transport.is_closing():
             return rest
         if self._phase is Phase.BODY:

@@ -37,12 +37,15 @@ def fresh_id() -> bytes:
 
 
 def with_request_id(send, rid: bytes, anthropic: bool):
-    """`send` that adds the id's headers to the response's start. A plain function that
-    returns `send`'s awaitable: no coroutine of its own for each body chunk."""
+    """`send` that adds the id's headers to the response's start, and says (its `started`)
+    whether a response has begun. A plain function that returns `send`'s awaitable: no
+    coroutine of its own for each body chunk."""
     extra = [(HEADER, rid), (ANTHROPIC_HEADER, rid)] if anthropic else [(HEADER, rid)]
 
     def send_with_id(message):
         if message["type"] == "http.response.start":
             message = {**message, "headers": [*message.get("headers", ()), *extra]}
+            send_with_id.started = True
         return send(message)
+    send_with_id.started = False
     return send_with_id
