@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
 
 from tests.conftest import synthetic
-from tests.pool import Pool, wait_for
+from tests.pool import ROOT, Pool, wait_for
 
 CHAT = "/v1/chat/completions"
 TIMEOUT_S = 2.0  # request_timeout_s of each hung model
@@ -215,3 +217,57 @@ def test_system_tools_and_joined_blocks_count_as_content_parts(pool):
     r = pool.http.post("/v1/messages", json={"model": "syn", "max_tokens": 2, "system": [text] * (PARTS - 2),
                                              "messages": user}, headers=as_tenant(KEY_A))
     assert r.status_code == 200, r.text[:300]
+
+
+# -- the connection passed explicitly: in the request's scope, whatever context the task runs in ----------------
+SERVE_WITH_FRESH_CONTEXTS = """
+import sys
+import uvicorn
+from supervisor.api import create_app
+from supervisor.config import load_config
+from supervisor.edge.listener import bounded_protocol
+
+cfg = load_config(sys.argv[1])
+app = create_app(cfg)
+app.connection_required = True
+# h11: the protocol whose reset_contextvars runs each request in a fresh context
+uvicorn.Server(uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level="warning", ws="none",
+                              http=bounded_protocol(cfg.server, "h11"), reset_contextvars=True)).run()
+"""
+
+
+def read_answer(s: socket.socket, when: str) -> bytes:
+    """One whole answer with a Content-Length, head and body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        piece = s.recv(65536)
+        assert piece, f"closed {when}"
+        data += piece
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        piece = s.recv(65536)
+        assert piece, f"closed {when}"
+        body += piece
+    assert len(body) == length, "an answer more than asked for"
+    return head + b"\r\n\r\n" + body
+
+
+def test_the_connection_reaches_the_guard_in_fresh_contexts_too(tmp_path):
+    """Under uvicorn's reset_contextvars (each request in a fresh context), keep-alive requests
+    on one connection are answered past max_pipelined_requests: each request's end reaches
+    its connection (a ContextVar did not arrive: the connection wedged after 2)."""
+    pool = Pool(tmp_path, [synthetic("syn", tokens=2)], server={"max_pipelined_requests": 2})
+    pool._log = open(pool.log_path, "ab")
+    pool.proc = subprocess.Popen([sys.executable, "-c", SERVE_WITH_FRESH_CONTEXTS, str(pool.config_path)],
+                                 cwd=ROOT, stdout=pool._log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(pool._healthy, 60, what="the server's /health")
+        with socket.create_connection(("127.0.0.1", pool.port), timeout=5) as s:
+            for i in range(8):
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert read_answer(s, f"after {i} answers").startswith(b"HTTP/1.1 200")
+        r = pool.http.post(CHAT, json={"model": "syn", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200, r.text
+    finally:
+        pool.stop()
