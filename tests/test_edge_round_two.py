@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from tests.conftest import synthetic
@@ -18,6 +19,9 @@ CHAT = "/v1/chat/completions"
 TIMEOUT_S = 2.0  # request_timeout_s of each hung model
 PARTS = 50  # max_content_parts of "syn"
 KEY_A, KEY_B, ADMIN = "key-a", "key-b", "admin-key"
+SLOW_S = 8.0
+MAX_CONNECTIONS, PER_CLIENT = 40, 10
+RSS_SLACK = 64 * 2**20
 
 
 def hung(name: str, *fallbacks: str) -> dict:
@@ -39,8 +43,11 @@ def pool(tmp_path_factory):
                  hung("hung", "hung2", "hung3"), hung("hung2"), hung("hung3"),
                  garbage("bad1", "bad2"), garbage("bad2"),
                  # a fast, long stream, which a client that stops reading leaves behind
-                 synthetic("firehose", tokens=3_000_000, tps=100_000)],
-                server={"admin_key": ADMIN, "max_unsent_output_bytes": 64 * 1024},
+                 synthetic("firehose", tokens=3_000_000, tps=100_000),
+                 # a request that takes SLOW_S: what a pipelined request waits behind
+                 synthetic("slow", tokens=int(SLOW_S * 10), tps=10)],
+                server={"admin_key": ADMIN, "max_unsent_output_bytes": 64 * 1024, "body_timeout_s": 30,
+                        "max_connections": MAX_CONNECTIONS, "max_connections_per_client": PER_CLIENT},
                 tenants=[{"name": "a", "keys": [KEY_A]}, {"name": "b", "keys": [KEY_B]}])
     pool.http.headers["authorization"] = f"Bearer {ADMIN}"  # the admin surface; /v1 as its own tenant
     pool.start()
@@ -271,3 +278,88 @@ def test_the_connection_reaches_the_guard_in_fresh_contexts_too(tmp_path):
         assert r.status_code == 200, r.text
     finally:
         pool.stop()
+
+
+# -- findings 1 and 2: what a connection may hold ------------------------------------------------------------------
+def connect(pool, source: str = "127.0.0.1", timeout: float = 5.0) -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    s.bind((source, 0))
+    s.connect(("127.0.0.1", pool.port))
+    return s
+
+
+def health_within_a_second(pool, source: str) -> None:
+    started = time.monotonic()
+    with connect(pool, source, timeout=1.0) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answer = s.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_body_pipelined_behind_a_long_request_is_not_read(pool):
+    """A slow request, then on the same connection a POST declaring 100 GB, and bytes as fast
+    as loopback takes them: the pool reads nothing of it while the first is answered (the
+    sender blocks once the kernel's buffers fill), and its RSS stays put."""
+    supervisor = psutil.Process(pool.proc.pid)
+    rss_before = supervisor.memory_info().rss
+    body = json.dumps({"model": "slow", "messages": [{"role": "user", "content": "hi"}]})
+    s = connect(pool, "127.0.0.21", timeout=0.5)
+    sent = 0
+    try:
+        s.sendall(f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Authorization: Bearer {KEY_A}\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+                  f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Authorization: Bearer {KEY_A}\r\nContent-Length: 100000000000\r\n\r\n".encode())
+        wait_for(lambda: pool.model("slow")["runtime_inflight"] == 1, 10, what="the slow request running")
+        chunk = b"x" * 2**20
+        until = time.monotonic() + 4
+        while time.monotonic() < until and sent < 256 * 2**20:  # far past any buffer, at most 256 MiB
+            try:
+                sent += s.send(chunk)
+            except TimeoutError:
+                continue  # the pool reads nothing: the kernel's buffers stay full
+        health_within_a_second(pool, "127.0.0.22")
+        grown = supervisor.memory_info().rss - rss_before
+    finally:
+        s.close()
+    assert sent < 64 * 2**20, f"the pool read {sent >> 20} MiB of a pipelined body"
+    assert grown < RSS_SLACK, f"supervisor RSS grew {grown >> 20} MiB"
+    wait_for(lambda: pool.model("slow")["runtime_inflight"] == 0, 10, what="the slow request cancelled")
+
+
+def test_a_body_on_a_route_that_takes_none_is_not_waited_for(pool):
+    """GET /health (and /ready, /metrics, /ui) declaring a body it never sends: answered at
+    once, and the connection closed (nothing of the body is read)."""
+    for path in ("/health", "/ready", "/metrics", "/ui"):
+        with connect(pool, "127.0.0.23", timeout=1.0) as s:
+            s.sendall(f"GET {path} HTTP/1.1\r\nHost: localhost:{pool.port}\r\nAuthorization: Bearer {ADMIN}\r\n"
+                      f"Content-Length: 100\r\n\r\n".encode())
+            answer = b""
+            while piece := s.recv(65536):  # to the close
+                answer += piece
+        assert answer.split(b"\r\n")[0].split(b" ")[1] in (b"200", b"307"), (path, answer[:300])
+        assert b"connection: close" in answer.lower()
+
+
+def test_connections_waiting_for_bodies_lock_nobody_out(pool):
+    """Five addresses, each at its per-client cap, every connection a keyed chat head waiting
+    for a body it never sends (busy, not idle): the pool fills, then a newcomer's /health is
+    answered within a second: the client that holds the most gives way, whatever its phase."""
+    head = (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {KEY_B}\r\nContent-Length: 100\r\n\r\n").encode()
+    sockets = []
+    try:
+        for i in range(5 * PER_CLIENT):
+            s = connect(pool, f"127.0.2.{i % 5 + 1}")
+            sockets.append(s)
+            try:
+                s.sendall(head)
+            except (ConnectionResetError, BrokenPipeError):
+                pass  # refused: its address holds as many as any other
+        for i in range(5):
+            health_within_a_second(pool, f"127.0.3.{i + 1}")
+    finally:
+        for s in sockets:
+            s.close()

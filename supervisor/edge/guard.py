@@ -25,6 +25,7 @@ from supervisor.tenants import UNKNOWN_KEY
 
 # an unknown path: the app's own 404, given before the body is read
 NOT_FOUND = {"error": {"message": "Not Found", "type": "not_found_error", "param": None, "code": None}}
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})  # the methods whose routes may take a body
 ANTHROPIC_PATHS = ("/v1/messages",)  # the Messages surface answers in Anthropic's envelope
 TENANT_KEY = "llm_pool.tenant"  # in the ASGI scope of each keyed request: admission.Tenant
 
@@ -85,7 +86,10 @@ class HttpEdge:
     admin key it is closed to every key.
 
     Route: a path no route of the app takes is answered 404 before its body is
-    read. Errors on /v1/messages take Anthropic's envelope, the rest OpenAI's.
+    read. A body is read only for a route that takes one (an inference POST, a
+    POST/PUT/PATCH/DELETE route of the app), after the key is checked; any other
+    request runs without its body, and a body it declared closes the connection
+    after the answer. Errors on /v1/messages take Anthropic's envelope, the rest OpenAI's.
 
     Browser rules for the admin surface, keys or not (a web page must not drive
     it, whether cross-site or by DNS rebinding): the Host must be localhost,
@@ -126,7 +130,7 @@ class HttpEdge:
         self.buffered = 0  # bytes of the bodies being read now
         self.admission = admission
         self.admin = [admin_key.encode()] if admin_key else []
-        self._static: set[str] | None = None  # the app's paths, known at its first request
+        self._static: dict[str, set[str] | None] | None = None  # the app's paths -> methods (None: any), at first
         self._dynamic: list = []
         self.allowed_hosts = frozenset(h.lower() for h in server.allowed_hosts)
         host = server.host.lower()
@@ -181,9 +185,12 @@ class HttpEdge:
             send = self.admission.with_limit_headers(tenant, send)
         app = (self.inference.get(scope["path"]) if scope["method"] == "POST" else None)
         if app is None:
-            if not self._routed(scope):  # its body is not worth reading
+            takes_body = self._takes_body(scope)
+            if takes_body is None:  # its body is not worth reading
                 return await JSONResponse(NOT_FOUND, status_code=404)(scope, receive, send)
             app = self.app
+            if not takes_body:
+                return await self._without_body(scope, receive, send)
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > self.limit:
                 return await error_response(self._too_large_error(), scope["path"])(scope, receive, send)
@@ -203,22 +210,55 @@ class HttpEdge:
 
         return await app(scope, replay, send)
 
-    def _routed(self, scope) -> bool:
-        """Whether a route of the app takes this path (any method: a wrong one is the app's 405).
-        A path with a trailing slash counts as without (the app redirects it)."""
+    def _takes_body(self, scope) -> bool | None:
+        """None when no route of the app takes this path (any method: a wrong one is the app's
+        405); else whether the route of this path and method takes a body (POST, PUT, PATCH or
+        DELETE, on a route with that method). A path with a trailing slash counts as without
+        (the app redirects it, taking no body)."""
         if self._static is None:
-            self._static = set()
+            self._static = {}
             self._dynamic = []
             for route in self.app.routes:
-                path = getattr(route, "path", None)
+                path, methods = getattr(route, "path", None), getattr(route, "methods", None)
                 if path is not None and "{" not in path and not isinstance(route, Mount):
-                    self._static.add(path)
+                    known = self._static.get(path, set())
+                    self._static[path] = None if known is None or methods is None else known | methods
                 else:
                     self._dynamic.append(route)
-        path = scope["path"]
-        if path in self._static or (path.endswith("/") and path[:-1] in self._static):
-            return True
-        return any(route.matches(scope)[0] is not Match.NONE for route in self._dynamic)
+        path, method = scope["path"], scope["method"]
+        if path in self._static:
+            methods = self._static[path]
+            return method in BODY_METHODS and (methods is None or method in methods)
+        if path.endswith("/") and path[:-1] in self._static:
+            return False
+        found = None
+        for route in self._dynamic:
+            match = route.matches(scope)[0]
+            if match is Match.FULL:
+                return method in BODY_METHODS and not isinstance(route, Mount)
+            if match is Match.PARTIAL:
+                found = False
+        return found
+
+    async def _without_body(self, scope, receive, send):
+        """A route that takes no body: the app runs with none, nothing of one is read. A body the
+        request declared anyway is never read: the connection closes after the answer."""
+        declared = any((name == b"content-length" and value not in (b"0", b"")) or name == b"transfer-encoding"
+                       for name, value in scope["headers"])
+        given = False
+
+        async def no_body():
+            nonlocal given
+            if not given:
+                given = True
+                return {"type": "http.request", "body": b"", "more_body": False}
+            return await receive()  # disconnect notices pass through
+
+        def closing(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+            return send(message)
+        return await self.app(scope, no_body, closing if declared else send)
 
     async def _read_body(self, receive) -> bytes | PoolError | None:
         """The whole body; a PoolError when it is over a bound; None when the client left."""
