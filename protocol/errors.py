@@ -39,6 +39,7 @@ class ErrorCode(StrEnum):
     LOAD_FAILED = "load_failed"
     INSUFFICIENT_MEMORY = "insufficient_memory"  # the model does not fit the memory budget now
     PROTOCOL_ERROR = "protocol_error"
+    INTERNAL_ERROR = "internal_error"  # a fault of the pool's own (an exception in a handler)
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -71,6 +72,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.RUNTIME_ERROR: 502,
     ErrorCode.PROTOCOL_ERROR: 502,
     ErrorCode.RUNTIME_TIMEOUT: 504,
+    ErrorCode.INTERNAL_ERROR: 500,
 }
 
 # OpenAI "type" field of the envelope, by status class.

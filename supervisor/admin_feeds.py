@@ -93,14 +93,17 @@ async def admin_requests(request: Request, model: str | None = Query(None, max_l
     return {"requests": rows, "more": more, "dropped": log.dropped}
 
 
-STORIES_MAX = 5  # the newest rows of one request id (a client may send the same id again)
+# the newest rows of one request id, of each tenant (a client may send the same id again; a tenant's
+# id is its own, so that another tenant sending it pushes out none of its rows), and in all
+STORIES_MAX = 5
+STORIES_MAX_ROWS = 50
 
 
 @router.get("/admin/requests/story")
 async def admin_request_story(request: Request, id: str | None = Query(None, max_length=MAX_ID_CHARS),
                               row: int | None = Query(None, ge=0, le=ROW_ID_MAX)):
     """The whole story of a request (request_story.py): of the row `row`, or of the newest
-    rows (STORIES_MAX) with request id `id`."""
+    rows with request id `id` (STORIES_MAX of each tenant's)."""
     if (id is None) == (row is None):
         raise PoolError(ErrorCode.INVALID_REQUEST, "name a request: id (its x-request-id) or row", param="id")
     activity = request.app.state.activity
@@ -108,7 +111,7 @@ async def admin_request_story(request: Request, id: str | None = Query(None, max
         rows, _ = await asyncio.to_thread(activity.requests.page, after_id=row - 1, limit=1)
         rows = [r for r in rows if r["id"] == row]
     else:
-        rows, _ = await asyncio.to_thread(activity.requests.page, request_id=id, limit=STORIES_MAX)
+        rows = await asyncio.to_thread(activity.requests.newest_of_id, id, STORIES_MAX, STORIES_MAX_ROWS)
     engine = request.app.state.engine
     stories = [await asyncio.to_thread(request_story.story, r, engine, activity.events) for r in rows]
     return {"stories": [{"row": r, "story": s} for r, s in zip(rows, stories)]}

@@ -21,7 +21,7 @@ from supervisor.admission import DEFAULT_TENANT, Admission
 from supervisor.config import PoolConfig
 from supervisor.anthropic_shapes import anthropic_model_page
 from supervisor.engine import ModelRouterEngine
-from supervisor.edge.guard import TENANT_KEY, HttpEdge, error_response, tenant_name
+from supervisor.edge.guard import TENANT_KEY, HttpEdge, error_response, internal_error, tenant_name
 from supervisor.edge.inference import InferenceSurface
 from supervisor.live import Activity
 from supervisor.loop_lag import LoopLag
@@ -68,12 +68,19 @@ def create_app(config: PoolConfig) -> HttpEdge:
     app.include_router(ui.router)
     edge = HttpEdge(app, server=config.server, admission=admission, admin_key=admin_key,
                     inference=inference,
-                    on_key_refused=metrics.key_refused)  # counted; logged at a bounded rate
+                    on_key_refused=metrics.key_refused,  # counted; logged at a bounded rate
+                    on_failure=lambda path, err, tenant: metrics.request(None, path, err.status, error=err,
+                                                                         tenant=tenant))
 
     # -- errors -------------------------------------------------------------------------------
     @app.exception_handler(PoolError)
     async def _pool_error(request: Request, exc: PoolError):
         return error_response(exc)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        # Starlette answers with this, then raises on: the edge logs it and writes its row
+        return error_response(internal_error(exc), request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):

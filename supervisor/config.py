@@ -76,8 +76,9 @@ class ServerConfig(_Strict):
     # at the cap, idle connections (and ones with no whole request yet) are closed, oldest first;
     # a new one is refused only when every open one is busy
     max_connections: int = Field(1000, ge=1, le=1_000_000)
-    # per client address, the same way; behind a reverse proxy every client is the proxy: raise it
-    max_connections_per_client: int = Field(512, ge=1, le=1_000_000)
+    # per client address, the same way, well under max_connections (no one address can hold the
+    # pool); behind a reverse proxy every client is the proxy: raise it
+    max_connections_per_client: int = Field(256, ge=1, le=1_000_000)
     max_pipelined_requests: int = Field(8, ge=1, le=1024)  # read but unanswered, per connection; then reading waits
     # a response (a stream above all) that the client has not read for this long: the connection
     # is closed and its job cancelled (nginx's send_timeout)

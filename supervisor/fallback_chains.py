@@ -58,6 +58,7 @@ class Chain:
         self.tried: list[tuple[str, str | None]] = []  # (model, its error code; None: it served)
         self.pending: list[str] = [first]
         self.last_job = None  # the job of the model tried last, once admitted
+        self.deadline: float | None = None  # monotonic: the whole chain's (the first model's request_timeout_s)
 
     def next_after(self, err: PoolError | None) -> str | None:
         """The next model to try after the last one failed with `err` (None: the first); None

@@ -108,8 +108,10 @@ class Activity:
 
     # -- finished requests (from Metrics, on the event loop) ---------------------------------------
     def finished(self, model: str | None, endpoint: str, status: int, job: Job | None = None,
-                 done: Done | None = None, error: PoolError | None = None, tenant: str | None = None) -> None:
-        """One row for the request log (in COLUMNS order). On every request's path: kept cheap."""
+                 done: Done | None = None, error: PoolError | None = None, tenant: str | None = None,
+                 fallback_chain: str | None = None) -> None:
+        """One row for the request log (in COLUMNS order). On every request's path: kept cheap.
+        `fallback_chain`: what a request tried that no model served (else the job's chain says)."""
         queued = ttft = duration = tokens_in = tokens_out = prompt = output = cached = prefill = decode = None
         if done is not None:
             usage = done.usage
@@ -141,8 +143,8 @@ class Activity:
                               error and error.message, queued, ttft, duration, tokens_in, tokens_out, prompt, output,
                               job.tenant if job is not None else tenant, cached, prefill, decode,
                               REQUEST_ID.get(), job.replica.name if job is not None and job.replica else None,
-                              job.chain.text() if job is not None and job.chain and job.chain.fell_back else None,
-                              SKIPPED_TOOLS.get()))
+                              job.chain.text() if job is not None and job.chain and job.chain.fell_back
+                              else fallback_chain, SKIPPED_TOOLS.get()))
 
     # -- live samples ----------------------------------------------------------------------------
     def sample(self) -> dict:

@@ -16,7 +16,7 @@ class ThrottledLog:
         self.every_s = every_s
         self._last: dict[str, tuple[float, int]] = {}  # kind -> (when last logged, skipped since)
 
-    def warning(self, kind: str, message: str, *args) -> None:
+    def warning(self, kind: str, message: str, *args, level: int = logging.WARNING, exc_info=None) -> None:
         now = time.monotonic()
         last, skipped = self._last.get(kind, (None, 0))
         if last is not None and now - last < self.every_s:
@@ -25,4 +25,5 @@ class ThrottledLog:
         if len(self._last) >= MAX_KINDS:
             self._last.clear()
         self._last[kind] = (now, 0)
-        self.log.warning(message + (f" ({skipped} more like it since)" if skipped else ""), *args)
+        self.log.log(level, message + (f" ({skipped} more like it since)" if skipped else ""), *args,
+                     exc_info=exc_info)

@@ -94,10 +94,11 @@ class Metrics:
 
     def request(self, model: str | None, endpoint: str, status: int, job: Job | None = None,
                 done: Done | None = None, error: PoolError | None = None, tenant: str | None = None,
-                logged: bool = True) -> None:
+                logged: bool = True, fallback_chain: str | None = None) -> None:
         """Count one request; `endpoint` is a label from ENDPOINTS or an inference path.
         `tenant`: who asked, when the request was refused before it had a job. `logged`:
-        whether it goes to the request log too (on_finished)."""
+        whether it goes to the request log too (on_finished). `fallback_chain`: the models a
+        request tried that every one failed (Chain.text)."""
         if endpoint not in _ENDPOINT_LABELS:
             endpoint = ENDPOINTS.get(endpoint, OTHER_ENDPOINT)
         model = self.engine.aliases.get(model, model)  # an alias counts, and is logged, as its model
@@ -112,7 +113,7 @@ class Metrics:
         if tenant is not None and tenant != UNKNOWN_KEY:  # labels: configured names only
             self._child(self.tenant_requests, self._tenant(tenant), label, str(status)).inc()
         if logged and self.on_finished is not None:
-            self.on_finished(model, endpoint, status, job, done, error, tenant)
+            self.on_finished(model, endpoint, status, job, done, error, tenant, fallback_chain)
 
     def client_gone(self, job: Job, endpoint: str) -> None:
         """The client left before its answer was complete: counted, and logged, as

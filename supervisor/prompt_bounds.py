@@ -14,19 +14,18 @@ TEXT_FIELDS = ("prompt", "input", "content", "tokens", "query", "documents", "sy
 
 
 def check_prompt_bounds(cfg: ModelConfig, request: dict) -> None:
-    """400 for a prompt over the model's max_messages or max_prompt_chars (chat
-    messages, a legacy completion's prompt, or an embedding's input)."""
+    """400 for a prompt over the model's max_messages, max_content_parts or max_prompt_chars
+    (chat or Anthropic messages, a legacy completion's prompt, an embedding's input, the
+    runtime's own calls). Content parts: every block (an object) in a message's content, an
+    Anthropic `system`, a prompt field, or a block's own content, and every tool."""
     messages = request.get("messages") or []
     if len(messages) > cfg.max_messages:
         raise PoolError(ErrorCode.INVALID_REQUEST, f"{len(messages)} messages, over model {cfg.name!r}'s "
                         f"max_messages ({cfg.max_messages})", param="messages")
-    chars = sum(_text_chars(request.get(key)) for key in TEXT_FIELDS)
-    parts = 0
-    for m in messages:
-        if isinstance(m, dict):
-            content = m.get("content")
-            chars += _text_chars(content)
-            parts += len(content) if isinstance(content, list) else 0
+    tools = request.get("tools")
+    chars, parts = _measure([request.get(key) for key in TEXT_FIELDS]
+                            + [m.get("content") for m in messages if isinstance(m, dict)])
+    parts += len(tools) if isinstance(tools, list) else 0
     if parts > cfg.max_content_parts:
         raise PoolError(ErrorCode.INVALID_REQUEST, f"{parts} content parts, over model {cfg.name!r}'s "
                         f"max_content_parts ({cfg.max_content_parts})", param="messages")
@@ -36,19 +35,27 @@ def check_prompt_bounds(cfg: ModelConfig, request: dict) -> None:
                         param="messages" if messages else next((k for k in TEXT_FIELDS if k in request), "prompt"))
 
 
-def _text_chars(content) -> int:
-    """Size of a message's content or a prompt: a string's characters, a list of
-    strings, content parts or blocks (their text, an Anthropic thinking block's thinking,
-    a tool_result's own content), token ids (one each) or token-id lists."""
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):
-        return sum(_text_chars(part) if isinstance(part, (str, list))
-                   else _block_chars(part) if isinstance(part, dict) else 1 for part in content)
-    return 0
-
-
-def _block_chars(block: dict) -> int:
-    text, thinking = block.get("text"), block.get("thinking")
-    return (len(text) if isinstance(text, str) else 0) + (len(thinking) if isinstance(thinking, str) else 0) \
-        + _text_chars(block.get("content"))
+def _measure(contents: list) -> tuple[int, int]:
+    """(characters, blocks) of these contents, walked with a stack (a body nested deep costs
+    no recursion): a string's characters; in a list, strings, nested lists, token ids (one
+    each) and blocks: an object, counted as a part, whose text, an Anthropic thinking
+    block's thinking and its own content (a tool_result's) count."""
+    chars = parts = 0
+    stack = [c for c in contents if isinstance(c, (str, list))]
+    while stack:
+        content = stack.pop()
+        if isinstance(content, str):
+            chars += len(content)
+            continue
+        for part in content:
+            if isinstance(part, (str, list)):
+                stack.append(part)
+            elif isinstance(part, dict):
+                parts += 1
+                text, thinking, inner = part.get("text"), part.get("thinking"), part.get("content")
+                chars += (len(text) if isinstance(text, str) else 0) + (len(thinking) if isinstance(thinking, str) else 0)
+                if isinstance(inner, (str, list)):
+                    stack.append(inner)
+            else:
+                chars += 1
+    return chars, parts

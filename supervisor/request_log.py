@@ -250,6 +250,18 @@ class RequestLog:
                               (since, limit)).fetchall()
         return [{"tenant": tenant, "4xx": client, "5xx": server} for tenant, client, server in rows]
 
+    def newest_of_id(self, request_id: str, per_tenant: int, max_rows: int) -> list[dict]:
+        """The newest `per_tenant` rows with this request id of each tenant (a client's id is its
+        own: another tenant sending the same id pushes none of them out), newest first, at most
+        `max_rows` in all."""
+        sql = ("SELECT * FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY tenant ORDER BY id DESC) AS nth "
+               "FROM requests WHERE request_id = ?) WHERE nth <= ? ORDER BY id DESC LIMIT ?")
+        with closing(self._connect()) as db:
+            rows = [dict(r) for r in db.execute(sql, (request_id, per_tenant, max_rows))]
+        for r in rows:
+            del r["nth"]
+        return _with_speeds(rows)
+
     def query(self, **filters) -> list[dict]:
         """The rows of one page (see page)."""
         return self.page(**filters)[0]
@@ -306,8 +318,14 @@ class RequestLog:
                 rows.append(row)
         if after_id is not None:
             rows.reverse()
-        for r in rows:  # output tokens over the whole request (the time to the first one included)
-            seconds = (r["duration_ms"] or 0) / 1000
-            r["tokens_per_s"] = round(r["tokens_out"] / seconds, 1) if r["tokens_out"] and seconds > 0 else None
-            r.update(speeds(r))
-        return rows, more
+        return _with_speeds(rows), more
+
+
+def _with_speeds(rows: list[dict]) -> list[dict]:
+    """The rows with their speeds added (`speeds`), and output tokens a second over the
+    whole request (the time to the first one included)."""
+    for r in rows:
+        seconds = (r["duration_ms"] or 0) / 1000
+        r["tokens_per_s"] = round(r["tokens_out"] / seconds, 1) if r["tokens_out"] and seconds > 0 else None
+        r.update(speeds(r))
+    return rows

@@ -88,6 +88,7 @@ def _room_for_connections(connections: int) -> None:
 
 def run(cfg: PoolConfig, log_level: str = "info") -> None:
     app = create_app(cfg)
+    app.connection_required = True  # served by bounded_protocol's connections: each comes in its scope
     # What exists now (modules, the app, its models) lives as long as the process: out of the
     # collector's sight, a full collection walks only what requests make, not the whole heap
     # (a pause of milliseconds between two tokens otherwise)

@@ -9,6 +9,7 @@ each request's and all together. The bytes came through supervisor/edge/listener
 from __future__ import annotations
 
 import ipaddress
+import logging
 from urllib.parse import urlsplit
 
 from fastapi.responses import JSONResponse
@@ -18,13 +19,14 @@ from protocol.errors import ErrorCode, PoolError
 from supervisor.admission import Admission, key_matches, presented_key
 from supervisor.anthropic_shapes import error_envelope
 from supervisor.config import ServerConfig
-from supervisor.edge.listener import DISCONNECT_KEY, current_connection, warnings
+from supervisor.edge.listener import DISCONNECT_KEY, connection_of, warnings
 from supervisor.edge.request_ids import REQUEST_ID, SKIPPED_TOOLS, request_id, with_request_id
 from supervisor.request_bounds import echo
 from supervisor.tenants import UNKNOWN_KEY
 
 # an unknown path: the app's own 404, given before the body is read
 NOT_FOUND = {"error": {"message": "Not Found", "type": "not_found_error", "param": None, "code": None}}
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})  # the methods whose routes may take a body
 ANTHROPIC_PATHS = ("/v1/messages",)  # the Messages surface answers in Anthropic's envelope
 TENANT_KEY = "llm_pool.tenant"  # in the ASGI scope of each keyed request: admission.Tenant
 
@@ -82,6 +84,13 @@ def websocket_refusal(scope) -> PoolError | None:
                      "send the request over HTTP")
 
 
+def internal_error(exc: Exception) -> PoolError:
+    """The contract's 500 for an exception in a handler (the app's own handler answers with it
+    too, for its routes: api.py)."""
+    return PoolError(ErrorCode.INTERNAL_ERROR, f"the pool failed to answer: an internal error "
+                     f"({type(exc).__name__}; the supervisor's log has it, x-request-id {REQUEST_ID.get()})")
+
+
 class HttpEdge:
     """Every request's first layer: who may call what, checked before anything
     reads the request, then the body bounds. One pure ASGI layer (each layer
@@ -94,7 +103,10 @@ class HttpEdge:
     admin key it is closed to every key.
 
     Route: a path no route of the app takes is answered 404 before its body is
-    read. Errors on /v1/messages take Anthropic's envelope, the rest OpenAI's.
+    read. A body is read only for a route that takes one (an inference POST, a
+    POST/PUT/PATCH/DELETE route of the app), after the key is checked; any other
+    request runs without its body, and a body it declared closes the connection
+    after the answer. Errors on /v1/messages take Anthropic's envelope, the rest OpenAI's.
 
     Browser rules for the admin surface, keys or not (a web page must not drive
     it, whether cross-site or by DNS rebinding): the Host must be localhost,
@@ -108,26 +120,34 @@ class HttpEdge:
     that would go over is refused with 429 and Retry-After. The request goes
     on to `app` with its body in one message.
 
-    The connection (BoundedConnection) tells the request's handler when its
-    client goes: `scope[DISCONNECT_KEY]`.
+    The connection (BoundedConnection) comes in the request's scope (listener.connection_of)
+    and tells the request's handler when its client goes: `scope[DISCONNECT_KEY]`.
+
+    A handler that raises (a fault of the pool's own) gets the contract's 500
+    (`internal_error`) in the path's envelope, a request-log row, and its traceback in the
+    log at most once per 10 s for each place it was raised.
 
     Inference POSTs go straight to their endpoint in `inference`, every other
     request to `app`. Every answer from here on carries the request's id
     (request_ids.py; the listener's own refusals, before a request is whole, do not)."""
 
     def __init__(self, app, server: ServerConfig, admission: Admission, admin_key: str | None,
-                 inference: dict | None = None, on_key_refused=None) -> None:
+                 inference: dict | None = None, on_key_refused=None, on_failure=None) -> None:
         self.app = app
         self.inference = inference or {}  # path -> the ASGI endpoint of its POST
         # on_key_refused(path, error, tenant): a /v1/ request refused for its key (401); tenant is
         # UNKNOWN_KEY when a key was given that no tenant holds, None when none was given
         self.on_key_refused = on_key_refused
+        self.on_failure = on_failure  # on_failure(path, error, tenant): a handler raised (a row, 500)
+        # set where the server is BoundedConnection's (server.run): every request must come with its
+        # connection, whose count of unanswered requests only this layer brings down
+        self.connection_required = False
         self.limit = server.max_body_bytes
         self.budget = server.max_buffered_body_bytes
         self.buffered = 0  # bytes of the bodies being read now
         self.admission = admission
         self.admin = [admin_key.encode()] if admin_key else []
-        self._static: set[str] | None = None  # the app's paths, known at its first request
+        self._static: dict[str, set[str] | None] | None = None  # the app's paths -> methods (None: any), at first
         self._dynamic: list = []
         self.allowed_hosts = frozenset(h.lower() for h in server.allowed_hosts)
         host = server.host.lower()
@@ -142,17 +162,37 @@ class HttpEdge:
         token = REQUEST_ID.set(rid.decode("ascii"))
         skipped = SKIPPED_TOOLS.set(None)
         send = with_request_id(send, rid, scope["path"].startswith(ANTHROPIC_PATHS))
-        connection = current_connection.get()
+        connection = connection_of(scope)
         request = None
         if connection is not None:  # else another server than BoundedConnection's: no disconnect notice
             scope[DISCONNECT_KEY] = request = connection.begin_request()
         try:
+            if connection is None and self.connection_required:
+                raise RuntimeError("a request came without its connection (scope['state'][CONNECTION_KEY])")
             return await self._serve(scope, receive, send)
+        except Exception as exc:  # a fault of the pool's own: the contract's 500, a row, a throttled log
+            await self._failed(scope, receive, send, exc)
         finally:
             if request is not None:
                 connection.end_request(request)
             REQUEST_ID.reset(token)
             SKIPPED_TOOLS.reset(skipped)
+
+    async def _failed(self, scope, receive, send, exc: Exception) -> None:
+        """A handler raised: logged (with its traceback) at most once per 10 s for each kind,
+        one request-log row, and, unless an answer had begun, the 500 in the path's envelope."""
+        where = exc.__traceback__
+        while where.tb_next is not None:
+            where = where.tb_next
+        kind = f"{type(exc).__name__} at {where.tb_frame.f_code.co_filename}:{where.tb_lineno}"
+        rid = REQUEST_ID.get()
+        warnings.warning(f"handler {kind}", "a request's handler failed (%s %s, x-request-id %s): %s",
+                         scope["method"], scope["path"][:200], rid, kind, level=logging.ERROR, exc_info=exc)
+        err = internal_error(exc)
+        if self.on_failure is not None:
+            self.on_failure(scope["path"], err, tenant_name(scope))
+        if not send.started:
+            await error_response(err, scope["path"])(scope, receive, send)
 
     async def _serve(self, scope, receive, send):
         """Key and browser rules, the route, then the body; every refusal before the body is read."""
@@ -164,9 +204,12 @@ class HttpEdge:
             send = self.admission.with_limit_headers(tenant, send)
         app = (self.inference.get(scope["path"]) if scope["method"] == "POST" else None)
         if app is None:
-            if not self._routed(scope):  # its body is not worth reading
+            takes_body = self._takes_body(scope)
+            if takes_body is None:  # its body is not worth reading
                 return await JSONResponse(NOT_FOUND, status_code=404)(scope, receive, send)
             app = self.app
+            if not takes_body:
+                return await self._without_body(scope, receive, send)
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > self.limit:
                 return await error_response(self._too_large_error(), scope["path"])(scope, receive, send)
@@ -186,22 +229,55 @@ class HttpEdge:
 
         return await app(scope, replay, send)
 
-    def _routed(self, scope) -> bool:
-        """Whether a route of the app takes this path (any method: a wrong one is the app's 405).
-        A path with a trailing slash counts as without (the app redirects it)."""
+    def _takes_body(self, scope) -> bool | None:
+        """None when no route of the app takes this path (any method: a wrong one is the app's
+        405); else whether the route of this path and method takes a body (POST, PUT, PATCH or
+        DELETE, on a route with that method). A path with a trailing slash counts as without
+        (the app redirects it, taking no body)."""
         if self._static is None:
-            self._static = set()
+            self._static = {}
             self._dynamic = []
             for route in self.app.routes:
-                path = getattr(route, "path", None)
+                path, methods = getattr(route, "path", None), getattr(route, "methods", None)
                 if path is not None and "{" not in path and not isinstance(route, Mount):
-                    self._static.add(path)
+                    known = self._static.get(path, set())
+                    self._static[path] = None if known is None or methods is None else known | methods
                 else:
                     self._dynamic.append(route)
-        path = scope["path"]
-        if path in self._static or (path.endswith("/") and path[:-1] in self._static):
-            return True
-        return any(route.matches(scope)[0] is not Match.NONE for route in self._dynamic)
+        path, method = scope["path"], scope["method"]
+        if path in self._static:
+            methods = self._static[path]
+            return method in BODY_METHODS and (methods is None or method in methods)
+        if path.endswith("/") and path[:-1] in self._static:
+            return False
+        found = None
+        for route in self._dynamic:
+            match = route.matches(scope)[0]
+            if match is Match.FULL:
+                return method in BODY_METHODS and not isinstance(route, Mount)
+            if match is Match.PARTIAL:
+                found = False
+        return found
+
+    async def _without_body(self, scope, receive, send):
+        """A route that takes no body: the app runs with none, nothing of one is read. A body the
+        request declared anyway is never read: the connection closes after the answer."""
+        declared = any((name == b"content-length" and value not in (b"0", b"")) or name == b"transfer-encoding"
+                       for name, value in scope["headers"])
+        given = False
+
+        async def no_body():
+            nonlocal given
+            if not given:
+                given = True
+                return {"type": "http.request", "body": b"", "more_body": False}
+            return await receive()  # disconnect notices pass through
+
+        def closing(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+            return send(message)
+        return await self.app(scope, no_body, closing if declared else send)
 
     async def _read_body(self, receive) -> bytes | PoolError | None:
         """The whole body; a PoolError when it is over a bound; None when the client left."""

@@ -32,6 +32,7 @@ from supervisor.edge.schemas import document, named_model, request_body
 from supervisor.edge.streams import AnswerJSON, InferenceEndpoint, JobStream, sse_frame, watch_for_disconnect
 from supervisor.fallback_chains import Chain
 from supervisor.jobs import Job
+from supervisor.prompt_bounds import check_prompt_bounds
 from supervisor.models.capabilities import CALLS, capabilities, native_input_tokens, native_messages
 from supervisor.models.views import served_context
 from supervisor.states import JobState
@@ -137,6 +138,9 @@ class InferenceSurface:
         def job_for(model: str) -> tuple[dict, str]:  # a fallback may be of another backend
             if self._native_messages(model):
                 return ashapes.native_request(data), "messages"
+            cfg = self.model_config(model)
+            if cfg is not None:  # the body's blocks counted before translation joins them (and costs)
+                check_prompt_bounds(cfg, data)
             return ashapes.job_request_from_messages(body, data), "chat"
         return await self.serve_job(request, "messages", body, job_for,
                                     (lambda: ashapes.MessagesStream(body)) if body.stream else None,
@@ -201,8 +205,13 @@ class InferenceSurface:
         finished: no slot outlives its request."""
         asked = body.model
         chain = Chain(asked, self.model_config if job_endpoint not in CALLS else lambda name: None)
+        first_cfg = self.model_config(asked)
+        if first_cfg is not None:  # one deadline for the whole chain: the first model's
+            chain.deadline = time.monotonic() + first_cfg.request_timeout_s
         first_error = err = None
         while (model := chain.next_after(err)) is not None:
+            if err is not None and chain.deadline is not None and time.monotonic() >= chain.deadline:
+                break  # the request's time is spent: no other model gets a slot for it
             chain.attempt(model)
             if model != asked:
                 body.model = self.model_config(model).name
@@ -222,7 +231,8 @@ class InferenceSurface:
                                     param=first_error.param, retry_after_s=first_error.retry_after_s)
         tenant = request.scope.get(TENANT_KEY, DEFAULT_TENANT)
         job = None if chain.fell_back else chain.last_job  # a job's row has its times (queued, ...)
-        self.metrics.request(asked, endpoint, first_error.status, job, error=first_error, tenant=tenant.name)
+        self.metrics.request(asked, endpoint, first_error.status, job, error=first_error, tenant=tenant.name,
+                             fallback_chain=chain.text() if chain.fell_back else None)
         raise first_error
 
     async def attempt(self, request: Request, endpoint: str, model: str, job_request: dict, job_endpoint: str,
@@ -235,6 +245,8 @@ class InferenceSurface:
         job = chain.last_job = await self.admission.admit(tenant, model, job_request, job_endpoint, request.headers,
                                                           session)
         job.chain = chain
+        if chain.deadline is not None:
+            job.deadline = min(job.deadline, chain.deadline)
         streaming = None
         try:
             if sse_shape is not None:
@@ -372,6 +384,12 @@ class InferenceSurface:
 
     def end_stream(self, job: Job, endpoint: str) -> None:
         """A stream's last act, however it ended: its job is cancelled unless finished,
-        and a client that left before the end is counted."""
+        and a client that left before the end is counted: with the error the pool ended
+        the job with while the client did not read (a stream cut at max_unsent_output_bytes:
+        504 runtime_timeout), else as gone (499)."""
+        unread = job.events[-1] if job.state is JobState.FINISHED and job.events else None
         self.engine.cancel(job)
-        self.metrics.client_gone(job, endpoint)
+        if isinstance(unread, PoolError) and not job.counted:
+            self.metrics.request(job.model, endpoint, unread.status, job, error=unread)
+        else:
+            self.metrics.client_gone(job, endpoint)

@@ -9,13 +9,18 @@ that one read holds); this layer adds them:
   per client address. At either cap an idle connection (keep-alive between
   requests, or no whole request yet) is closed to make room: the oldest of
   that client's, or at the global cap the oldest of the client that holds the
-  most; a new one is refused only when every open one is busy;
+  most. At the per-client cap a new one is refused when every one of that
+  client's is busy; at the global cap, with none idle, the client that holds
+  the most gives way, whatever the phase of its oldest connection, unless the
+  newcomer's client holds as many;
 - a request's line and headers: `max_header_bytes` and `max_headers` lines
   (else 431 and close), complete within `header_timeout_s` (else closed);
 - its body complete within `body_timeout_s` of its headers (else closed);
-- pipelining: at most about `max_pipelined_requests` read but unanswered;
-  past it the rest is held (at most about `max_header_bytes` plus one read)
-  and reading stops until answers go out;
+- pipelining: one request at a time. Once a request is whole, nothing after
+  it reaches the server until it is answered; meanwhile the connection reads
+  only to see a close (when the handler listens for one), and what comes waits
+  here, at most about `max_header_bytes` plus one read and
+  `max_pipelined_requests` request heads, then reading stops;
 - a response the client does not read for `write_timeout_s` (the socket's
   send buffer stays full): the connection is closed, which ends the request's
   job (its handler hears it through `Disconnect`);
@@ -33,7 +38,6 @@ import enum
 import json
 import logging
 from asyncio import TimerHandle
-from contextvars import ContextVar
 
 import httptools
 from uvicorn.config import HTTP_PROTOCOLS
@@ -51,10 +55,16 @@ warnings = ThrottledLog(log, every_s=10.0)  # a client can make any of these at 
 DISCONNECT_KEY = "llm_pool.disconnect"  # in the ASGI scope of each request read by a BoundedConnection
 HEAD_END = b"\r\n\r\n"  # where a request's head ends (and a chunked body)
 
-# The connection whose bytes are being handed to the server's protocol. The request task that
-# the server starts then inherits it (asyncio copies the context into a new task), so that the
-# guard finds the connection of the request it serves.
-current_connection: ContextVar[BoundedConnection | None] = ContextVar("llm_pool.connection", default=None)
+# The connection of a request, in its scope's "state": uvicorn hands its protocol the lifespan
+# state (`app_state`) and copies it into each request's scope["state"] (the ASGI lifespan state:
+# a shallow copy per request). Each connection gives its own protocol that state plus itself.
+CONNECTION_KEY = "llm_pool.connection"
+
+
+def connection_of(scope) -> BoundedConnection | None:
+    """The BoundedConnection that read this request; None under another server."""
+    state = scope.get("state")
+    return state.get(CONNECTION_KEY) if state is not None else None
 
 
 class Phase(enum.Enum):
@@ -108,7 +118,7 @@ class Connections:
         if mine is not None and len(mine) >= self.bounds.max_connections_per_client:
             if not self._close_oldest_idle(mine, "max_connections_per_client"):
                 return False
-        if len(self.open) >= self.bounds.max_connections and not self._make_room():
+        if len(self.open) >= self.bounds.max_connections and not self._make_room(connection.client):
             return False
         self.open[connection] = None
         self.by_client.setdefault(connection.client, {})[connection] = None
@@ -128,13 +138,24 @@ class Connections:
             if not mine:
                 del self.by_client[connection.client]
 
-    def _make_room(self) -> bool:
+    def _make_room(self, newcomer: str) -> bool:
         """At the global cap: the oldest idle connection of the client that holds the most, so
-        that a client opening connections fast pushes out its own, not a newcomer's."""
-        for _, table in sorted(self.by_client.items(), key=lambda item: len(item[1]), reverse=True):
+        that a client opening connections fast pushes out its own, not a newcomer's; with none
+        idle, the oldest of the client that holds the most, whatever its phase (a head, a body
+        or an answer under way), when it holds more than the newcomer's client."""
+        holders = sorted(self.by_client.items(), key=lambda item: len(item[1]), reverse=True)
+        for _, table in holders:
             if self._close_oldest_idle(table, "max_connections"):
                 return True
-        return False
+        client, table = holders[0]
+        if client == newcomer or len(table) <= len(self.by_client.get(newcomer, ())) + 1:
+            return False
+        oldest = next(iter(table))
+        warnings.warning("evict busy", "closed a busy connection from %s, the client that holds the most "
+                         "(%d), to make room for %s (server.max_connections)", client, len(table), newcomer)
+        self.remove(oldest)
+        oldest.transport.abort()
+        return True
 
     def _close_oldest_idle(self, table: dict[BoundedConnection, None], cap: str) -> bool:
         oldest = next((c for c in table if c.idle()), None)
@@ -160,7 +181,10 @@ class BoundedConnection(asyncio.Protocol):
     inner_class: type[asyncio.Protocol]
 
     def __init__(self, *args, **kwargs) -> None:
-        # whatever the server passes to its protocol factory goes to its protocol, untouched
+        # what the server passes to its protocol factory goes to its protocol, the lifespan state with
+        # this connection added (the state is whole before the server accepts a connection)
+        if isinstance(kwargs.get("app_state"), dict):
+            kwargs["app_state"] = {**kwargs["app_state"], CONNECTION_KEY: self}
         self.inner = self.inner_class(*args, **kwargs)
         self.bounds = self.connections.bounds
         self.transport: CoalescedWrites | None = None
@@ -238,24 +262,22 @@ class BoundedConnection(asyncio.Protocol):
 
     # -- reading ------------------------------------------------------------------------------------------
     def _consume(self, data: bytes) -> None:
-        """Hand `data` on, a request at a time once the pipelining bound is near; what is
-        left at the bound waits in the backlog."""
-        limit = self.bounds.max_pipelined_requests
+        """Hand `data` on up to the end of the request being read; once it is whole, what follows
+        waits in the backlog until it is answered (no byte of a pipelined request reaches the
+        server before the answer to the one before it)."""
         while data:
-            if self._unanswered >= limit and self._phase is not Phase.BODY:
+            if self._unanswered and self._phase is not Phase.BODY:
                 self._backlog = data
                 return self._set_reading()
-            if self._unanswered + data.count(HEAD_END) < limit:
-                piece, data = data, b""  # the usual case: all of it at once
-            else:
-                cut = self._body_left if self._phase is Phase.BODY and self._body_left else None
-                if cut is None:
-                    end = data.find(HEAD_END)
-                    cut = len(data) if end < 0 else end + len(HEAD_END)
-                piece, data = data[:cut], data[cut:]
+            cut = self._body_left if self._phase is Phase.BODY and self._body_left else None
+            if cut is None:
+                end = data.find(HEAD_END)
+                cut = len(data) if end < 0 else end + len(HEAD_END)
+            piece, data = data[:cut], data[cut:]
             data = self._take(piece) + data
             if self.transport.is_closing():
                 return
+        self._set_reading()  # a request became whole: reading stops unless its handler listens
 
     def _take(self, data: bytes) -> bytes:
         """Bound the header bytes, then feed; returns what was not fed (after an upgrade)."""
@@ -296,11 +318,7 @@ class BoundedConnection(asyncio.Protocol):
                 self._answer_and_close(PoolError(ErrorCode.INVALID_REQUEST,
                                                  f"invalid HTTP request: {str(exc).rstrip('.')}"), "invalid_http")
             return b""
-        token = current_connection.set(self)
-        try:
-            self.inner.data_received(data)
-        finally:
-            current_connection.reset(token)
+        self.inner.data_received(data)
         if rest or self._timer is not None or self.transport.is_closing():
             return rest
         if self._phase is Phase.BODY:
@@ -315,16 +333,20 @@ class BoundedConnection(asyncio.Protocol):
         self._set_reading()
 
     def _set_reading(self) -> None:
-        """Read when the server wants to or a handler listens for a close, and the
-        backlog is under its bound."""
-        want = (self._server_reading or self._listening) and len(self._backlog) < self.bounds.max_header_bytes
+        """Read when the server wants to; while a whole request is being answered, only when its
+        handler listens for a close, and what comes then waits in the backlog, within its bounds
+        (about max_header_bytes, and max_pipelined_requests request heads)."""
+        answering = self._unanswered and self._phase is not Phase.BODY
+        want = ((self._listening if answering else self._server_reading)
+                and len(self._backlog) < self.bounds.max_header_bytes
+                and self._backlog.count(HEAD_END) < self.bounds.max_pipelined_requests)
         if want != self._reading and not self.transport.is_closing():
             self._reading = want
             self.transport.read(want)
 
     def _release(self) -> None:
-        """Answers went out: hand on what waits, as far as the bound allows."""
-        if self._backlog and self._unanswered < self.bounds.max_pipelined_requests and not self.transport.is_closing():
+        """The answer went out: hand on what waits, up to the end of its first request."""
+        if self._backlog and not self._unanswered and not self.transport.is_closing():
             data, self._backlog = self._backlog, b""
             self._consume(data)
             self._set_reading()
@@ -399,8 +421,6 @@ class BoundedConnection(asyncio.Protocol):
 
     def _body_timeout(self) -> None:
         self._timer = None
-        if self._unanswered > 1:  # this body's request waits behind another: its body is not read yet
-            return self._arm(self.bounds.body_timeout_s, self._body_timeout)
         warnings.warning("body_timeout", "closed a connection from %s: body not complete within %gs",
                          self.client, self.bounds.body_timeout_s)
         self.transport.abort()

@@ -43,7 +43,8 @@ def fresh_id() -> bytes:
 
 def with_request_id(send, rid: bytes, anthropic: bool):
     """`send` that adds the id's headers to the response's start, and the skipped tools'
-    (SKIPPED_TOOLS, read then). A plain function that returns `send`'s awaitable: no
+    (SKIPPED_TOOLS, read then), and says (its `started`) whether a response has begun. A plain
+    function that returns `send`'s awaitable: no
     coroutine of its own for each body chunk."""
     extra = [(HEADER, rid), (ANTHROPIC_HEADER, rid)] if anthropic else [(HEADER, rid)]
 
@@ -52,5 +53,7 @@ def with_request_id(send, rid: bytes, anthropic: bool):
             skipped = SKIPPED_TOOLS.get()
             more = [(SKIPPED_HEADER, skipped.encode())] if skipped else []
             message = {**message, "headers": [*message.get("headers", ()), *extra, *more]}
+            send_with_id.started = True
         return send(message)
+    send_with_id.started = False
     return send_with_id

@@ -75,15 +75,38 @@ def request_body(raw: bytes, content_type: str | None, model: type[msgspec.Struc
                         f"got {(content_type or 'no Content-Type')[:100]!r}")
     try:
         data = _decode(raw)
-    except (msgspec.DecodeError, RecursionError):
+    except RecursionError:
+        raise _too_deep() from None
+    except msgspec.DecodeError:
         data = _lenient_decode(raw)  # NaN, Infinity or huge numbers: the field's range refuses them below
     if not isinstance(data, dict):
         raise PoolError(ErrorCode.INVALID_REQUEST, f"body: Expected `object`, got `{type(data).__name__}`")
+    check_depth(data)
     try:
         return msgspec.convert(data, model, strict=True), data
     except msgspec.ValidationError as exc:
         message, param = _located(str(exc))
         raise PoolError(ErrorCode.INVALID_REQUEST, f"{param or 'body'}: {message}", param=param) from None
+
+
+MAX_DEPTH = 64  # lists and objects inside one another; a JSON Schema in `tools` nests far less
+
+
+def check_depth(data) -> None:
+    """400 for a body nested deeper than MAX_DEPTH, found level by level (no recursion), so
+    that nothing after it (the prompt bounds, a translation, msgpack) recurses that deep."""
+    level = [data]
+    for _ in range(MAX_DEPTH):
+        level = [child for node in level for child in (node.values() if type(node) is dict else node)
+                 if type(child) is list or type(child) is dict]
+        if not level:
+            return
+    raise _too_deep()
+
+
+def _too_deep() -> PoolError:
+    return PoolError(ErrorCode.INVALID_REQUEST, f"body: lists and objects nested over {MAX_DEPTH} deep",
+                     param="body")
 
 
 def _lenient_decode(raw: bytes):
@@ -94,7 +117,9 @@ def _lenient_decode(raw: bytes):
     except json.JSONDecodeError as exc:
         raise PoolError(ErrorCode.INVALID_REQUEST, f"body: not valid JSON at offset {exc.pos}: {exc.msg}",
                         param="body") from None
-    except (RecursionError, UnicodeDecodeError, ValueError):
+    except RecursionError:
+        raise _too_deep() from None
+    except (UnicodeDecodeError, ValueError):
         raise PoolError(ErrorCode.INVALID_REQUEST, "body: There was an error parsing the body",
                         param="body") from None
 
