@@ -123,7 +123,8 @@ class ModelConfig(Strict):
     replicas: int = Field(1, ge=1, le=64, description="Worker processes, each with its own runtime.")
     target_inflight: int = Field(1, ge=1, le=4096, description="Jobs one replica runs at once (llama-server: "
                                  "its slots).")
-    max_queue: int = Field(256, ge=0, description="Requests waiting for this model; beyond it 503 queue_full.")
+    max_queue: int = Field(256, ge=0, description="Requests waiting for this model; beyond it 429 queue_full "
+                           "with Retry-After.")
     # Slots above target_inflight for a light tenant (supervisor/scheduler.py): opt-in, for runtimes
     # with room above target_inflight; clamped to what the runtime reports it can run.
     newcomer_slots: int = Field(0, ge=0, le=64, description="Slots per replica above target_inflight that only "
