@@ -54,3 +54,19 @@ def test_example_config_loads(path: Path, monkeypatch):
                 monkeypatch.setenv(name.strip(), f"sk-{name.strip().lower()}")
     cfg = load_config(path)
     assert cfg.models, f"{path.name} serves no model"
+
+
+def test_protocol_page_names_every_message_and_field():
+    """docs/protocol.md is hand-written: it must name every message type, every field and
+    the version, so a new message or field cannot go unmentioned."""
+    import dataclasses
+
+    from protocol import PROTOCOL_VERSION
+    from protocol.messages import MESSAGE_TYPES
+    page = (Path(ROOT) / "docs" / "protocol.md").read_text()
+    assert f"version {PROTOCOL_VERSION}" in page
+    for tag, cls in MESSAGE_TYPES.items():
+        assert f"| `{tag}` |" in page, f"message {tag!r} is not in docs/protocol.md"
+        row = next(line for line in page.splitlines() if line.startswith(f"| `{tag}` |"))
+        for f in dataclasses.fields(cls):
+            assert f"`{f.name}`" in row, f"field {tag}.{f.name} is not in its row of docs/protocol.md"
