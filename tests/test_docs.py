@@ -70,3 +70,26 @@ def test_protocol_page_names_every_message_and_field():
         row = next(line for line in page.splitlines() if line.startswith(f"| `{tag}` |"))
         for f in dataclasses.fields(cls):
             assert f"`{f.name}`" in row, f"field {tag}.{f.name} is not in its row of docs/protocol.md"
+
+
+def _toml_blocks():
+    from tests.doc_blocks import all_blocks
+    for block in all_blocks():
+        if block.lang == "toml":
+            marks = [pytest.mark.ray] if 'placement = "ray"' in block.code else []
+            yield pytest.param(block, id=block.where, marks=marks)
+
+
+@pytest.mark.parametrize("block", list(_toml_blocks()))
+def test_toml_in_the_docs_is_valid(block):
+    """Every TOML block of the docs parses; one whose models all name a backend is a whole
+    config, and loads (placement "ray" ones in the Ray tier, which has Ray)."""
+    import tomllib
+
+    from supervisor.config import parse_config
+    raw = tomllib.loads(block.code)
+    if 'placement = "ray"' in block.code and importlib.util.find_spec("ray") is None:
+        pytest.skip("needs the ray extra (scripts/test-ray installs it)")
+    models = raw.get("models", [])
+    if models and all("backend" in m for m in models):
+        assert parse_config(raw, source=block.where).models
