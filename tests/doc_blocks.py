@@ -31,8 +31,10 @@ class Block:
 
     @property
     def key(self) -> str:
-        """The page and the block's first line: stable while the page around it changes."""
-        return f"{self.page.relative_to(ROOT)}: {self.code.splitlines()[0] if self.code.strip() else ''}"
+        """The page and the block's first command (its comment left off): stable while the
+        page around it changes."""
+        first = self.code.splitlines()[0] if self.code.strip() else ""
+        return f"{self.page.relative_to(ROOT)}: {first.split(' #')[0].strip()}"
 
     @property
     def talks_to_a_pool(self) -> bool:

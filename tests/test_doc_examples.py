@@ -27,13 +27,13 @@ FOLLOW_S = 3.0
 # Blocks that talk to a pool but cannot run in a test, each with its reason beside it
 # in the page. A new one belongs here only when it truly cannot run.
 NOT_RUN = {
-    "README.md: scripts/demo    # fresh clone -> pool serving SmolLM2-135M-Instruct on http://127.0.0.1:8000",
-    "README.md: llm-pool serve path/to/model.gguf              # named after the file, context from its header",
+    "README.md: scripts/demo",
+    "README.md: llm-pool serve path/to/model.gguf",
     "docs/api.md: export ANTHROPIC_BASE_URL=http://127.0.0.1:8000",
     "docs/development.md: scripts/setup docs",
-    "docs/getting-started.md: llm-pool serve path/to/model.gguf            # more files: more models, one llama-server each",
-    "docs/getting-started.md: llm-pool init path/to/model.gguf > pool.toml   # commented: every key it sets, and the next ones to try",
-    "docs/index.md: llm-pool serve path/to/model.gguf    # then: http://127.0.0.1:8000/v1, and the page at /ui",
+    "docs/getting-started.md: llm-pool serve path/to/model.gguf",
+    "docs/getting-started.md: llm-pool init path/to/model.gguf > pool.toml",
+    "docs/index.md: llm-pool serve path/to/model.gguf",
 }
 
 

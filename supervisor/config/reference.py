@@ -42,7 +42,7 @@ SECTIONS: list[tuple[str, type[BaseModel], str]] = [
     ("[models.ray]", RayPlacement, 'With `placement = "ray"`: what a node must have to take one replica.'),
     *((f"[models.options] for `backend = \"{name}\"`", options, f"The {name} backend's own keys.")
       for name, options in BACKEND_OPTIONS.items()),
-    ("[[tenants]]", TenantConfig, "One table per tenant (see [Replica choice and tenants](routing-and-tenants.md#tenants))."),
+    ("[[tenants]]", TenantConfig, "One table per tenant (see [Tenants](routing-and-tenants.md#tenants))."),
 ]
 
 
