@@ -172,9 +172,10 @@ class ModelConfig(Strict):
         "else least_inflight.")
     prefix_cache_tokens: int | None = Field(None, ge=1, description="Per replica, for routing \"prefix\"; "
                                             "default: the runtime's context times slots.")
-    # a tenant's or the request's x-slo-ttft-ms / x-slo-tpot-ms come before these
-    slo_ttft_ms: float | None = Field(None, gt=0, description="Default deadline for the first token.")
-    slo_tpot_ms: float | None = Field(None, gt=0, description="Default deadline per output token.")
+    slo_ttft_ms: float | None = Field(None, gt=0, description="Default first-token deadline (the request's "
+                                      "x-slo-ttft-ms and its tenant's come first).")
+    slo_tpot_ms: float | None = Field(None, gt=0, description="Default per-token deadline (the request's "
+                                      "x-slo-tpot-ms and its tenant's come first).")
     fallbacks: list[str] = Field(default_factory=list, description="Models tried in order when this one cannot "
                                  "serve a request or meet its deadline.")
     context_fallback: str | None = Field(None, description="The model that takes a request refused for its "
