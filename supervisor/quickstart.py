@@ -5,6 +5,7 @@ same pool as a commented pool.toml to grow from."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -32,7 +33,7 @@ def model_name(path: Path, taken: set[str]) -> str:
 def describe(paths: list[Path]) -> list[tuple[Path, GGUFInfo]]:
     found = []
     for path in paths:
-        path = path.expanduser().resolve()
+        path = Path(os.path.abspath(path.expanduser()))  # not resolved: a link's own name names the model
         if not path.is_file():
             raise ConfigError(f"{path}: no such file")
         try:

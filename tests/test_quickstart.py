@@ -3,6 +3,7 @@ the GGUF header they read, against the tiny GGUF and real llama-server."""
 
 from __future__ import annotations
 
+import os
 import struct
 import sys
 import tomllib
@@ -63,11 +64,14 @@ def test_init_writes_the_pool_serve_runs(tiny_gguf, tmp_path):
     direct = pool_config([Path(tiny_gguf)] * 2)
     assert [m.model_dump() for m in written.models] == [m.model_dump() for m in direct.models]
     assert [m.name for m in written.models] == ["tiny", "tiny-2"]
-    assert written.models[0].options == {"model": str(Path(tiny_gguf).resolve()), "ctx_size": 32768,
+    assert written.models[0].options == {"model": os.path.abspath(tiny_gguf), "ctx_size": 32768,
                                          "extra_args": ["--jinja"]}
     slots = parse_config(tomllib.loads(init_toml([Path(tiny_gguf)], slots=4, ctx_per_slot=1024)))
     assert slots.models[0].target_inflight == 4 and slots.models[0].options["ctx_size"] == 4096
     assert MAX_DEFAULT_CONTEXT == 32768
+    link = tmp_path / "my-chat.gguf"  # a link keeps its own name (scripts/demo links its model so)
+    link.symlink_to(tiny_gguf)
+    assert pool_config([link]).models[0].name == "my-chat"
 
 
 def test_serve_refuses_what_it_cannot_serve(tiny_gguf, tmp_path):
@@ -96,3 +100,25 @@ def test_serve_a_gguf_without_a_config(tiny_gguf, llama_server_bin, tmp_path):
         assert pool.model("tiny")["context_length"] == 32768
     finally:
         pool.stop()
+
+
+def _header_only(path: Path, context: int | None) -> Path:
+    w = gguf.GGUFWriter(str(path), "llama")
+    if context is not None:
+        w.add_context_length(context)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_the_context_is_the_files_within_a_bound(tmp_path):
+    """A 128K-token trained context would reserve gigabytes of KV cache: at most 32,768 per
+    slot unless asked; a header without one gets 4,096; --ctx-size is taken as given."""
+    long = _header_only(tmp_path / "long.gguf", 131072)
+    bare = _header_only(tmp_path / "bare.gguf", None)
+    assert read_header(long).context_length == 131072 and read_header(bare).context_length is None
+    cfg = pool_config([long, bare], slots=2)
+    assert [m.options["ctx_size"] for m in cfg.models] == [2 * MAX_DEFAULT_CONTEXT, 2 * 4096]
+    assert pool_config([long], ctx_per_slot=100_000).models[0].options["ctx_size"] == 100_000
