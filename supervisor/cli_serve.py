@@ -27,7 +27,8 @@ def _is_loopback(host: str) -> bool:
 
 GgufFiles = Annotated[list[Path] | None, typer.Argument(
     metavar="[MODEL.gguf]...", help="GGUF files to serve on llama-server, without a config file", show_default=False)]
-Slots = Annotated[int, typer.Option("--slots", min=1, max=4096, help="with GGUF files: requests each runs at once")]
+Slots = Annotated[int | None, typer.Option(
+    "--slots", min=1, max=4096, help="with GGUF files: requests each runs at once (default 1)")]
 CtxSize = Annotated[int | None, typer.Option(
     "--ctx-size", min=1, help="with GGUF files: context per slot (default: the file's, at most 32768)")]
 
@@ -37,7 +38,7 @@ def serve(files: GgufFiles = None,
           model: list[Path] = typer.Option([], "--model", "-m", help="a GGUF file to serve (repeatable)"),
           host: str | None = typer.Option(None, help="bind address (default from config: 127.0.0.1)"),
           port: int | None = typer.Option(None, help="port (default from config: 8000)"),
-          slots: Slots = 1, ctx_size: CtxSize = None,
+          slots: Slots = None, ctx_size: CtxSize = None,
           log_level: str = typer.Option("info", help="debug | info | warning | error")) -> None:
     """Run the supervisor and its HTTP API in the foreground: a config file's pool, or
     GGUF files on llama-server (name from the file, context from its header)."""
@@ -47,12 +48,16 @@ def serve(files: GgufFiles = None,
         typer.echo("llm-pool: give a config file (--config pool.toml) or GGUF files, not both"
                    if ggufs else "llm-pool: give a config file (--config pool.toml) or GGUF files to serve", err=True)
         raise typer.Exit(2)
+    if config is not None and (slots, ctx_size) != (None, None):  # said, so not dropped unsaid
+        typer.echo("llm-pool: --slots and --ctx-size are for GGUF files; a config file sets target_inflight "
+                   "and options.ctx_size", err=True)
+        raise typer.Exit(2)
     try:
         if config is not None:
             cfg = load_config(config)
         else:
             from supervisor.quickstart import pool_config
-            cfg = pool_config(ggufs, slots=slots, ctx_per_slot=ctx_size)
+            cfg = pool_config(ggufs, slots=slots or 1, ctx_per_slot=ctx_size)
     except ConfigError as exc:
         typer.echo(f"llm-pool: config error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -74,12 +79,12 @@ def serve(files: GgufFiles = None,
 
 
 def init(files: Annotated[list[Path], typer.Argument(metavar="MODEL.gguf...", help="GGUF files")],
-         slots: Slots = 1, ctx_size: CtxSize = None) -> None:
+         slots: Slots = None, ctx_size: CtxSize = None) -> None:
     """Print a commented pool.toml serving these GGUF files: llm-pool init *.gguf > pool.toml"""
     from supervisor.config import ConfigError
     from supervisor.quickstart import init_toml
     try:
-        typer.echo(init_toml(files, slots=slots, ctx_per_slot=ctx_size), nl=False)
+        typer.echo(init_toml(files, slots=slots or 1, ctx_per_slot=ctx_size), nl=False)
     except ConfigError as exc:
         typer.echo(f"llm-pool: {exc}", err=True)
         raise typer.Exit(2) from None

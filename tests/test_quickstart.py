@@ -77,6 +77,7 @@ def test_init_writes_the_pool_serve_runs(tiny_gguf, tmp_path):
 def test_serve_refuses_what_it_cannot_serve(tiny_gguf, tmp_path):
     for args, text in [(("serve",), "give a config file"),
                        (("serve", tiny_gguf, "--config", "x.toml"), "not both"),
+                       (("serve", "--config", "x.toml", "--slots", "2"), "--slots and --ctx-size are for GGUF"),
                        (("serve", str(tmp_path / "missing.gguf")), "no such file"),
                        (("serve", "--model", str(Path(__file__))), "not a GGUF file"),
                        (("init", str(tmp_path)), "no such file")]:
