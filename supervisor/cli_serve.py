@@ -26,7 +26,7 @@ def _is_loopback(host: str) -> bool:
 
 
 GgufFiles = Annotated[list[Path] | None, typer.Argument(
-    metavar="[MODEL.gguf]...", help="GGUF files to serve on llama-server, without a config file", show_default=False)]
+    metavar="MODEL.gguf", help="GGUF files to serve on llama-server, without a config file", show_default=False)]
 Slots = Annotated[int | None, typer.Option(
     "--slots", min=1, max=4096, help="with GGUF files: requests each runs at once (default 1)")]
 CtxSize = Annotated[int | None, typer.Option(
@@ -78,7 +78,7 @@ def serve(files: GgufFiles = None,
     run(cfg, log_level)
 
 
-def init(files: Annotated[list[Path], typer.Argument(metavar="MODEL.gguf...", help="GGUF files")],
+def init(files: Annotated[list[Path], typer.Argument(metavar="MODEL.gguf", help="GGUF files")],
          slots: Slots = None, ctx_size: CtxSize = None) -> None:
     """Print a commented pool.toml serving these GGUF files: llm-pool init *.gguf > pool.toml"""
     from supervisor.config import ConfigError
