@@ -78,3 +78,19 @@ def test_toml_in_the_docs_is_valid(block):
     models = raw.get("models", [])
     if models and all("backend" in m for m in models):
         assert parse_config(raw, source=block.where).models
+
+
+def test_the_readmes_links_lead_somewhere():
+    """The README is not part of the site (mkdocs checks the site's links): its links into
+    docs/ name pages that exist and headings they have."""
+    import re
+    readme = (Path(ROOT) / "README.md").read_text()
+    links = re.findall(r"\]\((docs/[^)#]+)(?:#([^)]+))?\)", readme)
+    assert len(links) >= 10, links
+    for target, anchor in links:
+        page = Path(ROOT) / target
+        assert page.is_file(), target
+        if anchor:
+            slugs = {re.sub(r"[^\w\- ]", "", h.lower()).strip().replace(" ", "-")
+                     for h in re.findall(r"^#+ (.+)$", page.read_text(), re.M)}
+            assert anchor in slugs, f"{target} has no heading #{anchor}"
