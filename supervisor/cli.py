@@ -4,15 +4,10 @@
 from __future__ import annotations
 
 import functools
-import ipaddress
 import json
-import logging
-import os
 import re
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Annotated
 from urllib.parse import quote
 
@@ -20,7 +15,8 @@ import typer
 
 from supervisor import cli_format as fmt
 from supervisor.cli_client import Failure, call, sse_events, until_ctrl_c
-from supervisor.printable import LOG_FORMAT, PrintableFormatter, printable
+from supervisor.cli_serve import init, serve
+from supervisor.printable import printable
 
 # The operator's commands answer in a fraction of a second: what only `serve` needs (the
 # config's schema, the server) or only a table needs (rich) is imported where it is used.
@@ -34,42 +30,8 @@ def _main() -> None:
     """Serve several local LLMs behind one OpenAI-compatible API."""
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-@app.command()
-def serve(config: Path = typer.Option(..., "--config", "-c", help="TOML config file"),
-          host: str | None = typer.Option(None, help="bind address (default from config: 127.0.0.1)"),
-          port: int | None = typer.Option(None, help="port (default from config: 8000)"),
-          log_level: str = typer.Option("info", help="debug | info | warning | error")) -> None:
-    """Run the supervisor and its HTTP API in the foreground."""
-    from supervisor.config import ConfigError, load_config
-    try:
-        cfg = load_config(config)
-    except ConfigError as exc:
-        typer.echo(f"llm-pool: config error: {exc}", err=True)
-        raise typer.Exit(2) from None
-    if host is not None:
-        cfg.server.host = host
-    if port is not None:
-        cfg.server.port = port
-    has_keys = (cfg.server.api_key or os.environ.get("LLM_POOL_API_KEY")) and (
-        cfg.server.admin_key or os.environ.get("LLM_POOL_ADMIN_KEY"))
-    if not _is_loopback(cfg.server.host) and not has_keys and not os.environ.get("LLM_POOL_ALLOW_INSECURE"):
-        typer.echo(f"llm-pool: refusing to bind {cfg.server.host} without api_key and admin_key "
-                   "(set them, or LLM_POOL_ALLOW_INSECURE=1 to override)", err=True)
-        raise typer.Exit(2)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(PrintableFormatter(LOG_FORMAT))  # a client's text in a message stays on its line
-    logging.basicConfig(level=log_level.upper(), handlers=[handler])
-    from supervisor.server import run
-    run(cfg, log_level)
+app.command()(serve)  # supervisor/cli_serve.py
+app.command()(init)
 
 
 # -- the operator client: a thin layer over the HTTP admin API --------------------------------

@@ -34,12 +34,13 @@ class Pool:
         self.proc: subprocess.Popen | None = None
         self.http = httpx.Client(base_url=self.url, timeout=60)
         self.seen_pids: set[int] = set()
+        # what start() runs; a test of `llm-pool serve FILE.gguf` (no config file) replaces it
+        self.command = [sys.executable, "-m", "supervisor.cli", "serve", "--config", str(self.config_path)]
 
     def start(self, wait_ready: bool = True, timeout: float = 60) -> Pool:
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "supervisor.cli", "serve", "--config", str(self.config_path)],
-            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+            self.command, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         try:
             wait_for(self._healthy, timeout, what=f"pool /health (log: {self.log_path})")
             if wait_ready:

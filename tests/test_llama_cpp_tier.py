@@ -1,6 +1,6 @@
 """The llama.cpp tier: llama.cpp's own server tests, direct and through the pool
 (scripts/test-llama-cpp). Every test that passes direct but fails through the pool is one the
-README lists, with its reason: a new one is a regression (or a README to update)."""
+docs' API page lists, with its reason: a new one is a regression (or a page to update)."""
 
 from __future__ import annotations
 
@@ -16,15 +16,16 @@ from testkit import ROOT
 
 pytestmark = pytest.mark.llama_cpp
 
-SECTION = "#### llama.cpp's own server tests"
+PAGE = ROOT / "docs" / "api.md"
+SECTION = "### llama.cpp's own server tests"
 # both runs take about 3 minutes on a quiet 2-core machine; a loaded one can take several times that
 RUN_TIMEOUT_S = 1500
 
 
 def readme_listed() -> set[str]:
-    """The upstream test ids (`unit/test_x.py::name`) the README's section lists."""
-    text = (ROOT / "README.md").read_text()
-    assert SECTION in text, f"README has no section {SECTION!r}"
+    """The upstream test ids (`unit/test_x.py::name`) the docs' section lists."""
+    text = PAGE.read_text()
+    assert SECTION in text, f"{PAGE} has no section {SECTION!r}"
     section = text.split(SECTION, 1)[1]
     section = re.split(r"\n#{2,4} ", section, maxsplit=1)[0]
     return set(re.findall(r"`(unit/test_\w+\.py::[^`]+)`", section))
@@ -55,9 +56,9 @@ def test_passes_direct_fails_through_the_pool_only_where_the_readme_says(tmp_pat
     assert report["direct_passed"] > 0, "no upstream test passed even direct: the run itself is broken"
     only_direct = set(report["only_direct"])
     listed = readme_listed()
-    assert only_direct - listed == set(), "newly failing through the pool (fix, or list in the README)"
+    assert only_direct - listed == set(), "newly failing through the pool (fix, or list in docs/api.md)"
     # A listed test missing here either passes through the pool now (take it off the list) or did
     # not pass direct this time: upstream tests sample and time out on a busy machine, so that
     # is said, not failed on.
     if listed - only_direct:
-        print(f"listed in the README but not failing only through the pool this run: {sorted(listed - only_direct)}")
+        print(f"listed in docs/api.md but not failing only through the pool this run: {sorted(listed - only_direct)}")

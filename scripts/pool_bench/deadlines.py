@@ -1,4 +1,4 @@
-"""11. Deadlines and fallbacks (README: Deadlines and fallbacks).
+"""11. Deadlines and fallbacks (docs/deadlines.md).
 
 - Overload: a synthetic model with 2 slots (~0.4 s a request: 16 tokens at 40 tok/s) offered
   twice what it serves (open loop, a request every 0.1 s), half from a tenant whose requests

@@ -308,7 +308,7 @@ def run(bench: Bench) -> None:
     text += (f"\n\nSynthetic backend, capacity 4, 100 tokens/s per stream, 20 output tokens per request; each "
              f"run {seconds:g} s of closed-loop callers (one keep-alive connection each). The newcomer rows use "
              f"the model synth-newcomer: the same, but its runtime runs 5 at once, with target_inflight 4 and "
-             f"newcomer_slots 1 (README: Newcomer slots). Service: prompt + "
+             f"newcomer_slots 1 (docs: Tenants, Newcomer slots). Service: prompt + "
              f"{OUTPUT_WEIGHT:g} x output tokens, counted when a request finishes; the windows skip the first "
              f"second. FIFO: every caller uses one key (one tenant: its lane is plain FIFO). "
              f"1-min load average: {load_before} before, {loadavg()} after.")

