@@ -4,7 +4,7 @@ always on), and the runtime's event stream comes back as the protocol's typed pa
 (text, thinking as reasoning, each tool_use block's id, name and input_json fragments)
 and one Finished with its stop reason, stop sequence and usage. The supervisor shapes
 them into the Messages answer with the one shaper every backend's messages go through
-(supervisor/anthropic_shapes.py), so that the bounds, metering and request log are the
+(supervisor/shapes/anthropic.py), so that the bounds, metering and request log are the
 same for every runtime. What is read is bounded as every answer (UpstreamBody, sse_data)."""
 
 from __future__ import annotations

@@ -15,22 +15,23 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from protocol.errors import ERROR_TYPE, ErrorCode, PoolError
-from supervisor import admin_feeds, ui
+from supervisor import ui
+from supervisor.edge import admin_feeds
 from supervisor.edge import admin
-from supervisor.admission import DEFAULT_TENANT, Admission
+from supervisor.admission.admit import DEFAULT_TENANT, Admission
 from supervisor.config import PoolConfig
-from supervisor.anthropic_shapes import anthropic_model_page
+from supervisor.shapes.anthropic import anthropic_model_page
 from supervisor.engine import ModelRouterEngine
 from supervisor.edge.guard import TENANT_KEY, HttpEdge, error_response, internal_error, tenant_name
 from supervisor.edge.inference import InferenceSurface
-from supervisor.live import Activity
-from supervisor.loop_lag import LoopLag
-from supervisor.metrics import Metrics
-from supervisor.model_health import pool_health, readiness
-from supervisor.observe import SAMPLE_EVERY_S
+from supervisor.telemetry.live import Activity
+from supervisor.telemetry.loop_lag import LoopLag
+from supervisor.telemetry.metrics import Metrics
+from supervisor.models.health import pool_health, readiness
+from supervisor.replicas.observe import SAMPLE_EVERY_S
 from supervisor.printable import LOG_FORMAT, PrintableFormatter
 from supervisor.request_bounds import clip
-from supervisor.tenants import Tenants
+from supervisor.admission.tenants import Tenants
 
 log = logging.getLogger("llm_pool.api")
 

@@ -13,26 +13,26 @@ import time
 from protocol import Done
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ConfigError, PoolConfig, load_config
-from supervisor.deadlines import Prediction, learned_row, predict
+from supervisor.scheduling.deadlines import Prediction, learned_row, predict
 from supervisor.events import EventKind, emit
-from supervisor.jobs import Job
-from supervisor.model_health import readiness
+from supervisor.scheduling.jobs import Job
+from supervisor.models.health import readiness
 from supervisor.models import reload as reloading
 from supervisor.models.lifecycle import Lifecycle, LoadDurations
 from supervisor.models.memory import Memory
 from supervisor.models.registry import ModelEntry, Registry
 from supervisor.models.views import Views, model_state
-from supervisor.observe import ProcessSampler
-from supervisor.process import spawn_worker, sweep_stale_workers
-from supervisor.prompt_bounds import check_prompt_bounds
-from supervisor.prompt_tokens import PromptTokenizer
+from supervisor.replicas.observe import ProcessSampler
+from supervisor.replicas.process import spawn_worker, sweep_stale_workers
+from supervisor.admission.prompt_bounds import check_prompt_bounds
+from supervisor.admission.prompt_tokens import PromptTokenizer
 from supervisor.request_bounds import check_request_bounds
-from supervisor.replica import Launcher
+from supervisor.replicas.replica import Launcher
 from supervisor.state_dir import make_private_dir, pool_state_dir
 from supervisor.states import ModelState, ReplicaState
-from supervisor.tenants import DEFAULT as DEFAULT_TENANT
-from supervisor.tenants import Tenants
-from supervisor.transport import Transport, sweep_stale_socket_dirs
+from supervisor.admission.tenants import DEFAULT as DEFAULT_TENANT
+from supervisor.admission.tenants import Tenants
+from supervisor.replicas.transport import Transport, sweep_stale_socket_dirs
 
 log = logging.getLogger("llm_pool.engine")
 

@@ -1,4 +1,4 @@
-"""Admission (supervisor/admission.py): key -> tenant -> model scope -> limits -> queue.
+"""Admission (supervisor/admission/admit.py): key -> tenant -> model scope -> limits -> queue.
 
 The order is checked against a real pool: a wrong key is refused before the
 body is read or the model looked up; with the right key, an unknown model is
@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 
 from protocol.errors import ErrorCode, PoolError
-from supervisor.admission import Admission, key_matches, output_reserve, presented_key
+from supervisor.admission.admit import Admission, key_matches, output_reserve, presented_key
 from supervisor.config import PoolConfig, parse_config
-from supervisor.openai_shapes import MAX_OUTPUT_TOKENS
-from supervisor.tenants import Tenants
+from supervisor.shapes.openai import MAX_OUTPUT_TOKENS
+from supervisor.admission.tenants import Tenants
 from tests.conftest import synthetic
 
 

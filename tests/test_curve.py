@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 import protocol as p
-from supervisor.transport import Transport
+from supervisor.replicas.transport import Transport
 from tests.procs import until
 
 

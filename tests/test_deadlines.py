@@ -1,4 +1,4 @@
-"""Deadlines, predictions and fallbacks (supervisor/deadlines.py, latency_predictor.py,
+"""Deadlines, predictions and fallbacks (supervisor/scheduling/deadlines.py, latency_predictor.py,
 fallback_chains.py): the predictor on recorded request-log rows with an injected clock,
 admission with an injected prediction, the config's loop check, then real pools on
 synthetic workers (known speeds): a saturated model spills to its fallback, a crash
@@ -20,14 +20,14 @@ import openai
 import pytest
 
 from protocol.errors import ErrorCode, PoolError
-from supervisor.admission import Admission
+from supervisor.admission.admit import Admission
 from supervisor.config import ConfigError, parse_config
-from supervisor.deadlines import Prediction, Slo, request_slo, unmeetable
-from supervisor.fair_queue import FairQueue, Share
-from supervisor.fallback_chains import Chain
-from supervisor.jobs import Job
-from supervisor.latency_predictor import ModelPredictor
-from supervisor.tenants import Tenants
+from supervisor.scheduling.deadlines import Prediction, Slo, request_slo, unmeetable
+from supervisor.scheduling.fair_queue import FairQueue, Share
+from supervisor.admission.fallback_chains import Chain
+from supervisor.scheduling.jobs import Job
+from supervisor.scheduling.latency_predictor import ModelPredictor
+from supervisor.admission.tenants import Tenants
 from tests.conftest import llama, synthetic
 from tests.pool import wait_for
 
@@ -168,7 +168,7 @@ def test_admission_refuses_an_unmeetable_deadline_before_the_queue_and_gives_bac
 def test_admission_with_a_learned_predictor_queues_until_the_next_would_be_late():
     """The real prediction (deadlines.predict) over a fair queue and a predictor taught by
     recorded rows (1 s a request): one slot, busy; each admitted request waits 1 s more."""
-    from supervisor.deadlines import predict
+    from supervisor.scheduling.deadlines import predict
     from supervisor.states import ModelState, ReplicaState
     p = ModelPredictor(clock=lambda: 0.0)
     for _ in range(3):

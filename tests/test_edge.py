@@ -17,8 +17,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from protocol.errors import ErrorCode, PoolError
-from supervisor import openai_shapes as shapes
-from supervisor import responses_shapes as rshapes
+from supervisor.shapes import openai as shapes
+from supervisor.shapes import responses as rshapes
 from supervisor.edge.listener import DISCONNECT_KEY, Disconnect
 from supervisor.edge.schemas import request_body
 from supervisor.edge.streams import JobStream

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from protocol.errors import exit_text
 from supervisor.events import MESSAGE_CHARS, EventKind, EventLog, emit
-from supervisor.model_health import derived_state, model_health, reason_text
+from supervisor.models.health import derived_state, model_health, reason_text
 from supervisor.states import ModelState, ReplicaState
 from tests.pool import wait_for
 

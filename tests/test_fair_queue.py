@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol import Delta, Done
-from supervisor.fair_queue import FairQueue, Share
-from supervisor.job_queue import FifoQueue
-from supervisor.jobs import Job
+from supervisor.scheduling.fair_queue import FairQueue, Share
+from supervisor.scheduling.job_queue import FifoQueue
+from supervisor.scheduling.jobs import Job
 
 
 def make_job(tenant: str, prompt_chars: int = 0) -> Job:

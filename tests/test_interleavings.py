@@ -33,7 +33,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import protocol as p
 from protocol import Done
 from protocol.errors import PoolError
-from supervisor.admission import Admission
+from supervisor.admission.admit import Admission
 from supervisor.config import ModelConfig, PoolConfig, ServerConfig, TenantConfig
 from supervisor.engine import ModelRouterEngine
 from supervisor.models import reload as reloading

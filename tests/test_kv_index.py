@@ -1,6 +1,6 @@
 """The exact prefix index: vLLM's KV-event messages decoded (runtime_worker/kv_events.py),
 relayed over a real ZeroMQ socket, carried by the protocol, and applied to one
-replica's index (supervisor/kv_index.py) and to the prefix policy. No processes.
+replica's index (supervisor/scheduling/kv_index.py) and to the prefix policy. No processes.
 
 The payloads are built as vLLM's publisher makes them (vllm/distributed/kv_events.py:
 msgspec msgpack of KVEventBatch, an array [ts, events, rank], each event a map tagged
@@ -20,10 +20,10 @@ import zmq.asyncio
 
 import protocol as p
 from runtime_worker.kv_events import MAX_BLOCKS_PER_EVENT, MAX_PENDING_EVENTS, KvEventRelay, decode_frame
-from supervisor.jobs import Job
-from supervisor.kv_index import (APPLY_BLOCKS_PER_STEP, MAX_MATCH_BLOCKS, MAX_MATCH_TOKENS, MAX_QUEUED_EVENTS,
+from supervisor.scheduling.jobs import Job
+from supervisor.scheduling.kv_index import (APPLY_BLOCKS_PER_STEP, MAX_MATCH_BLOCKS, MAX_MATCH_TOKENS, MAX_QUEUED_EVENTS,
                                  ExactIndex, token_block_keys)
-from supervisor.replica_choice import Decision, make_replica_choice
+from supervisor.scheduling.replica_choice import Decision, make_replica_choice
 from supervisor.states import ReplicaState
 
 BS = 4  # block size of these tests
@@ -509,7 +509,7 @@ async def _tokenize_against(pieces: list[bytes], limit: int | None = None):
     each flushed on its own with a loop turn between them (as a long answer arrives)."""
     from aiohttp import web
 
-    from supervisor.prompt_tokens import MAX_ANSWER_BYTES, PromptTokenizer
+    from supervisor.admission.prompt_tokens import MAX_ANSWER_BYTES, PromptTokenizer
 
     async def tokenize(request):
         assert (await request.json())["messages"]

@@ -64,7 +64,7 @@ def test_each_layer_imports_only_what_lies_below_it(top):
 def test_the_checker_sees_a_forbidden_import(tmp_path):
     """The check above can fail: an import inside a function is found too."""
     bad = tmp_path / "bad.py"
-    bad.write_text("def f():\n    from supervisor.observe import ProcessSampler\n    import tests.procs\n")
+    bad.write_text("def f():\n    from supervisor.replicas.observe import ProcessSampler\n    import tests.procs\n")
     assert project_imports(bad) == {"supervisor", "tests"}
 
 

@@ -20,13 +20,13 @@ from protocol.errors import ErrorCode, PoolError
 from runtime_worker.anthropic_relay import relay_messages
 from runtime_worker.backends.base import Finished, TextDelta
 from runtime_worker.native_server import OpenAIClient
-from supervisor import anthropic_shapes as ashapes
+from supervisor.shapes import anthropic as ashapes
 from supervisor.config import ModelConfig
 from supervisor.edge.schemas import request_body
 from supervisor.edge.streams import sse_frame
-from supervisor.jobs import Job
+from supervisor.scheduling.jobs import Job
 from supervisor.models.capabilities import forwarded_headers
-from supervisor.prompt_bounds import check_prompt_bounds
+from supervisor.admission.prompt_bounds import check_prompt_bounds
 from tests.conftest import llama, synthetic
 from tests.test_cli import cli, table_rows
 from testkit.llama import direct_llama_server

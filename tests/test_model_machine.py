@@ -18,10 +18,10 @@ import protocol as p
 from protocol.errors import ErrorCode, PoolError, WorkerExit
 from supervisor.config import ModelConfig, PoolConfig, ServerConfig
 from supervisor.engine import ModelRouterEngine
-from supervisor.jobs import Job, JobState
+from supervisor.scheduling.jobs import Job, JobState
 from supervisor.models import reload as reloading
 from supervisor.models.registry import ActionLock, ModelEntry
-from supervisor.scheduler import Executor
+from supervisor.scheduling.executor import Executor
 from supervisor.states import HAS_EXECUTOR, MODEL_TRANSITIONS, IllegalTransition, ModelState
 from tests.test_state_machines import FakeLauncher, FakeTransport, outcome, scenario, settle
 

@@ -103,7 +103,7 @@ def test_process_sampler_samples_off_the_loop_and_keeps_only_live_processes():
     import sys
     import threading
 
-    from supervisor.observe import ProcessSampler
+    from supervisor.replicas.observe import ProcessSampler
 
     # each child says when its interpreter is up: a sample taken while one still starts sees
     # a fraction of the memory it settles at
@@ -141,7 +141,7 @@ def test_process_sampler_samples_off_the_loop_and_keeps_only_live_processes():
 
 
 def test_process_sampler_passes_on_its_period_and_outlives_a_failed_pass():
-    from supervisor.observe import ProcessSampler
+    from supervisor.replicas.observe import ProcessSampler
 
     sampler = ProcessSampler(period_s=0.05)
     take, calls = sampler._take, []

@@ -201,7 +201,7 @@ def test_unencodable_values_are_named_by_path():
 
 def test_submit_frames_fail_at_admission_not_at_dispatch():
     from protocol.errors import ErrorCode, PoolError
-    from supervisor.jobs import encode_submit
+    from supervisor.scheduling.jobs import encode_submit
     import pytest
     with pytest.raises(PoolError) as err:
         encode_submit("j", {"messages": [{"role": "user", "content": "x"}], "max_tokens": -(2**70)})
@@ -245,7 +245,7 @@ def test_merging_keeps_each_parts_order_and_never_joins_across_choices_or_kinds(
     assert coalesce(batch[:2]) == [p.Delta(job="a", text="xy", tokens=2)]
     # the supervisor's merge of what piled up for a slow client is the same
     import asyncio
-    from supervisor.jobs import Job
+    from supervisor.scheduling.jobs import Job
     job = Job("m", {"messages": [{"role": "user", "content": "x"}], "n": 2}, 10)  # the batch holds choice 1
     for d in batch:
         job.push(d)

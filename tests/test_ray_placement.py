@@ -10,8 +10,8 @@ import concurrent.futures
 
 import pytest
 
-from supervisor import ray_placement
-from supervisor.ray_placement import ACTOR_LOST, RemoteWorker
+from supervisor.replicas import ray_placement
+from supervisor.replicas.ray_placement import ACTOR_LOST, RemoteWorker
 from tests.procs import until
 
 

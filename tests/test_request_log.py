@@ -17,7 +17,7 @@ from contextlib import closing
 import httpx
 import pytest
 
-from supervisor.request_log import BODY_CHARS, REFUSED_ROWS_PER_S, RequestLog
+from supervisor.telemetry.request_log import BODY_CHARS, REFUSED_ROWS_PER_S, RequestLog
 from tests.conftest import synthetic
 from tests.pool import ROOT, Pool, wait_for
 from tests.test_cli import cli, table_rows
@@ -308,7 +308,7 @@ def test_a_flood_of_bad_keys_is_counted_but_cannot_push_the_history_out(make_poo
 
 
 def test_log_tail_reads_appends_and_starts_over_when_the_file_is_replaced(tmp_path):
-    from supervisor.admin_feeds import _read_new
+    from supervisor.edge.admin_feeds import _read_new
     path = tmp_path / "m-0.log"
     assert _read_new(path, None, 2) == (b"", None, False)  # no log yet
     path.write_text("one\ntwo\nthree\n")
@@ -366,7 +366,7 @@ def test_a_client_that_leaves_is_counted_and_logged_as_499(make_pool):
 
 
 def test_phase_speeds_split_prefill_from_decode():
-    from supervisor.request_log import phase_speeds
+    from supervisor.telemetry.request_log import phase_speeds
 
     # 100 prompt tokens in 0.5 s after hand-over; 11 output tokens, 10 after the first in 2 s
     row = {"queued_ms": 100.0, "ttft_ms": 600.0, "duration_ms": 2600.0, "tokens_in": 100, "tokens_out": 11}
@@ -476,7 +476,7 @@ def test_runtime_timings_keep_only_known_finite_numbers():
 
 
 def test_speeds_come_from_the_runtime_when_it_timed_them():
-    from supervisor.request_log import speeds
+    from supervisor.telemetry.request_log import speeds
 
     derived = {"queued_ms": 100.0, "ttft_ms": 600.0, "duration_ms": 2600.0, "tokens_in": 100, "tokens_out": 11}
     assert speeds(derived) == {"prefill_tokens_per_s": 200.0, "decode_tokens_per_s": 5.0, "speeds_from": "pool"}

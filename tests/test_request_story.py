@@ -14,8 +14,8 @@ from datetime import datetime
 
 import httpx
 
-from supervisor.latency_window import percentile
-from supervisor.request_story import line_times
+from supervisor.telemetry.latency_window import percentile
+from supervisor.telemetry.request_story import line_times
 from tests.conftest import IGNORE_EOS, llama, synthetic
 from tests.pool import wait_for
 from tests.test_cli import cli

@@ -3,7 +3,7 @@
 import random
 
 from protocol.errors import WorkerExit
-from supervisor.restart_policy import CrashHistory, RestartPolicy, restart_delay
+from supervisor.replicas.restart_policy import CrashHistory, RestartPolicy, restart_delay
 from supervisor.states import MODEL_TRANSITIONS, IllegalTransition, ModelState, transition
 
 POLICY = RestartPolicy(base_s=1, cap_s=8, stable_s=60, max_crashes=5, window_s=100)

@@ -12,9 +12,9 @@ import pytest
 
 from protocol import Done
 from supervisor.config import ConfigError, parse_config
-from supervisor.jobs import Job
-from supervisor.prefix_index import BLOCK_CHARS, BlockLRU, canonical_prompt, prompt_blocks
-from supervisor.replica_choice import (
+from supervisor.scheduling.jobs import Job
+from supervisor.scheduling.prefix_index import BLOCK_CHARS, BlockLRU, canonical_prompt, prompt_blocks
+from supervisor.scheduling.replica_choice import (
     Decision, LeastInflight, PrefixAffinity, SessionAffinity, make_replica_choice, overloaded, session_key)
 from supervisor.states import ReplicaState
 

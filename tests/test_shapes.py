@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from protocol import Delta
 from supervisor.edge.streams import sse_frame
-from supervisor.openai_shapes import ChatStream, CompletionStream
+from supervisor.shapes.openai import ChatStream, CompletionStream
 
 
 @given(st.text())
@@ -24,7 +24,7 @@ def test_text_sse_is_the_chunk_sse_frame_gives(text):
 # -- what a job may hold (issue 22): choice indexes below its n, output within its budget ------------
 
 def _job(max_output_bytes: int = 10_000, **request):
-    from supervisor.jobs import Job
+    from supervisor.scheduling.jobs import Job
     return Job("m", {"messages": [{"role": "user", "content": "hi"}], **request}, 60,
                max_output_bytes=max_output_bytes)
 
@@ -48,7 +48,7 @@ def test_a_choice_index_at_or_past_n_ends_the_job_and_keeps_nothing_of_it():
 
 def test_output_past_the_budget_ends_the_job_whatever_carries_it():
     from protocol import Delta
-    from supervisor.jobs import output_size
+    from supervisor.scheduling.jobs import output_size
     text = _job()
     for _ in range(9):
         text.push(Delta(job=text.id, text="x" * 1000))
@@ -66,7 +66,7 @@ def test_output_past_the_budget_ends_the_job_whatever_carries_it():
 def test_loop_lag_is_measured_against_the_asked_wake_time_and_warned_past_a_second(caplog):
     import asyncio
 
-    from supervisor.loop_lag import LoopLag
+    from supervisor.telemetry.loop_lag import LoopLag
     seen: list[float] = []
     now = [100.0]
 
@@ -88,8 +88,8 @@ def test_loop_lag_is_measured_against_the_asked_wake_time_and_warned_past_a_seco
 def test_output_limits_over_the_cap_are_a_400_naming_the_field():
     from protocol.errors import PoolError
     from supervisor.edge.schemas import request_body
-    from supervisor.openai_shapes import MAX_OUTPUT_TOKENS, ChatRequest, CompletionRequest
-    from supervisor.responses_shapes import ResponsesRequest
+    from supervisor.shapes.openai import MAX_OUTPUT_TOKENS, ChatRequest, CompletionRequest
+    from supervisor.shapes.responses import ResponsesRequest
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     cases = [(ChatRequest, chat, "max_tokens"), (ChatRequest, chat, "max_completion_tokens"),
              (CompletionRequest, {"model": "m", "prompt": "hi"}, "max_tokens"),
@@ -157,8 +157,8 @@ def test_usage_goes_where_the_runtime_put_it():
 
 def test_responses_and_messages_streams_place_or_leave_the_runtimes_fields():
     from protocol import Delta, Done
-    from supervisor.anthropic_shapes import MessagesRequest, MessagesStream
-    from supervisor.responses_shapes import ResponsesRequest, ResponsesStream, job_request_from_responses
+    from supervisor.shapes.anthropic import MessagesRequest, MessagesStream
+    from supervisor.shapes.responses import ResponsesRequest, ResponsesStream, job_request_from_responses
     req = ResponsesRequest(model="m", input="x")
     shape = ResponsesStream(req, job_request_from_responses(req, {}))
     shape.opening()
@@ -184,7 +184,7 @@ def test_a_stream_that_opened_while_waiting_opens_once():
     """A stream whose head went out before the runtime's first output (it waited past
     stream_head_hold_s) opened with OpenAI's first chunk; the runtime's own opening that
     follows is not a second one: one role chunk, then the text."""
-    from supervisor.openai_shapes import ChatStream
+    from supervisor.shapes.openai import ChatStream
     stream = ChatStream("m", include_usage=False)
     chunks = stream.opening("waiting") + stream.delta(
         Delta(job="j", parts=[{"k": "open", "d": {"content": None}}, {"k": "text", "t": "hi"}]))
@@ -206,7 +206,7 @@ CODEX_TOOLS = [  # as Codex sends them: function tools, a namespace of sub-agent
 def _responses_job(body: dict):
     import msgspec
 
-    from supervisor.responses_shapes import ResponsesRequest, job_request_from_responses
+    from supervisor.shapes.responses import ResponsesRequest, job_request_from_responses
     req = msgspec.convert({"model": "m", **body}, ResponsesRequest)
     return req, job_request_from_responses(req, {"model": "m", **body})
 
@@ -234,7 +234,7 @@ def test_namespace_tools_are_flattened_and_hosted_tools_skipped_and_said():
 
 def test_a_streamed_namespaced_call_names_its_namespace():
     from protocol import Delta, Done
-    from supervisor.responses_shapes import ResponsesStream
+    from supervisor.shapes.responses import ResponsesStream
     req, job = _responses_job({"input": "x", "tools": CODEX_TOOLS, "stream": True})
     shape = ResponsesStream(req, job)
     shape.opening()
@@ -281,5 +281,5 @@ def test_text_parts_join_as_llama_server_joins_them(parts, text):
     ("length", {"input_tokens": 10, "output_tokens": 128}, None, None, ("incomplete", "model_context_window_exceeded"))])
 def test_the_incomplete_reason_names_what_stopped_the_response(finish, usage, limit, context, want):
     from protocol import Done
-    from supervisor.responses_shapes import response_status
+    from supervisor.shapes.responses import response_status
     assert response_status(Done(job="j", finish_reason=finish, usage=usage), limit, context) == want

@@ -12,10 +12,10 @@ import pytest
 import protocol as p
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ModelConfig, ServerConfig
-from supervisor.jobs import Job, JobState
-from supervisor.replica import LoadFailed, Replica
-from supervisor.restart_policy import RestartPolicy
-from supervisor.scheduler import Executor
+from supervisor.scheduling.jobs import Job, JobState
+from supervisor.replicas.replica import LoadFailed, Replica
+from supervisor.replicas.restart_policy import RestartPolicy
+from supervisor.scheduling.executor import Executor
 from supervisor.states import ReplicaState
 
 

@@ -19,10 +19,10 @@ import pytest
 import tomli_w
 
 from protocol.errors import ErrorCode, PoolError
-from supervisor.admission import DEFAULT_OUTPUT_RESERVE, output_reserve
+from supervisor.admission.admit import DEFAULT_OUTPUT_RESERVE, output_reserve
 from supervisor.config import ConfigError, parse_config
-from supervisor.openai_shapes import MAX_OUTPUT_TOKENS
-from supervisor.tenants import Tenants, Window, duration
+from supervisor.shapes.openai import MAX_OUTPUT_TOKENS
+from supervisor.admission.tenants import Tenants, Window, duration
 from tests.conftest import synthetic
 from tests.test_cli import cli, table_rows
 from tests.procs import wait_for
@@ -436,7 +436,7 @@ def test_request_log_gains_the_tenant_column_and_filters_by_it(tmp_path):
     """A log written before tenants existed gets the column on open; rows filter by tenant."""
     import sqlite3
 
-    from supervisor.request_log import RequestLog
+    from supervisor.telemetry.request_log import RequestLog
     path = tmp_path / "r.sqlite3"
     with sqlite3.connect(path) as db:  # the schema before tenants
         db.execute("CREATE TABLE requests (id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, model TEXT "

@@ -114,14 +114,14 @@ def admission_cpu(iterations: int, lanes: int) -> dict[str, float]:
     from types import SimpleNamespace
 
     from protocol import Done
-    from supervisor.admission import Admission
+    from supervisor.admission.admit import Admission
     from supervisor.config import parse_config
-    from supervisor.deadlines import Prediction, predict
-    from supervisor.fair_queue import FairQueue
-    from supervisor.jobs import Job
-    from supervisor.latency_predictor import ModelPredictor
+    from supervisor.scheduling.deadlines import Prediction, predict
+    from supervisor.scheduling.fair_queue import FairQueue
+    from supervisor.scheduling.jobs import Job
+    from supervisor.scheduling.latency_predictor import ModelPredictor
     from supervisor.states import ModelState, ReplicaState
-    from supervisor.tenants import Tenants
+    from supervisor.admission.tenants import Tenants
 
     cfg = parse_config({"tenants": [{"name": f"t{i}", "keys": [f"sk-tenant-{i:03d}"], "rpm": 10**9,
                                      "tpm": 10**12} for i in range(20)]})

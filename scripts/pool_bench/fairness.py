@@ -142,11 +142,11 @@ def service_difference(served: list, a: str, b: str, start: float, end: float, w
 def admission_cost(iterations: int) -> dict[str, float]:
     """µs per request: the tenant of a key, scope and limits, then a job made and queued."""
     from protocol import Done
-    from supervisor.admission import Admission
+    from supervisor.admission.admit import Admission
     from supervisor.config import parse_config
-    from supervisor.fair_queue import FairQueue
-    from supervisor.jobs import Job
-    from supervisor.tenants import Tenants
+    from supervisor.scheduling.fair_queue import FairQueue
+    from supervisor.scheduling.jobs import Job
+    from supervisor.admission.tenants import Tenants
 
     class Entry:
         class cfg:  # noqa: N801 -- the shape of a ModelEntry's cfg that admission reads

@@ -35,8 +35,8 @@ from pool_bench.children import PoolProc
 from pool_bench.fairness import smollm2_gguf
 from pool_bench.load import pct
 from pool_bench.report import loadavg, ms, table
-from supervisor.jobs import Job
-from supervisor.replica_choice import BALANCE_ABS_SHARE, make_replica_choice
+from supervisor.scheduling.jobs import Job
+from supervisor.scheduling.replica_choice import BALANCE_ABS_SHARE, make_replica_choice
 from supervisor.states import ReplicaState
 
 WORDS = ("the", "pool", "model", "token")  # about a token a character in the tiny GGUF's vocabulary

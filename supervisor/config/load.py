@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import tomllib
+from collections.abc import Iterable
 from pathlib import Path
 
 from pydantic import Field, PrivateAttr, ValidationError
@@ -14,7 +15,34 @@ from supervisor.config.common import ConfigError, Strict
 from supervisor.config.models import BACKEND_OPTIONS, NAME_MAX, NAME_PATTERN, ModelConfig, RayPlacement
 from supervisor.config.server import ServerConfig
 from supervisor.config.tenants import TenantConfig
-from supervisor.fallback_chains import chain_error
+
+
+def chain_error(models: Iterable) -> str | None:
+    """Why the models' fallbacks are wrong (a name that is no model, a loop); None when right."""
+    models = list(models)
+    names = {n: m.name for m in models for n in (m.name, *m.aliases)}
+    after: dict[str, list[str]] = {}
+    for m in models:
+        for key, targets in (("fallbacks", m.fallbacks), ("context_fallback", [m.context_fallback] if
+                                                            m.context_fallback else [])):
+            for target in targets:
+                if target not in names:
+                    return f"model {m.name!r}: key {key!r}: {target!r} is not a model"
+                after.setdefault(m.name, []).append(names[target])
+    for start in after:  # depth first from each model: a model met again on the path is a loop
+        path, stack = [start], [iter(after[start])]
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                stack.pop()
+                path.pop()
+            elif nxt in path:
+                return f"model {start!r}: key 'fallbacks': a loop: {' -> '.join([*path[path.index(nxt):], nxt])}"
+            else:
+                path.append(nxt)
+                stack.append(iter(after.get(nxt, ())))
+    return None
+
 
 
 class PoolConfig(Strict):

@@ -125,7 +125,7 @@ class ModelConfig(Strict):
                                  "its slots).")
     max_queue: int = Field(256, ge=0, description="Requests waiting for this model; beyond it 429 queue_full "
                            "with Retry-After.")
-    # Slots above target_inflight for a light tenant (supervisor/scheduler.py): opt-in, for runtimes
+    # Slots above target_inflight for a light tenant (supervisor/scheduling/executor.py): opt-in, for runtimes
     # with room above target_inflight; clamped to what the runtime reports it can run.
     newcomer_slots: int = Field(0, ge=0, le=64, description="Slots per replica above target_inflight that only "
                                 "a request of a tenant with nothing running here may take.")

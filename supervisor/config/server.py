@@ -78,7 +78,7 @@ class ServerConfig(Strict):
                                                "declare gpu_memory_mb and replica_devices.")
     max_swap_wait_s: float | None = Field(10.0, ge=0, description="A load waiting for memory held by busy models: "
                                           "they make way after this long; unset: only idle ones go.")
-    # Replicas on other hosts (models with placement = "ray"; supervisor/ray_placement.py):
+    # Replicas on other hosts (models with placement = "ray"; supervisor/replicas/ray_placement.py):
     ray_address: str | None = Field(None, description="The Ray cluster for placement = \"ray\": \"auto\" "
                                     "(this host's) or the head's \"host:port\".")
     ray_bind_host: str | None = Field(None, min_length=1, description="Where remote workers reach the supervisor "

@@ -1,4 +1,4 @@
-"""[[tenants]]: who is asking (supervisor/tenants.py), what it may use, how much, its share.
+"""[[tenants]]: who is asking (supervisor/admission/tenants.py), what it may use, how much, its share.
 
 Each field's `description` is its line in docs/configuration-reference.md
 (`python -m supervisor.config.reference` writes it)."""
@@ -11,6 +11,10 @@ from pydantic import Field, field_validator
 
 from supervisor.config.common import Strict
 
+DEFAULT = "default"  # the tenant of [server] api_key, and of every request when no key is set
+# the request log's tenant for a request refused for a key no tenant holds: a value no tenant
+# name can take (names are [A-Za-z0-9._-]), and never the key itself; no metric label uses it
+UNKNOWN_KEY = "(unknown key)"
 TENANT_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 

@@ -9,9 +9,9 @@ import os
 from fastapi import APIRouter, Request
 
 from protocol.errors import ErrorCode, PoolError
-from supervisor import admin_feeds
-from supervisor.model_health import shown_replicas
-from supervisor.observe import worker_views
+from supervisor.edge import admin_feeds
+from supervisor.models.health import shown_replicas
+from supervisor.replicas.observe import worker_views
 
 router = APIRouter()
 

@@ -16,13 +16,13 @@ from fastapi.responses import JSONResponse
 from starlette.routing import Match, Mount
 
 from protocol.errors import ErrorCode, PoolError
-from supervisor.admission import Admission, key_matches, presented_key
-from supervisor.anthropic_shapes import error_envelope
+from supervisor.admission.admit import Admission, key_matches, presented_key
+from supervisor.shapes.anthropic import error_envelope
 from supervisor.config import ServerConfig
 from supervisor.edge.listener import DISCONNECT_KEY, connection_of, warnings
 from supervisor.edge.request_ids import REQUEST_ID, SKIPPED_TOOLS, request_id, with_request_id
 from supervisor.request_bounds import echo
-from supervisor.tenants import UNKNOWN_KEY
+from supervisor.admission.tenants import UNKNOWN_KEY
 
 # an unknown path: the app's own 404, given before the body is read
 NOT_FOUND = {"error": {"message": "Not Found", "type": "not_found_error", "param": None, "code": None}}

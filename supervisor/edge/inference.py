@@ -20,23 +20,23 @@ from starlette.background import BackgroundTask
 
 from protocol import Delta, Done
 from protocol.errors import ErrorCode, PoolError
-from supervisor import anthropic_shapes as ashapes
-from supervisor import openai_shapes as shapes
-from supervisor import responses_shapes as rshapes
-from supervisor import runtime_call_shapes as cshapes
-from supervisor.admission import DEFAULT_TENANT
+from supervisor.shapes import anthropic as ashapes
+from supervisor.shapes import openai as shapes
+from supervisor.shapes import responses as rshapes
+from supervisor.shapes import runtime_calls as cshapes
+from supervisor.admission.admit import DEFAULT_TENANT
 from supervisor.edge.guard import TENANT_KEY, error_response, tenant_name
 from supervisor.edge.listener import DISCONNECT_KEY, Disconnect
 from supervisor.edge.request_ids import SKIPPED_TOOLS
 from supervisor.edge.schemas import document, named_model, request_body
 from supervisor.edge.streams import AnswerJSON, InferenceEndpoint, JobStream, sse_frame, watch_for_disconnect
-from supervisor.fallback_chains import Chain
-from supervisor.jobs import Job
-from supervisor.prompt_bounds import check_prompt_bounds
+from supervisor.admission.fallback_chains import Chain
+from supervisor.scheduling.jobs import Job
+from supervisor.admission.prompt_bounds import check_prompt_bounds
 from supervisor.models.capabilities import CALLS, capabilities, native_input_tokens, native_messages
 from supervisor.models.views import served_context
 from supervisor.states import JobState
-from supervisor.metrics import CLIENT_CLOSED
+from supervisor.telemetry.metrics import CLIENT_CLOSED
 
 
 SESSION_HEADER = "x-claude-code-session-id"  # a Messages client's session: a key for routing = "session"

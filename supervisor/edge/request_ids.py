@@ -11,19 +11,15 @@ task, so no stage in between carries it. So does what the pool left out of the r
 from __future__ import annotations
 
 import re
-from contextvars import ContextVar
 
-from supervisor.openai_shapes import new_id
+from supervisor.shapes.openai import new_id
+from supervisor.telemetry.request_context import REQUEST_ID, SKIPPED_TOOLS  # noqa: F401  (set here, read by rows)
 
 MAX_CHARS = 128
 _SAFE = re.compile(rb"[\x21-\x7e]{1,%d}" % MAX_CHARS)
 HEADER = b"x-request-id"
 ANTHROPIC_HEADER = b"request-id"
 
-# the id of the request this task serves (set by the edge); None outside a request
-REQUEST_ID: ContextVar[str | None] = ContextVar("llm_pool.request_id", default=None)
-# the tools the request's body named that the pool left out (set by the Responses mapping); None: none
-SKIPPED_TOOLS: ContextVar[str | None] = ContextVar("llm_pool.skipped_tools", default=None)
 SKIPPED_HEADER = b"x-llm-pool-skipped-tools"
 
 

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
 from supervisor.edge.listener import DISCONNECT_KEY, Disconnect
-from supervisor.jobs import Job
+from supervisor.scheduling.jobs import Job
 
 log = logging.getLogger("llm_pool.inference")
 

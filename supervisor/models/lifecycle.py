@@ -26,15 +26,15 @@ from pathlib import Path
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ServerConfig
 from supervisor.events import EventKind, emit, tenant_actor
-from supervisor.jobs import Job
+from supervisor.scheduling.jobs import Job
 from supervisor.models.memory import Memory
 from supervisor.models.registry import ModelEntry, Registry
-from supervisor.process import spawn_worker
-from supervisor.ray_placement import RayCluster
-from supervisor.replica import Launcher, Replica
-from supervisor.scheduler import Executor
+from supervisor.replicas.process import spawn_worker
+from supervisor.replicas.ray_placement import RayCluster
+from supervisor.replicas.replica import Launcher, Replica
+from supervisor.scheduling.executor import Executor
 from supervisor.states import RUNNING, JobState, ModelState
-from supervisor.transport import Transport
+from supervisor.replicas.transport import Transport
 
 log = logging.getLogger("llm_pool.engine")
 
@@ -70,7 +70,7 @@ class Lifecycle:
         self.log_dir = log_dir
         self._spawn = spawn  # a tracked background task (its failure is logged)
         self.launcher = launcher
-        self.tenants = tenants  # supervisor/tenants.py: their shares order each executor's queue
+        self.tenants = tenants  # supervisor/admission/tenants.py: their shares order each executor's queue
         self.transport = transport  # set when the engine starts (or injected by a test)
         self.cluster: RayCluster | None = None  # replicas on Ray nodes (placement = "ray"), once one loads
         self.shutting_down = False

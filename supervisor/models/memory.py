@@ -15,7 +15,7 @@ from pathlib import Path
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ModelConfig, ServerConfig
 from supervisor.models.registry import ModelEntry, Registry
-from supervisor.observe import ProcessSampler, replica_view
+from supervisor.replicas.observe import ProcessSampler, replica_view
 from supervisor.states import RUNNING, ModelState
 
 MEASURE_EVERY_S = 5.0  # a footprint walks the process tree (and asks NVML): not on every heartbeat

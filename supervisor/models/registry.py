@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ModelConfig
-from supervisor.jobs import Job
-from supervisor.latency_predictor import ModelPredictor
+from supervisor.scheduling.jobs import Job
+from supervisor.scheduling.latency_predictor import ModelPredictor
 from supervisor.request_bounds import echo
-from supervisor.scheduler import Executor
+from supervisor.scheduling.executor import Executor
 from supervisor.states import (HAS_EXECUTOR, INTAKE_OPEN, MODEL_TRANSITIONS, RUNNING, IllegalTransition, ModelState,
                                ReplicaState, transition)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 
 from supervisor.models.capabilities import capabilities
-from supervisor.deadlines import predict
+from supervisor.scheduling.deadlines import predict
 from supervisor.models.lifecycle import Lifecycle
-from supervisor.tenants import DEFAULT as DEFAULT_TENANT
-from supervisor.model_health import UNHEALTHY, model_health, reason_text, tenth
+from supervisor.config.tenants import DEFAULT as DEFAULT_TENANT
+from supervisor.models.health import UNHEALTHY, model_health, reason_text, tenth
 from supervisor.models.memory import Memory
 from supervisor.models.registry import ModelEntry, Registry
 from supervisor.states import ModelState, ReplicaState

@@ -30,7 +30,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from itertools import islice
 
-from supervisor.prefix_index import leading_matches
+from supervisor.scheduling.prefix_index import leading_matches
 
 _ROOT = hash(("kv-root",))  # the parent key of a prompt's first block
 _RESET = ("reset",)  # queued where a message says events before it were lost

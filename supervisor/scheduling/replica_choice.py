@@ -40,10 +40,10 @@ from enum import StrEnum
 from typing import Protocol
 
 from protocol import Done
-from supervisor.jobs import Job
-from supervisor.kv_index import APPLY_BLOCKS_PER_STEP, APPLY_TOKENS_PER_STEP, ExactIndex, token_block_keys
-from supervisor.prefix_index import BLOCK_CHARS, CHARS_PER_TOKEN, BlockLRU, canonical_prompt, prompt_blocks
-from supervisor.replica import Replica
+from supervisor.scheduling.jobs import Job
+from supervisor.scheduling.kv_index import APPLY_BLOCKS_PER_STEP, APPLY_TOKENS_PER_STEP, ExactIndex, token_block_keys
+from supervisor.scheduling.prefix_index import BLOCK_CHARS, CHARS_PER_TOKEN, BlockLRU, canonical_prompt, prompt_blocks
+from supervisor.replicas.replica import Replica
 from supervisor.states import ReplicaState
 
 ROUTINGS = ("least_inflight", "prefix", "session")

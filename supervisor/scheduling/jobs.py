@@ -13,12 +13,12 @@ import protocol as p
 from protocol import Delta, Done
 from protocol.errors import ErrorCode, PoolError
 from protocol.choices import choice_limit
-from supervisor.deadlines import expired as slo_expired
+from supervisor.scheduling.deadlines import expired as slo_expired
 from supervisor.request_bounds import clip
 from supervisor.states import JOB_TRANSITIONS, JobState, transition
 
 if TYPE_CHECKING:
-    from supervisor.replica import Replica
+    from supervisor.replicas.replica import Replica
 
 
 def encode_submit(job_id: str, request: dict, endpoint: str = "chat", headers: dict | None = None) -> bytes:

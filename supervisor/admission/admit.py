@@ -7,9 +7,9 @@ key is refused before anything reads the body); `admit()` runs once the body
 names the model, as one call with no callback: the rest, in that order (for a
 model routed by vLLM's own cache, the prompt's token ids are asked of a
 runtime just before the queue), the job then waiting in its tenant's lane of
-the model's fair queue (supervisor/fair_queue.py).
+the model's fair queue (supervisor/scheduling/fair_queue.py).
 
-The tenants, their keys, scopes and limits are supervisor/tenants.py's table,
+The tenants, their keys, scopes and limits are supervisor/admission/tenants.py's table,
 which a reload replaces; with no [[tenants]] there is one tenant, "default".
 """
 
@@ -19,12 +19,12 @@ import hmac
 
 from protocol import Done
 from protocol.errors import ErrorCode, PoolError, context_message
-from supervisor.deadlines import NO_SLO, request_slo, unmeetable
-from supervisor.jobs import Job
+from supervisor.scheduling.deadlines import NO_SLO, request_slo, unmeetable
+from supervisor.scheduling.jobs import Job
 from supervisor.models.capabilities import CALLS, check_serves, forwarded_headers
 from supervisor.models.views import served_context
-from supervisor.openai_shapes import MAX_OUTPUT_TOKENS
-from supervisor.tenants import DEFAULT, Tenant, Tenants, TenantSpec
+from supervisor.shapes.openai import MAX_OUTPUT_TOKENS
+from supervisor.admission.tenants import DEFAULT, Tenant, Tenants, TenantSpec
 
 DEFAULT_TENANT = Tenant(TenantSpec(DEFAULT))  # who a request is when the edge did not say (no edge in front)
 PROMPT_BYTES_PER_TOKEN = 4  # a prompt's tokens counted against tpm at admission, set right at its end

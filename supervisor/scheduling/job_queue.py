@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
-from supervisor.jobs import Job
+from supervisor.scheduling.jobs import Job
 
 
 class JobQueue(Protocol):

@@ -13,11 +13,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from protocol import Done
 from protocol.errors import PoolError
 from supervisor.models.lifecycle import LOAD_BUCKETS
-from supervisor.jobs import Job
-from supervisor.observe import replica_view
-from supervisor.request_log import REFUSED_ROWS_PER_S, RowRate
+from supervisor.scheduling.jobs import Job
+from supervisor.replicas.observe import replica_view
+from supervisor.telemetry.request_log import REFUSED_ROWS_PER_S, RowRate
 from supervisor.states import ModelState, ReplicaState
-from supervisor.tenants import UNKNOWN_KEY
+from supervisor.config.tenants import UNKNOWN_KEY
 
 LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -60,7 +60,7 @@ class Metrics:
                                            "a worker, by tenant", ["tenant", "model"], buckets=LATENCY_BUCKETS,
                                            registry=self.registry)
         self.loop_lag = Gauge("llm_pool_event_loop_lag_seconds", "How late the supervisor's event loop woke, "
-                              "last measure (supervisor/loop_lag.py)", registry=self.registry)
+                              "last measure (supervisor/telemetry/loop_lag.py)", registry=self.registry)
         self.loop_lags = Histogram("llm_pool_event_loop_lag_distribution_seconds", "How late the supervisor's "
                                    "event loop woke, every measure", buckets=LAG_BUCKETS, registry=self.registry)
         self.refused_keys = Counter("llm_pool_refused_keys", "/v1/ requests refused for their API key (401), by "

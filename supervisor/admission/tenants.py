@@ -22,13 +22,10 @@ from fnmatch import fnmatchcase
 
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ConfigError, PoolConfig
-from supervisor.fair_queue import Share
-from supervisor.process import withhold_env
+from supervisor.config.tenants import DEFAULT, UNKNOWN_KEY  # noqa: F401  (the names admission's users know)
+from supervisor.scheduling.fair_queue import Share
+from supervisor.replicas.process import withhold_env
 
-DEFAULT = "default"  # the tenant of [server] api_key, and of every request when no key is set
-# the request log's tenant for a request refused for a key no tenant holds: a value no tenant
-# name can take (names are [A-Za-z0-9._-]), and never the key itself; no metric label uses it
-UNKNOWN_KEY = "(unknown key)"
 
 
 @dataclass(frozen=True)
@@ -41,7 +38,7 @@ class TenantSpec:
     rpm: int = 0
     tpm: int = 0
     max_inflight: int = 0
-    slo_ttft_ms: float | None = None  # its requests' default deadlines (supervisor/deadlines.py)
+    slo_ttft_ms: float | None = None  # its requests' default deadlines (supervisor/scheduling/deadlines.py)
     slo_tpot_ms: float | None = None
     share: Share = field(init=False)
     scope: dict[str, bool] = field(init=False, default_factory=dict, compare=False)  # model name -> may use

@@ -11,19 +11,21 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import protocol as p
 from protocol.errors import ErrorCode, PoolError, exit_text
 from protocol.redact import POOL_SECRET_ENV
 from supervisor.config import ModelConfig, ServerConfig
 from supervisor.events import EventKind, emit
-from supervisor.jobs import Job
-from supervisor.process import WorkerProcess, spawn_worker
-from supervisor.restart_policy import CrashHistory, RestartPolicy, restart_delay
+from supervisor.replicas.process import WorkerProcess, spawn_worker
+from supervisor.replicas.restart_policy import CrashHistory, RestartPolicy, restart_delay
 from supervisor.states import REPLICA_TRANSITIONS, ReplicaState, transition
-from supervisor.transport import Transport
-from supervisor.worker_link import LoadFailed, WorkerLink
+from supervisor.replicas.transport import Transport
+from supervisor.replicas.worker_link import LoadFailed, WorkerLink
+
+if TYPE_CHECKING:  # a replica runs the jobs the scheduler hands it (scheduling/ is above replicas/)
+    from supervisor.scheduling.jobs import Job
 
 log = logging.getLogger("llm_pool.replica")
 

@@ -20,7 +20,7 @@ import json
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from supervisor.anthropic_shapes import unstamped
+from supervisor.shapes.anthropic import unstamped
 
 BLOCK_CHARS = 256  # one block of the canonical prompt: ~64 tokens at ~4 characters a token
 CHARS_PER_TOKEN = 4  # to size an index from a runtime's cache in tokens

@@ -11,7 +11,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from supervisor.openai_shapes import ModelName
+from supervisor.shapes.openai import ModelName
 
 # path -> (the protocol endpoint, the metrics label)
 PATHS = {"/tokenize": "tokenize", "/detokenize": "detokenize", "/apply-template": "apply_template",

@@ -40,7 +40,7 @@ import zmq
 from node_host.host import WorkerHost
 from protocol.curve import curve_env
 from supervisor.config import ModelConfig, ServerConfig
-from supervisor.transport import Transport
+from supervisor.replicas.transport import Transport
 
 log = logging.getLogger("llm_pool.ray")
 

@@ -21,7 +21,7 @@ import zmq
 
 import protocol as p
 from protocol.loop_socket import LoopSocket
-from supervisor.curve_listener import CurveListener
+from supervisor.replicas.curve_listener import CurveListener
 
 log = logging.getLogger("llm_pool.transport")
 

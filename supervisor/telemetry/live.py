@@ -13,13 +13,13 @@ from collections import deque
 
 from protocol import Done, runtime_timings
 from protocol.errors import PoolError
-from supervisor.edge.request_ids import REQUEST_ID, SKIPPED_TOOLS
+from supervisor.telemetry.request_context import REQUEST_ID, SKIPPED_TOOLS
 from supervisor.events import EventKind, EventLog, emit
 from supervisor.state_dir import make_private_dir
-from supervisor.jobs import Job
-from supervisor.latency_window import LatencyWindow
-from supervisor.model_health import UNHEALTHY, model_health, reason_text
-from supervisor.request_log import RequestLog, truncate
+from supervisor.scheduling.jobs import Job
+from supervisor.telemetry.latency_window import LatencyWindow
+from supervisor.models.health import UNHEALTHY, model_health, reason_text
+from supervisor.telemetry.request_log import RequestLog, truncate
 
 log = logging.getLogger("llm_pool.live")
 

@@ -1,6 +1,6 @@
 """Scheduling policy, in one place: the per-model executor.
 
-An executor owns one public model's queue of jobs (supervisor/fair_queue.py: FIFO
+An executor owns one public model's queue of jobs (supervisor/scheduling/fair_queue.py: FIFO
 within a tenant, token-fair across tenants), its replicas, and one driver loop
 that hands the next job of the queue to the replica with the lowest
 occupancy (inflight / effective capacity), round-robin among equals, while any
@@ -21,12 +21,12 @@ from collections.abc import Callable
 from protocol import LIGHT_CALLS_PER_WORKER, LIGHT_ENDPOINTS
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ModelConfig
-from supervisor.deadlines import expired as slo_expired
-from supervisor.fair_queue import FairQueue
-from supervisor.job_queue import JobQueue
-from supervisor.jobs import Job
-from supervisor.replica import Replica
-from supervisor.replica_choice import ReplicaChoice, make_replica_choice
+from supervisor.scheduling.deadlines import expired as slo_expired
+from supervisor.scheduling.fair_queue import FairQueue
+from supervisor.scheduling.job_queue import JobQueue
+from supervisor.scheduling.jobs import Job
+from supervisor.replicas.replica import Replica
+from supervisor.scheduling.replica_choice import ReplicaChoice, make_replica_choice
 from supervisor.states import JobState, ReplicaState
 
 # replicas that serve now or will again: the queue waits for them (a crash kill restarts, and an

@@ -21,7 +21,7 @@ import psutil
 from procutil.sample import TreeSampler, gpu_memory_by_pid
 from procutil.tree import child_pids
 from protocol.errors import exit_text
-from supervisor.replica import Replica
+from supervisor.replicas.replica import Replica
 
 log = logging.getLogger("llm_pool.observe")
 

@@ -7,11 +7,11 @@ before a byte of the answer reached the client (a crash, a 5xx, a timeout); a
 fallback out of the tenant's scope is skipped;
 `context_fallback = "big"` takes a request refused for its context length.
 A fallback's own fallbacks follow it (depth first), each model once. The
-config is refused when the chains loop (`chain_error`)."""
+config is refused when the chains loop (config/load.py `chain_error`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from protocol.errors import ErrorCode, PoolError
 
@@ -21,33 +21,6 @@ FALLS_BACK = frozenset({
     ErrorCode.LOAD_FAILED, ErrorCode.INSUFFICIENT_MEMORY, ErrorCode.DEADLINE_UNMEETABLE,
     ErrorCode.RUNTIME_CRASHED, ErrorCode.RUNTIME_RESTARTED, ErrorCode.RUNTIME_ERROR, ErrorCode.PROTOCOL_ERROR,
     ErrorCode.RUNTIME_TIMEOUT, ErrorCode.UPSTREAM_RATE_LIMITED})
-
-
-def chain_error(models: Iterable) -> str | None:
-    """Why the models' fallbacks are wrong (a name that is no model, a loop); None when right."""
-    models = list(models)
-    names = {n: m.name for m in models for n in (m.name, *m.aliases)}
-    after: dict[str, list[str]] = {}
-    for m in models:
-        for key, targets in (("fallbacks", m.fallbacks), ("context_fallback", [m.context_fallback] if
-                                                            m.context_fallback else [])):
-            for target in targets:
-                if target not in names:
-                    return f"model {m.name!r}: key {key!r}: {target!r} is not a model"
-                after.setdefault(m.name, []).append(names[target])
-    for start in after:  # depth first from each model: a model met again on the path is a loop
-        path, stack = [start], [iter(after[start])]
-        while stack:
-            nxt = next(stack[-1], None)
-            if nxt is None:
-                stack.pop()
-                path.pop()
-            elif nxt in path:
-                return f"model {start!r}: key 'fallbacks': a loop: {' -> '.join([*path[path.index(nxt):], nxt])}"
-            else:
-                path.append(nxt)
-                stack.append(iter(after.get(nxt, ())))
-    return None
 
 
 class Chain:

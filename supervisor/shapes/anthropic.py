@@ -16,7 +16,7 @@ from msgspec import Meta
 
 from protocol import Done
 from protocol.errors import ErrorCode, PoolError
-from supervisor.openai_shapes import Choices, ModelName, OneAtATime, OutputTokens, new_id
+from supervisor.shapes.openai import Choices, ModelName, OneAtATime, OutputTokens, new_id
 from supervisor.request_bounds import echo
 
 # Anthropic fields about its own service (tiers, containers, server tools' context): they ask

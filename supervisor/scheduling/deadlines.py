@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from protocol import Done, runtime_timings
 from protocol.errors import ErrorCode, PoolError
-from supervisor.latency_predictor import retry_after_s
+from supervisor.scheduling.latency_predictor import retry_after_s
 from supervisor.states import ModelState, ReplicaState
 
 SLO_HEADERS = ("x-slo-ttft-ms", "x-slo-tpot-ms")

@@ -16,10 +16,10 @@ from msgspec import Meta
 
 from protocol import Delta, Done
 from protocol.errors import ErrorCode, PoolError
-from supervisor.openai_shapes import (
+from supervisor.shapes.openai import (
     Choices, ModelName, OneAtATime, OutputTokens, Temperature, new_id, runtime_fields)
 from supervisor.request_bounds import echo
-from supervisor.responses_tools import ChatTools, chat_tool_choice, chat_tools
+from supervisor.shapes.responses_tools import ChatTools, chat_tool_choice, chat_tools
 
 OUTPUT_LIMIT_KEYS = ("max_tokens", "max_completion_tokens")  # what stops the output, as the runtime is sent it
 

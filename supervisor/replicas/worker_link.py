@@ -1,7 +1,7 @@
 """A replica's link to its worker, as the supervisor sees it: jobs handed over
 (`submit`, `cancel`), and every message the worker sends (`_on_message`): deltas and
 outcomes into the in-flight table, Ready, errors, heartbeats checked against that
-table, KV events. `Replica` (supervisor/replica.py) is its only user: it owns the
+table, KV events. `Replica` (supervisor/replicas/replica.py) is its only user: it owns the
 worker's lifecycle, this its conversation; the state they share is the Replica's."""
 
 from __future__ import annotations
@@ -9,12 +9,15 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import protocol as p
 from protocol.errors import ErrorCode, PoolError
 from protocol.redact import mask_values
-from supervisor.jobs import Job
 from supervisor.states import JobState, ReplicaState
+
+if TYPE_CHECKING:  # the jobs the scheduler hands over (scheduling/ is above replicas/)
+    from supervisor.scheduling.jobs import Job
 
 log = logging.getLogger("llm_pool.replica")
 

@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from supervisor.jobs import Job
+from supervisor.scheduling.jobs import Job
 
 PROMPT_BYTES_PER_TOKEN = 4  # the prompt's charge at hand-over, before the runtime tells the real count
 

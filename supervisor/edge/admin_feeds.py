@@ -16,7 +16,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
 from protocol.errors import ErrorCode, PoolError
-from supervisor import request_story
+from supervisor.telemetry import request_story
 from supervisor.edge.request_ids import MAX_CHARS as MAX_ID_CHARS
 from supervisor.edge.streams import SSE_HEADERS
 from supervisor.events import fold as fold_events

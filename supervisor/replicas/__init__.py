@@ -1,0 +1,1 @@
+"""One replica and its worker process: lifecycle, link, transport, process tree, restarts."""

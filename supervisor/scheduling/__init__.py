@@ -1,0 +1,1 @@
+"""One model's queue and who serves next: the executor, its fair queue, replica choice, the job."""
