@@ -346,6 +346,24 @@ async def test_a_stop_during_an_operator_restarts_drain_ends_the_restart():
 
 
 @scenario
+async def test_a_stop_during_an_operator_restarts_stop_phase_starts_no_new_worker():
+    """B3: the old worker is slow to stop (frozen); a stop asked meanwhile wins: the restart
+    ends when the old worker is gone, and no new worker is ever started."""
+    rig = Rig(stop_timeout_s=0.2)
+    proc = await rig.start()
+    rig.obey_shutdown = False
+    restart = asyncio.create_task(rig.replica.restart(drain_timeout_s=None))  # no drain: straight to its stop
+    await settle(lambda: (proc.identity, p.Shutdown()) in rig.transport.sent, "the restart's Shutdown")
+    assert rig.replica.state is ReplicaState.RESTARTING
+    stop = asyncio.create_task(rig.replica.stop())
+    with pytest.raises(LoadFailed, match="stopped during its restart"):
+        await restart
+    await stop
+    await stopped_for_good(rig)
+    assert proc.returncode is not None
+
+
+@scenario
 async def test_a_killed_replica_that_had_served_backs_off_and_restarts():
     rig = Rig()
     proc = await rig.start()

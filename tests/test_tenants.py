@@ -477,3 +477,23 @@ def test_the_timeline_names_the_tenant_whose_request_loaded_a_model_and_never_a_
     tenants = http.get("/admin/tenants", headers=ADMIN_H).json()["tenants"]
     assert {t["name"] for t in tenants} == {"team-a", "default"}
     assert "sk-team-a-secret" not in str(tenants) and "sk-default" not in str(tenants)
+
+
+def test_a_deadline_that_passes_at_once_gives_back_its_tenants_place(make_pool):
+    """B1: a request whose TTFT deadline has passed when it is queued leaves with 503 at once.
+    It was counted in flight for its tenant; that count comes back, so six of them in a row
+    get six 503s (never a 429 for `max_inflight`), and the tenant is served afterwards."""
+    pool = tenants_pool(make_pool, [synthetic("syn", tokens=2)],
+                        [{"name": "team-a", "keys": ["sk-a"], "max_inflight": 2, "tpm": 100_000}])
+    http = pool.http
+    codes = []
+    for _ in range(6):
+        r = http.post("/v1/chat/completions", json=chat("syn"), headers={**key("sk-a"), "x-slo-ttft-ms": "0.001"})
+        codes.append((r.status_code, r.json()["error"]["code"]))
+    assert {status for status, _ in codes} == {503}, codes  # its deadline passed: never 429 for max_inflight
+
+    def team_a() -> dict:
+        return next(t for t in http.get("/admin/tenants", headers=ADMIN_H).json()["tenants"] if t["name"] == "team-a")
+    assert team_a()["inflight"] == 0, team_a()
+    r = http.post("/v1/chat/completions", json=chat("syn"), headers=key("sk-a"))
+    assert r.status_code == 200, r.text
