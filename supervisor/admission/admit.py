@@ -16,6 +16,7 @@ which a reload replaces; with no [[tenants]] there is one tenant, "default".
 from __future__ import annotations
 
 import hmac
+from typing import TYPE_CHECKING
 
 from protocol import Done
 from protocol.errors import ErrorCode, PoolError, context_message
@@ -25,6 +26,9 @@ from supervisor.models.capabilities import CALLS, check_serves, forwarded_header
 from supervisor.models.views import served_context
 from supervisor.shapes.openai import MAX_OUTPUT_TOKENS
 from supervisor.admission.tenants import DEFAULT, Tenant, Tenants, TenantSpec
+
+if TYPE_CHECKING:  # the composition root above: admission queues through it
+    from supervisor.engine import ModelRouterEngine
 
 DEFAULT_TENANT = Tenant(TenantSpec(DEFAULT))  # who a request is when the edge did not say (no edge in front)
 PROMPT_BYTES_PER_TOKEN = 4  # a prompt's tokens counted against tpm at admission, set right at its end
@@ -74,7 +78,7 @@ def key_matches(given: bytes, wanted: list[bytes]) -> bool:
 class Admission:
     """Key, tenant, scope and limits of inference requests, then the engine's queue."""
 
-    def __init__(self, engine, tenants: Tenants) -> None:
+    def __init__(self, engine: ModelRouterEngine, tenants: Tenants) -> None:
         self.engine = engine
         self.tenants = tenants
 

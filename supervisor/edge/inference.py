@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from typing import TYPE_CHECKING
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -38,6 +39,12 @@ from supervisor.models.views import served_context
 from supervisor.states import JobState
 from supervisor.telemetry.metrics import CLIENT_CLOSED
 
+if TYPE_CHECKING:
+    from supervisor.admission.admit import Admission
+    from supervisor.config import PoolConfig
+    from supervisor.engine import ModelRouterEngine
+    from supervisor.telemetry.metrics import Metrics
+
 
 SESSION_HEADER = "x-claude-code-session-id"  # a Messages client's session: a key for routing = "session"
 WAITING = "waiting"  # first_event: no event yet within stream_head_hold_s
@@ -54,7 +61,8 @@ class InferenceSurface:
     are plain routes on `app` too, so that other methods get the app's 405, and their
     bodies' schemas go in its OpenAPI document."""
 
-    def __init__(self, app: FastAPI, engine, admission, metrics, config) -> None:
+    def __init__(self, app: FastAPI, engine: ModelRouterEngine, admission: Admission, metrics: Metrics,
+                 config: PoolConfig) -> None:
         self.engine = engine
         self.admission = admission
         self.metrics = metrics
