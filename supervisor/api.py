@@ -73,7 +73,13 @@ def create_app(config: PoolConfig) -> HttpEdge:
                     on_failure=lambda path, err, tenant: metrics.request(None, path, err.status, error=err,
                                                                          tenant=tenant))
 
-    # -- errors -------------------------------------------------------------------------------
+    _answer_errors(app, metrics)
+    _serve_probes(app, engine, admission, metrics)
+    return edge
+
+
+def _answer_errors(app: FastAPI, metrics: Metrics) -> None:
+    """Every error of the FastAPI app's routes in the contract's envelope, counted."""
     @app.exception_handler(PoolError)
     async def _pool_error(request: Request, exc: PoolError):
         return error_response(exc)
@@ -112,6 +118,9 @@ def create_app(config: PoolConfig) -> HttpEdge:
                                        "invalid_request_error"), "param": None, "code": None}},
                             status_code=exc.status_code, headers=exc.headers)
 
+
+def _serve_probes(app: FastAPI, engine: ModelRouterEngine, admission: Admission, metrics: Metrics) -> None:
+    """/v1/models, and what probes and scrapers ask: /metrics, /health, /ready."""
     @app.get("/v1/models")
     async def list_models(request: Request, limit: int = 20, after_id: str | None = None):
         """OpenAI's list; Anthropic's Models API shape for a client that sends anthropic-version."""
@@ -137,5 +146,3 @@ def create_app(config: PoolConfig) -> HttpEdge:
         stopping, or when no model can serve (model_health.readiness)."""
         answer = readiness(engine)
         return JSONResponse(answer, status_code=200 if answer.pop("ready") else 503)
-
-    return edge
