@@ -13,12 +13,14 @@ array of them; see below):
     worker -> supervisor                    supervisor -> worker
     ------------------------------------    -----------------------------------
     hello                                   setup     options{}   (the answer to hello)
-                                            submit    job, request{...}, endpoint
+                                            submit    job, request{...}, endpoint,
+                                                      headers{}
     ready   capacity, info{}                cancel    job
     delta   job, text, parts[], tokens      heartbeat
     done    job, finish_reason, usage{},    shutdown
             finish_reasons[], result{},
-            timings{}
+            timings{}, extra{},
+            usage_on_finish
     error   job|None, code, message, param?,
             exit_code? (a dead runtime's own)
     heartbeat inflight, jobs[], submits_seen

@@ -27,6 +27,7 @@ from runtime_worker.lifeline import die_with_parent
 from runtime_worker.outbox import Outbox
 
 log = logging.getLogger("runtime_worker")
+TURN_S = 0.02  # a job relays its backend's events this long at most before the loop gets a turn
 
 
 class Worker:
@@ -178,8 +179,16 @@ class Worker:
             budget = self.args.max_job_output_bytes  # what this job may still send (characters, about bytes)
             # closed when the job ends, not by the garbage collector (whose finalizer costs a
             # thread-safe wake-up of the loop and a task per job)
+            loop = asyncio.get_running_loop()
+            turn_started = loop.time()
             async with contextlib.aclosing(self.backend.job(endpoint, job, request, headers)) as events:
                 async for event in events:
+                    if loop.time() - turn_started > TURN_S:
+                        # a backend whose events come without a wait (behind its schedule on a busy
+                        # machine, a buffer full of tokens) must not hold the loop: the heartbeat,
+                        # the outbox and a cancel run now, or the supervisor takes the worker for dead
+                        await asyncio.sleep(0)
+                        turn_started = loop.time()
                     if isinstance(event, TextDelta):
                         if event.text:
                             budget -= len(event.text)

@@ -42,7 +42,7 @@ from runtime_worker.upstream import (
 
 RELAY_CHUNK_BYTES = 64 * 1024
 RELAY_LINE_BYTES = 16 * 1024  # a longer line of the child's output is split in the log
-STALE_RETRIES = 3  # keep-alive clients: resends after a connection error before any answer
+CONNECT_RETRIES = 3  # tries again after a connection that could not be made (nothing of the request sent)
 
 
 class OpenAIClient:
@@ -58,7 +58,8 @@ class OpenAIClient:
     `keep_alive`: reuse connections (a remote endpoint, where a new TLS
     connection per job is dear). llama-server announces keep-alive but closes
     a connection after a stream, racing the next request, so local runtimes
-    get a fresh connection per job.
+    get a fresh connection per job. A request is sent again only when its
+    connection could not be made (_post): never one the server may have taken.
 
     The server's answer is not trusted (UpstreamBody, sse_data): its body is
     read within `limits` (decompressed by the pool, in bounded pieces), a
@@ -159,12 +160,14 @@ class OpenAIClient:
             try:
                 # a redirect is the runtime's answer (an error), not a place to send the key and the prompt
                 return await session.post(url, json=body, headers=headers or None, allow_redirects=False)
-            except aiohttp.ClientConnectionError:
-                # A pooled connection the server had closed just before (llama-server
-                # announces keep-alive, then closes after a stream): no answer came back,
-                # so the request is sent again; a server that is down fails every try.
+            except aiohttp.ClientConnectorError:
+                # The connection could not be made: nothing of the request left, so it may be sent
+                # again. Any other connection error (a pooled connection found closed, a server that
+                # read the request and dropped it) may come after the server took the request: a POST
+                # is never sent twice (aiohttp itself re-sends only idempotent methods), so a remote
+                # never runs, or bills, one generation twice (docs/reliability.md).
                 failures += 1
-                if not self.keep_alive or failures > STALE_RETRIES:
+                if failures > CONNECT_RETRIES:
                     raise
 
     async def _complete(self, path: str, body: dict, chat: bool, choices: int,

@@ -21,7 +21,7 @@ from supervisor.models import reload as reloading
 from supervisor.models.lifecycle import Lifecycle, LoadDurations
 from supervisor.models.memory import Memory
 from supervisor.models.registry import ModelEntry, Registry
-from supervisor.models.views import Views, model_state
+from supervisor.models.views import Views
 from supervisor.replicas.observe import ProcessSampler
 from supervisor.replicas.process import spawn_worker, sweep_stale_workers
 from supervisor.admission.prompt_bounds import check_prompt_bounds
@@ -29,8 +29,9 @@ from supervisor.admission.prompt_tokens import PromptTokenizer
 from supervisor.request_bounds import check_request_bounds
 from supervisor.replicas.replica import Launcher
 from supervisor.state_dir import make_private_dir, pool_state_dir
-from supervisor.states import ModelState, ReplicaState
+from supervisor.states import ReplicaState
 from supervisor.admission.tenants import DEFAULT as DEFAULT_TENANT
+from supervisor.tasks import TaskSet
 from supervisor.admission.tenants import Tenants
 from supervisor.replicas.transport import Transport, sweep_stale_socket_dirs
 
@@ -50,13 +51,13 @@ class ModelRouterEngine:
         self.registry = Registry(config.models)
         self.sampler = ProcessSampler()  # psutil and NVML, off the loop: footprints read its cache
         self.memory = Memory(self.registry, server, self.sampler)
-        self.lifecycle = Lifecycle(self.registry, self.memory, server, self.log_dir, self._spawn,
+        self.lifecycle = Lifecycle(self.registry, self.memory, server, self.log_dir, self.spawn,
                                    launcher=launcher, transport=transport, tenants=self.tenants)
-        self.reloader = reloading.Reloader(self.registry, self.lifecycle, self._spawn)
+        self.reloader = reloading.Reloader(self.registry, self.lifecycle, self.spawn)
         self.views = Views(self.registry, self.memory, self.lifecycle)
         self._drain: asyncio.Future | None = None  # the one drain of a graceful stop
         self._closed = False
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = TaskSet()
         self.starting: set[str] = set()  # models whose start-up load has not ended yet (/ready waits)
         self.tokenizer = PromptTokenizer()  # token ids for the exact prefix index (routing "prefix" on vLLM)
 
@@ -92,9 +93,6 @@ class ModelRouterEngine:
     def entry(self, name: str, removed_too: bool = False) -> ModelEntry:
         return self.registry.lookup(name, removed_too)
 
-    def model_state(self, entry: ModelEntry) -> ModelState:
-        return model_state(entry)
-
     def model_view(self, entry: ModelEntry) -> dict:
         return self.views.model_view(entry)
 
@@ -126,12 +124,12 @@ class ModelRouterEngine:
         self.lifecycle.transport = Transport()
         self.lifecycle.transport.start()
         self.sampler.start()
-        self._spawn(self._heartbeat_loop())
+        self.spawn(self._heartbeat_loop(), "heartbeats")
         configured = self.registry.configured()
         for entry in configured:
             if entry.cfg.load_on_start:
                 self.starting.add(entry.cfg.name)
-                self._spawn(self._start_load(entry.cfg.name))
+                self.spawn(self._start_load(entry.cfg.name), f"start-load-{entry.cfg.name}")
         emit(EventKind.STARTED, f"supervisor started (pid {os.getpid()}; {len(configured)} models configured, "
              f"{len(self.starting)} loading)")
         if not self.starting:
@@ -194,9 +192,7 @@ class ModelRouterEngine:
             await asyncio.gather(*(r.stop() for e in entries for r in e.executor.replicas), return_exceptions=True)
             await asyncio.gather(*(self.lifecycle.unload_entry(e, drain_timeout_s=0, why="shutdown")
                                    for e in entries), return_exceptions=True)
-            for t in list(self._tasks):
-                t.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._tasks.close()
             if self.lifecycle.transport:
                 await self.lifecycle.transport.close()
             if self.lifecycle.cluster:
@@ -209,15 +205,9 @@ class ModelRouterEngine:
         """/ready: start-up loads settled (loaded or failed) and a model can serve (model_health.readiness)."""
         return readiness(self)["ready"]
 
-    def _spawn(self, coro) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-
-    def _task_done(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("engine task %s failed", task.get_name(), exc_info=task.exception())
+    def spawn(self, coro, name: str | None = None) -> asyncio.Task:
+        """Run `coro` in the background, held until it ends (cancelled at shutdown); a failure is logged."""
+        return self._tasks.spawn(coro, name)
 
     async def _heartbeat_loop(self) -> None:
         period = self.config.server.heartbeat_s

@@ -22,7 +22,8 @@ class DrainingServer(uvicorn.Server):
     """First SIGTERM/SIGINT: drain (/ready 503, new work refused, submitted
     jobs get `grace_s` to finish), stop the workers (each within its stop
     timeout), then stop uvicorn. A second signal ends the drain at once: the
-    workers are stopped right away. A third is uvicorn's own (force quit)."""
+    workers are stopped right away. Any later one is uvicorn's own: it starts
+    uvicorn's stop, and only a repeated SIGINT force-quits (a SIGTERM does not)."""
 
     def __init__(self, config: uvicorn.Config, engine, grace_s: float) -> None:
         super().__init__(config)
@@ -44,7 +45,7 @@ class DrainingServer(uvicorn.Server):
                 log.info("SIGHUP: %s", await self.engine.reload())
             except PoolError as exc:
                 log.error("SIGHUP: reload refused: %s", exc.message)
-        self.engine._spawn(reload())  # tracked; anything unexpected is logged
+        self.engine.spawn(reload(), "sighup-reload")  # held until it ends; anything unexpected is logged
 
     def handle_exit(self, sig, frame) -> None:
         self._signals += 1

@@ -12,6 +12,7 @@ import asyncio
 import json
 import socket
 import tempfile
+import time
 
 import msgpack
 import pytest
@@ -552,3 +553,49 @@ def test_tokenizer_refuses_an_answer_over_its_bound():
     body = json.dumps({"tokens": list(range(1000))}).encode()
     tokens, failures = asyncio.run(_tokenize_against([body[:3000], body[3000:]], limit=len(body) - 1))
     assert tokens is None and failures == 1
+
+
+def test_a_long_tokenize_answer_is_parsed_off_the_event_loop():
+    """A 1M-token answer (8 MB of JSON) once took json.loads and a type check on the event loop,
+    holding it for as long as they took (issue 42, B7). Now it is parsed in a thread, a piece at a
+    time, so that the loop runs between pieces: its longest stall is a fraction of that work's."""
+    ids = list(range(100_000, 1_100_000))
+    body = json.dumps({"count": len(ids), "max_model_len": 2**21, "tokens": ids}).encode()
+
+    def as_before() -> float:  # the old parse, on the loop
+        started = time.perf_counter()
+        tokens = json.loads(body)["tokens"]
+        assert all(type(t) is int for t in tokens)
+        return time.perf_counter() - started
+
+    async def run():
+        stalls = [0.0]
+
+        async def ticker():
+            while True:
+                before = time.perf_counter()
+                await asyncio.sleep(0)
+                stalls.append(time.perf_counter() - before)
+
+        watch = asyncio.create_task(ticker())
+        try:
+            result = await _tokenize_against([body[i:i + 2**20] for i in range(0, len(body), 2**20)])
+        finally:
+            watch.cancel()
+        return result, max(stalls)
+
+    (tokens, failures), stall = asyncio.run(run())
+    assert tokens == ids and failures == 0
+    work = min(as_before() for _ in range(2))
+    assert stall < work / 3, f"the loop stalled {stall * 1000:.0f} ms; the whole parse takes {work * 1000:.0f} ms"
+
+
+def test_a_tokenize_answer_of_anything_but_ints_gives_no_ids():
+    from supervisor.admission.prompt_tokens import PIECE_BYTES, parse_answer
+
+    many = list(range(PIECE_BYTES // 3))  # more than one piece
+    assert parse_answer(json.dumps({"tokens": many}).encode()) == many
+    assert parse_answer(b'{"tokens": []}') == [] and parse_answer(b'{"count": 1}') is None
+    for bad in (many[:-1] + [True], many[:-1] + [1.0], many[:-1] + ["x"], many + ["a,b"]):
+        assert parse_answer(json.dumps({"tokens": bad}).encode()) is None, bad[-1]
+    assert parse_answer(b'[1, 2]') is None and parse_answer(b'{"tokens": [1, 2') is None

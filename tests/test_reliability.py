@@ -150,6 +150,23 @@ def test_sigstop_is_detected_as_a_hang(make_pool):
             os.kill(pid, signal.SIGKILL)
 
 
+def test_a_worker_flooding_tokens_is_not_taken_for_dead(make_pool):
+    """A backend whose tokens come without a wait (a fast runtime's full buffer; a synthetic one
+    behind its schedule on a busy machine; here, one with no schedule: tps 0). The worker once
+    relayed them all without giving its loop a turn: no heartbeat and no output left for
+    seconds, and the supervisor killed it as silent (issue 42, B8). Liveness is 1 s here."""
+    pool = make_pool([synthetic("flood", tokens=1_500_000)], server={"heartbeat_s": 0.2, "liveness_s": 1.0})
+    started = time.monotonic()
+    with pool.http.stream("POST", "/v1/chat/completions", timeout=120, json={
+            "model": "flood", "stream": True, "messages": [{"role": "user", "content": "go"}]}) as r:
+        body = r.read()
+    took = time.monotonic() - started
+    assert r.status_code == 200 and b'"error"' not in body[-2000:], body[-500:]
+    assert body.endswith(b"data: [DONE]\n\n") and b'"finish_reason":"stop"' in body[-2000:], body[-500:]
+    assert pool.workers("flood")[0]["restarts"] == 0
+    print(f"1.5M tokens in {took:.1f}s with a 1 s liveness window")
+
+
 def test_stuck_generation_hits_the_job_deadline(make_pool):
     pool = make_pool([synthetic("stuck", ttft_ms=60_000, request_timeout_s=1.0)])
     started = time.monotonic()

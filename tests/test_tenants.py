@@ -76,6 +76,26 @@ def test_keys_name_their_tenant_and_the_admin_key_is_not_one(monkeypatch):
     assert legacy.for_key(ADMIN.encode()).name == "default" and not legacy.configured
 
 
+def test_a_refused_tenant_config_withholds_nothing_and_a_valid_one_withholds_its_key_env(monkeypatch):
+    """Tenants.apply changes nothing on a config error, the environment workers are denied
+    included (it once withheld a tenant's key_env before a later tenant's key was refused)."""
+    from supervisor.replicas.process import withheld_env
+
+    monkeypatch.setenv("TEAM_SET_KEY", "sk-set")
+    # the admin key from the command line or the environment: the config cannot check it
+    tenants = Tenants(parse_config({"tenants": [{"name": "a", "keys": ["sk-a"]}]}), admin_key=ADMIN)
+    bad = parse_config({"tenants": [{"name": "b", "key_env": ["TEAM_SET_KEY"]},
+                                    {"name": "c", "keys": [ADMIN]}]})
+    with pytest.raises(ConfigError, match="the admin key is not a tenant key"):
+        tenants.apply(bad)
+    assert "TEAM_SET_KEY" not in withheld_env() and set(tenants.by_name) == {"a", "default"}
+    tenants.apply(parse_config({"tenants": [{"name": "b", "key_env": ["TEAM_SET_KEY"]}]}))
+    assert "TEAM_SET_KEY" in withheld_env() and tenants.for_key(b"sk-set").name == "b"
+    # a model's own api_key_env reaches its worker; another model's, or the pool's keys, never
+    assert withheld_env({"KEY_A", "KEY_B"}, "KEY_A") >= {"KEY_B", "TEAM_SET_KEY", "LLM_POOL_API_KEY"}
+    assert "KEY_A" not in withheld_env({"KEY_A", "KEY_B"}, "KEY_A")
+
+
 def test_scope_globs_names_and_aliases():
     tenants = Tenants(parse_config({"tenants": [{"name": "a", "keys": ["k"], "models": ["small-*", "gpt-4o"]}]}))
     spec = tenants.by_name["a"].spec

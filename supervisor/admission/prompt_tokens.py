@@ -10,17 +10,19 @@ index (counted in `failures`). Local replicas only: the address is loopback."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 
 import aiohttp
+import msgspec
 
 log = logging.getLogger("llm_pool.prompt_tokens")
 
 TOKENIZE_TIMEOUT_S = 2.0
 MAX_TOKENS = 1_000_000  # a longer answer is not trusted (nor needed: no cache holds it)
 MAX_ANSWER_BYTES = 16 * 1024 * 1024
+INLINE_PARSE_BYTES = 64 * 1024  # a larger answer is parsed in a thread, off the event loop
+PIECE_BYTES = 256 * 1024  # of a token list, parsed in one step
 _CHAT_FIELDS = ("messages", "tools", "chat_template", "chat_template_kwargs", "add_generation_prompt",
                 "continue_final_message")
 
@@ -36,10 +38,33 @@ def tokenize_body(request: dict, endpoint: str) -> dict | None:
     return None
 
 
-def parse_tokens(answer) -> list[int] | None:
-    tokens = answer.get("tokens") if isinstance(answer, dict) else None
-    if not isinstance(tokens, list) or len(tokens) > MAX_TOKENS or not all(type(t) is int for t in tokens):
+class _TokenizeAnswer(msgspec.Struct):
+    tokens: msgspec.Raw = msgspec.Raw(b"null")  # its text, checked as JSON, parsed by parse_answer
+
+
+def parse_answer(raw: bytes) -> list[int] | None:
+    """The token ids of a /tokenize answer, or None for an answer without a list of at most
+    MAX_TOKENS ints. Parsed PIECE_BYTES at a time: no one step holds the GIL long, so in a
+    thread (PromptTokenizer.tokens runs a large answer in one) the event loop runs between
+    pieces. (json.loads holds the GIL for the whole answer: a thread alone would not free the loop.)"""
+    try:
+        ids = bytes(memoryview(msgspec.json.decode(raw, type=_TokenizeAnswer).tokens)).strip()
+    except msgspec.DecodeError:  # not JSON (the list's syntax is checked here too), or not an object
         return None
+    if not (ids.startswith(b"[") and ids.endswith(b"]")):
+        return None
+    tokens: list[int] = []
+    start, end = 1, len(ids) - 1  # the list's inside
+    while start < end:
+        cut = ids.find(b",", start + PIECE_BYTES, end)  # a cut inside a string fails that piece's decode
+        cut = end if cut < 0 else cut
+        try:
+            tokens += msgspec.json.decode(b"[" + ids[start:cut] + b"]", type=list[int])
+        except msgspec.DecodeError:  # not ints (a bool is not one either)
+            return None
+        if len(tokens) > MAX_TOKENS:
+            return None
+        start = cut + 1
     return tokens
 
 
@@ -74,12 +99,14 @@ class PromptTokenizer:
         try:
             async with self._session.post(url, json=body, allow_redirects=False) as r:
                 raw = await read_bounded(r.content, self.max_answer_bytes) if r.status == 200 else None
-                if raw:
-                    tokens = parse_tokens(json.loads(raw))
+                if raw and len(raw) <= INLINE_PARSE_BYTES:
+                    tokens = parse_answer(raw)
+                elif raw:
+                    tokens = await asyncio.to_thread(parse_answer, raw)
                 why = (f"HTTP {r.status}" if r.status != 200 else
                        f"an answer over {self.max_answer_bytes} bytes" if raw is None else
                        "an answer without token ids")
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             why = f"{type(exc).__name__}: {exc}"
         self.seconds += time.perf_counter() - start
         if tokens is None:

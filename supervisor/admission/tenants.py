@@ -206,6 +206,7 @@ class Tenants:
         """Take the tenants of `config` (a reload). Raises ConfigError and changes nothing
         when a key cannot be resolved or collides."""
         specs, keys = self._build(config)
+        withhold_env(var for t in config.tenants for var in t.key_env)  # once valid: in no worker's environment
         by_name = {}
         for spec in specs:
             tenant = self.by_name.get(spec.name)
@@ -234,7 +235,6 @@ class Tenants:
                                     t.slo_ttft_ms, t.slo_tpot_ms))
             for key in t.keys:
                 add_key(key, t.name)
-            withhold_env(t.key_env)  # never in a worker's environment
             for var in t.key_env:
                 value = os.environ.get(var)
                 if not value:

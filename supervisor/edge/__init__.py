@@ -1,3 +1,3 @@
 """The way in, in the order a request takes it: listener (the connection and its
 bounds) -> guard (keys, browser rules, route, body) -> the surfaces (inference.py,
-the admin routes in api.py) -> admission."""
+the admin routes in edge/admin.py) -> admission."""

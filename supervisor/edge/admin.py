@@ -4,6 +4,7 @@ engine comes from app.state (set by api.create_app)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 from fastapi import APIRouter, Request
@@ -78,10 +79,11 @@ async def admin_logs(request: Request, name: str, replica: int = 0, lines: int =
     check_replica(engine, name, replica)
     name = engine.entry(name).cfg.name  # an alias names the model's log too
     path = engine.log_dir / f"{name}-{replica}.log"
-    if not path.is_file():
+    # up to 2.5 MB read and split: in a thread, not on the event loop
+    tail = await asyncio.to_thread(tail_lines, path, max(1, min(lines, 10000)))
+    if tail is None:
         raise PoolError(ErrorCode.INVALID_REQUEST, f"no log for {name}/{replica} yet", param="replica")
-    return {"model": name, "replica": replica, "path": str(path),
-            "lines": tail_lines(path, max(1, min(lines, 10000)))}
+    return {"model": name, "replica": replica, "path": str(path), "lines": tail}
 
 
 def check_replica(engine, name: str, replica: int) -> None:
@@ -92,8 +94,10 @@ def check_replica(engine, name: str, replica: int) -> None:
                         f"(it has 0 to {count - 1})", param="replica")
 
 
-def tail_lines(path, count: int) -> list[str]:
-    """The last `count` lines of a file, reading only its end."""
+def tail_lines(path, count: int) -> list[str] | None:
+    """The last `count` lines of a file, reading only its end; None for no such file."""
+    if not path.is_file():
+        return None
     with open(path, "rb") as f:
         f.seek(0, os.SEEK_END)
         size = f.tell()

@@ -23,21 +23,29 @@ log = logging.getLogger("llm_pool.process")
 WorkerProcess = ChildTree
 
 
-# Variables holding the pool's own secrets (its API and admin keys, tenants' key_env): no worker needs
-# them, so none gets them (a model's own api_key_env reaches that model's worker alone: see secret_env).
-WITHHELD_ENV: set[str] = set(POOL_SECRET_ENV)
+# The environment a worker must not see is decided here alone (withheld_env); a replica hands
+# it to its launcher as names to leave out, so a worker on another node goes without them too.
+# The pool's own secrets (its API and admin keys, tenants' key_env) reach no worker.
+_pool_secret_env: set[str] = set(POOL_SECRET_ENV)
 
 
 def withhold_env(names) -> None:
-    """Keep these environment variables out of every worker started from now on."""
-    WITHHELD_ENV.update(names)
+    """Keep these environment variables (tenants' key_env) out of every worker started from now on."""
+    _pool_secret_env.update(names)
+
+
+def withheld_env(model_key_env=frozenset(), own_key: str | None = None) -> frozenset[str]:
+    """The variables a worker must not see: the pool's own secrets, and every model's
+    api_key_env (`model_key_env`) but its own model's (`own_key`)."""
+    return frozenset(_pool_secret_env) | (frozenset(model_key_env) - {own_key})
 
 
 async def spawn_worker(args: list[str], log_path: Path, extra_env: dict[str, str | None]) -> WorkerProcess:
     """Start `python -m runtime_worker ARGS`. Raises OSError when it cannot
     (log directory not creatable, no such interpreter, out of pids).
-    `extra_env` over this process's environment; None values remove a name."""
-    env = worker_env({k: v for k, v in os.environ.items() if k not in WITHHELD_ENV}, extra_env)
+    `extra_env` over this process's environment; None values remove a name (the
+    replica's withheld_env among them)."""
+    env = worker_env(dict(os.environ), extra_env)
     env[OWNER_ENV] = str(os.getpid())
     env.setdefault("PYTHONUNBUFFERED", "1")
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -40,6 +40,7 @@ import zmq
 from node_host.host import WorkerHost
 from protocol.curve import curve_env
 from supervisor.config import ModelConfig, ServerConfig
+from supervisor.tasks import spawn
 from supervisor.replicas.transport import Transport
 
 log = logging.getLogger("llm_pool.ray")
@@ -104,12 +105,10 @@ class RemoteWorker:
         self._log_offset = 0
         self._on_exit = on_exit
         self._polling = asyncio.Lock()  # one poll at a time: each takes the log from where the last ended
-        self._exit = asyncio.ensure_future(self._watch())
-        self._exit.add_done_callback(_log_failure)
+        self._exit = spawn(self._watch(), what="remote worker task")
 
     async def _watch(self) -> int:
-        poller = asyncio.create_task(self._poll_loop())
-        poller.add_done_callback(_log_failure)
+        poller = spawn(self._poll_loop(), what="remote worker task")
         try:
             code = await _result(self.actor.wait.remote())
         except Exception as exc:  # RayActorError: the actor died, or its node was lost
@@ -217,11 +216,6 @@ def _detach(ref) -> None:
     and a Ray error never fetched would be logged as 'unhandled'."""
     asyncio.ensure_future(asyncio.wrap_future(ref.future())).add_done_callback(
         lambda f: f.cancelled() or f.exception())
-
-
-def _log_failure(task: asyncio.Future) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("remote worker task failed", exc_info=task.exception())
 
 
 class RayLauncher:

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import protocol as p
 from protocol.errors import ErrorCode, PoolError, exit_text
-from protocol.redact import POOL_SECRET_ENV
 from supervisor.config import ModelConfig, ServerConfig
 from supervisor.events import EventKind, emit
-from supervisor.replicas.process import WorkerProcess, spawn_worker
+from supervisor.replicas.process import WorkerProcess, spawn_worker, withheld_env
 from supervisor.replicas.restart_policy import CrashHistory, RestartPolicy, restart_delay
 from supervisor.states import REPLICA_TRANSITIONS, ReplicaState, transition
+from supervisor.tasks import spawn
 from supervisor.replicas.transport import Transport
 from supervisor.replicas.worker_link import LoadFailed, WorkerLink
 
@@ -59,12 +59,6 @@ class Launcher(Protocol):
     async def __call__(self, args: list[str], log_path: Path, env: dict[str, str]) -> WorkerProcess: ...
 
 
-def _log_failure(task: asyncio.Task) -> None:
-    """Done-callback of the replica's background tasks: none dies silently."""
-    if not task.cancelled() and task.exception() is not None:
-        log.error("task %s failed", task.get_name(), exc_info=task.exception())
-
-
 class Replica(WorkerLink):
     def __init__(self, cfg: ModelConfig, server: ServerConfig, index: int, transport: Transport,
                  log_dir: Path, owner: ReplicaOwner, policy: RestartPolicy | None = None,
@@ -79,9 +73,7 @@ class Replica(WorkerLink):
         self.owner = owner
         self.policy = policy or RestartPolicy()
         self.launcher = launcher
-        # environment variables its worker must not see: the pool's keys, other models' keys
-        own_key = cfg.options.get("api_key_env")
-        self.hidden_env = (secret_env | POOL_SECRET_ENV) - {own_key}
+        self.secret_env = secret_env  # the models' api_key_env: its worker sees its own model's alone
         self.clock = clock  # monotonic seconds
         self.state = ReplicaState.STOPPED
         self.identity = ""
@@ -179,11 +171,6 @@ class Replica(WorkerLink):
     def restart_pending(self) -> bool:
         """A restart of this replica is scheduled (backing off after a crash)."""
         return self._restart_task is not None and not self._restart_task.done()
-
-    def _task(self, coro, name: str) -> asyncio.Task:
-        task = asyncio.create_task(coro, name=name)
-        task.add_done_callback(_log_failure)
-        return task
 
     # -- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
@@ -287,7 +274,8 @@ class Replica(WorkerLink):
         self.connected = False
         self._ready = ready = asyncio.get_running_loop().create_future()
         self.transport.register(self.identity, self._on_message)
-        env: dict[str, str | None] = dict.fromkeys(self.hidden_env)  # None: left out (process.worker_env)
+        # None: left out (protocol.redact.worker_env); read at each start (a reload may add a tenant's key_env)
+        env: dict[str, str | None] = dict.fromkeys(withheld_env(self.secret_env, self.cfg.options.get("api_key_env")))
         if self.cfg.replica_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.cfg.replica_devices[self.index]
         try:
@@ -314,7 +302,7 @@ class Replica(WorkerLink):
             raise LoadFailed(self.last_error) from None
         self.started_at = time.time()
         self.last_heard = self.clock()
-        self._watcher = self._task(self._watch(self.proc), f"watch-{self.identity}")
+        self._watcher = spawn(self._watch(self.proc), f"watch-{self.identity}")
         try:
             await asyncio.wait_for(asyncio.shield(ready), self.cfg.load_timeout_s)
         except (TimeoutError, LoadFailed, asyncio.CancelledError) as exc:
@@ -450,7 +438,7 @@ class Replica(WorkerLink):
             return
         self._set(ReplicaState.BACKOFF)
         self._restart_due = self.clock() + delay
-        self._restart_task = self._task(self._restart_after(delay), f"restart-{self.name}")
+        self._restart_task = spawn(self._restart_after(delay), f"restart-{self.name}")
 
     async def _restart_after(self, delay: float) -> None:
         await asyncio.sleep(delay)

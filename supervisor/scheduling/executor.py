@@ -9,7 +9,8 @@ submitted jobs belong to a worker until it reports them finished.
 
 Its intake (`accepting_new_requests`) and `loading` are the model's state
 projected here: supervisor/models/registry.py `ModelEntry.set_state` sets them
-on every transition (the executor's own tests set them directly)."""
+on every transition; `start` opens the intake and `drain` closes it too (the
+executor's own tests set them directly)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from supervisor.scheduling.jobs import Job
 from supervisor.replicas.replica import Replica
 from supervisor.scheduling.replica_choice import ReplicaChoice, make_replica_choice
 from supervisor.states import JobState, ReplicaState
+from supervisor.tasks import spawn
 
 # replicas that serve now or will again: the queue waits for them (a crash kill restarts, and an
 # operator's restart keeps its model's queue)
@@ -89,15 +91,14 @@ class Executor:
         self._start_driver()
 
     def _start_driver(self) -> None:
-        self._driver = asyncio.create_task(self._drive(), name=f"driver-{self.cfg.name}")
-        self._driver.add_done_callback(self._driver_ended)
+        # the driver only ends when closed; any other end is a bug, said loudly (tasks.watch)
+        self._driver = spawn(self._drive(), f"driver-{self.cfg.name}", forever=True, on_failure=self._driver_ended,
+                             what=f"model {self.cfg.name}: the dispatch loop")
 
-    def _driver_ended(self, task: asyncio.Task) -> None:
-        """The driver only ends when closed; any other end is a bug, said loudly,
-        and the driver is started again so the queue keeps moving."""
-        if task.cancelled() or task is not self._driver or self._closed:
+    def _driver_ended(self, task: asyncio.Future) -> None:
+        """The driver is started again, so that the queue keeps moving."""
+        if task is not self._driver or self._closed:
             return
-        log.error("model %s: the dispatch loop ended (%r); starting it again", self.cfg.name, task.exception())
         self._start_driver()
         self._wake.set()
 

@@ -10,8 +10,8 @@ plain FIFO.
 
 Counters are charged as tokens are produced, not when a request ends: a job
 handed out is charged its prompt at once (an estimate from its size, set right
-from the runtime's usage at its end) and one output token per delta it
-streams (also set right at the end). Output tokens weigh `output_weight`
+from the runtime's usage at its end) and, for each delta it streams, the
+output tokens that delta carries (also set right at the end). Output tokens weigh `output_weight`
 prompt tokens.
 
 A tenant whose lane was empty is lifted, when a job arrives, to the lowest

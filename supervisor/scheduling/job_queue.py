@@ -1,13 +1,11 @@
 """The order in which a model's waiting jobs are dispatched: one owner.
 
 The executor asks its queue for the next job to hand to a replica; nothing
-else reaches into the queue. `FifoQueue` is first come, first served; a
-fair-share queue (tenants) keeps the same interface and chooses differently
-across tenants while staying FIFO within one."""
+else reaches into the queue. Its one kind is the fair-share queue
+(fair_queue.FairQueue): it chooses across tenants, and is FIFO within one."""
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
@@ -47,61 +45,3 @@ class JobQueue(Protocol):
     def __len__(self) -> int: ...
 
     def __iter__(self) -> Iterator[Job]: ...
-
-
-class FifoQueue:
-    """First come, first served."""
-
-    def __init__(self) -> None:
-        self._jobs: deque[Job] = deque()
-
-    def push(self, job: Job) -> None:
-        self._jobs.append(job)
-
-    def push_front(self, job: Job) -> None:
-        self._jobs.appendleft(job)
-
-    def extend(self, jobs: Iterable[Job]) -> None:
-        self._jobs.extend(jobs)
-
-    def peek(self, eligible: Callable[[str], bool] | None = None) -> Job | None:
-        return next((job for job in self._jobs if eligible is None or eligible(job.tenant)), None)
-
-    def pop(self, eligible: Callable[[str], bool] | None = None) -> Job | None:
-        job = self.peek(eligible)
-        if job is not None:
-            self._jobs.remove(job)
-        return job
-
-    def remove(self, job: Job) -> bool:
-        try:
-            self._jobs.remove(job)
-        except ValueError:
-            return False
-        return True
-
-    def take_all(self) -> list[Job]:
-        jobs = list(self._jobs)
-        self._jobs.clear()
-        return jobs
-
-    def ahead(self, tenant: str, index: int | None = None) -> int:
-        if index is None:
-            return len(self._jobs)
-        mine = [i for i, job in enumerate(self._jobs) if job.tenant == tenant]
-        return mine[index] if index < len(mine) else len(self._jobs)
-
-    def position(self, job: Job) -> int | None:
-        try:
-            return self._jobs.index(job)
-        except ValueError:
-            return None
-
-    def __len__(self) -> int:
-        return len(self._jobs)
-
-    def __bool__(self) -> bool:
-        return bool(self._jobs)
-
-    def __iter__(self) -> Iterator[Job]:
-        return iter(self._jobs)

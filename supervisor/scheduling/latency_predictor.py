@@ -189,7 +189,8 @@ class ModelPredictor:
         return first or 0.0, tpot
 
     def _pooled(self) -> ReplicaSpeeds | None:
-        """A replica with no history yet: predicted as the model's most recent others."""
+        """A replica with no history yet: predicted as the last replica with figures, in the
+        order replicas were first seen (not the one that learned most recently)."""
         return next((s for s in reversed(self.replicas.values()) if s.first_token.x is not None or s.tpot_s.value),
                     None)
 

@@ -111,10 +111,5 @@ class BlockLRU:
         while len(held) > self.capacity:
             held.popitem(last=False)
 
-    def resize(self, capacity: int) -> None:
-        self.capacity = max(1, capacity)
-        while len(self._keys) > self.capacity:
-            self._keys.popitem(last=False)
-
     def clear(self) -> None:
         self._keys.clear()

@@ -20,6 +20,7 @@ from supervisor.scheduling.jobs import Job
 from supervisor.telemetry.latency_window import LatencyWindow
 from supervisor.models.health import UNHEALTHY, model_health, reason_text
 from supervisor.telemetry.request_log import RequestLog, truncate
+from supervisor.tasks import spawn
 
 log = logging.getLogger("llm_pool.live")
 
@@ -88,18 +89,17 @@ class Activity:
         self._start_sampler()
 
     def _start_sampler(self) -> None:
-        self._task = asyncio.create_task(self._sample_loop(), name="live-samples")
-        self._task.add_done_callback(self._sampler_ended)
+        # a failure is a bug: said (tasks.watch), and the sampling goes on
+        self._task = spawn(self._sample_loop(), "live-samples", what="the live samples",
+                           on_failure=self._sampler_ended)
 
-    def _sampler_ended(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:  # a bug: say so, and sample on
-            log.error("live samples failed; restarting them", exc_info=task.exception())
+    def _sampler_ended(self, task: asyncio.Future) -> None:
+        if task is self._task:  # not closed meanwhile
             self._start_sampler()
 
     async def close(self) -> None:
         if self._task:
             task, self._task = self._task, None
-            task.remove_done_callback(self._sampler_ended)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         logging.getLogger("llm_pool").removeHandler(self.supervisor_log)

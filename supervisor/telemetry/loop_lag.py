@@ -11,6 +11,8 @@ import logging
 import time
 from collections.abc import Callable
 
+from supervisor.tasks import spawn
+
 log = logging.getLogger("llm_pool.loop_lag")
 
 PERIOD_S = 0.25
@@ -39,17 +41,15 @@ class LoopLag:
             self.observe(max(0.0, self.clock() - asked))
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="loop-lag")
-        self._task.add_done_callback(self._ended)
+        # a failure is a bug: said (tasks.watch), and the measure goes on
+        self._task = spawn(self._run(), "loop-lag", what="the loop lag measure", on_failure=self._ended)
 
-    def _ended(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:  # a bug: say so, and measure on
-            log.error("loop lag measure failed; restarting it", exc_info=task.exception())
+    def _ended(self, task: asyncio.Future) -> None:
+        if task is self._task:  # not closed meanwhile
             self.start()
 
     async def close(self) -> None:
         if self._task is not None:
             task, self._task = self._task, None
-            task.remove_done_callback(self._ended)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
