@@ -1,0 +1,39 @@
+"""The operator, round three: in-flight rows an operator can follow up (request ids and
+tenants), readiness that stays true after a broken model is unloaded. Real pools, real
+workers, the real CLI as a subprocess."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from tests.conftest import synthetic
+from tests.pool import wait_for
+from tests.test_cli import cli
+
+
+def chat_as(pool, rid: str, model: str, **extra) -> httpx.Response:
+    return httpx.post(pool.url + "/v1/chat/completions", headers={"x-request-id": rid}, timeout=60,
+                      json={"model": model, "messages": [{"role": "user", "content": "hi"}], **extra})
+
+
+def test_in_flight_rows_show_request_ids_and_tenants_that_the_cli_finds(make_pool):
+    """The page's in-flight rows (GET /admin/requests/summary) carry each request's own id and
+    its tenant, running or queued; `llm-pool requests --id <that id>` then finds the request."""
+    pool = make_pool([synthetic("slow", tps=20, tokens=400)])  # one slot: the second request queues
+    with ThreadPoolExecutor(2) as ex:
+        running = ex.submit(chat_as, pool, "run-1", "slow", max_tokens=40)  # 2 s
+        wait_for(lambda: pool.model("slow")["runtime_inflight"] == 1, 10, what="run-1 running")
+        queued = ex.submit(chat_as, pool, "queued-1", "slow", max_tokens=2)
+        wait_for(lambda: pool.model("slow")["queue_depth"] == 1, 10, what="queued-1 queued")
+        rows = pool.http.get("/admin/requests/summary").json()["in_flight"]
+        assert [(r["request_id"], r["tenant"], r["state"]) for r in rows] == [
+            ("run-1", "default", "running"), ("queued-1", "default", "queued")], rows
+        assert running.result().status_code == 200 and queued.result().status_code == 200
+    for rid in ("run-1", "queued-1"):
+        wait_for(lambda: pool.http.get("/admin/requests", params={"id": rid}).json()["requests"], 5,
+                 what=f"{rid}'s row")
+        done = cli("requests", "--id", rid, url=pool.url)
+        assert done.returncode == 0 and f"request {rid} (row " in done.stdout, (done.stdout, done.stderr)
+        assert "tenant default" in done.stdout
