@@ -37,3 +37,31 @@ def test_in_flight_rows_show_request_ids_and_tenants_that_the_cli_finds(make_poo
         done = cli("requests", "--id", rid, url=pool.url)
         assert done.returncode == 0 and f"request {rid} (row " in done.stdout, (done.stdout, done.stderr)
         assert "tenant default" in done.stdout
+
+
+def test_an_unloaded_broken_model_is_not_serving_and_check_says_so(make_pool):
+    """A load_on_demand model whose load failed, then unloaded by the operator: unloading mends
+    nothing, so /ready does not list it as serving and check exits 2 naming it, until a load
+    succeeds."""
+    from tests.test_operator import break_spawns, mend_spawns
+    pool = make_pool([synthetic("ok", load_on_demand=False), synthetic("lazy", load_on_start=False)])
+    assert pool.http.get("/ready").json()["serving"] == ["ok", "lazy"]  # a request would load it
+    broken = break_spawns(pool)
+    try:
+        assert pool.http.post("/admin/models/lazy/load").status_code >= 500
+        assert pool.model("lazy")["state"] == "failed"
+        assert pool.http.post("/admin/models/lazy/unload").status_code == 200
+        assert pool.model("lazy")["state"] == "unloaded"
+        ready = pool.http.get("/ready").json()
+        assert ready["serving"] == ["ok"] and ready["not_serving"] == ["lazy"], ready
+        health = pool.http.get("/health").json()
+        assert health["unhealthy"] == ["lazy"] and health["status"] == "failed"
+        assert health["models"]["lazy"]["last_load_failed"] is True
+        done = cli("check", url=pool.url)
+        assert done.returncode == 2, (done.stdout, done.stderr)
+        assert done.stdout.startswith("lazy unloaded (0/1 ready): its last load failed: "), done.stdout
+    finally:
+        mend_spawns(*broken)
+    assert chat_as(pool, "mended", "lazy").status_code == 200  # a load that succeeds clears it
+    assert pool.http.get("/ready").json()["serving"] == ["ok", "lazy"]
+    assert cli("check", url=pool.url).returncode == 0
