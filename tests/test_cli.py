@@ -293,3 +293,17 @@ def test_tables_fit_80_columns_and_cut_no_pid_state_or_id(make_pool):
     # --help wraps to the terminal
     done = cli("requests", "--help", env={"COLUMNS": "60"})
     assert done.returncode == 0 and max(map(len, done.stdout.splitlines())) <= 60, done.stdout
+
+
+def test_the_operators_commands_import_neither_pydantic_nor_rich(make_pool):
+    """`ps`, `models`, `check` and `requests` start fast on a busy machine: what only `serve`
+    (the config's schema: pydantic) or a spinner (rich) needs is not imported (scripts/cli-speed
+    measures their CPU time)."""
+    pool = make_pool([synthetic("syn")])
+    for command in (["ps"], ["models"], ["check"], ["requests", "-n", "5"]):
+        done = subprocess.run([sys.executable, "-X", "importtime", "-m", "supervisor.cli", *command, "--url",
+                               pool.url], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr[-2000:]
+        imported = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.splitlines()
+                    if line.startswith("import time:")}
+        assert "typer" in imported and not imported & {"pydantic", "rich", "httpx"}, (command, imported)
