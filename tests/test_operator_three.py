@@ -65,3 +65,22 @@ def test_an_unloaded_broken_model_is_not_serving_and_check_says_so(make_pool):
     assert chat_as(pool, "mended", "lazy").status_code == 200  # a load that succeeds clears it
     assert pool.http.get("/ready").json()["serving"] == ["ok", "lazy"]
     assert cli("check", url=pool.url).returncode == 0
+
+
+def test_an_operators_restart_is_planned_in_the_restart_counter_a_crash_is_not(make_pool):
+    """llm_pool_worker_restarts_total{reason}: an operator's restart counts as planned, a crash
+    restart as crash (the CrashLoop alert reads crash only); /admin/workers says which too."""
+    import os
+    import signal
+
+    from tests.test_ops import scrape, value
+    pool = make_pool([synthetic("syn", replicas=2)])
+    assert pool.http.post("/admin/models/syn/restart", params={"replica": 1}).status_code == 200
+    os.kill(pool.workers("syn")[0]["pid"], signal.SIGKILL)
+    wait_for(lambda: [(w["state"], w["restarts"]) for w in pool.workers("syn")] == [("ready", 1), ("ready", 1)],
+             30, what="both replicas ready again, once restarted each")
+    samples = scrape(pool)
+    counts = {(replica, reason): value(samples, "llm_pool_worker_restarts_total", model="syn", replica=replica,
+                                       reason=reason) for replica in ("0", "1") for reason in ("crash", "planned")}
+    assert counts == {("0", "crash"): 1, ("0", "planned"): 0, ("1", "crash"): 0, ("1", "planned"): 1}, counts
+    assert [w["planned_restarts"] for w in pool.workers("syn")] == [0, 1]
