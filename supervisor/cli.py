@@ -19,7 +19,7 @@ from supervisor.cli_serve import init, serve
 from supervisor.printable import printable
 
 # The operator's commands answer in a fraction of a second: what only `serve` needs (the
-# config's schema, the server) or only a table needs (rich) is imported where it is used.
+# config's schema, the server) or only a spinner needs (rich) is imported where it is used.
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Serve several local LLMs behind one OpenAI-compatible API.")
@@ -40,7 +40,11 @@ app.command()(init)
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 Url = Annotated[str, typer.Option("--url", envvar="LLM_POOL_URL", help="the pool's base URL")]
-AsJson = Annotated[bool, typer.Option("--json", help="print the server's raw JSON list")]
+AsJson = Annotated[bool, typer.Option("--json", help="print the server's raw JSON list (the same as -o json)")]
+Output = Annotated[str | None, typer.Option(
+    "--output", "-o", metavar="wide|json",
+    help="wide: every column, a row a line (for grep and awk); json: the server's JSON, for scripts. "
+         "Without it, a table that fits the terminal (80 columns piped).")]
 Target = Annotated[str, typer.Argument(metavar="NAME[/REPLICA]", help="a model, or one of its replicas")]
 
 
@@ -54,6 +58,13 @@ def _client(command):
             typer.echo(f"llm-pool: {printable(str(exc))}", err=True)
             raise typer.Exit(1) from None
     return app.command()(run)
+
+
+def _output(output: str | None, as_json: bool) -> str:
+    """The output mode: "" (the table for the terminal), "wide" or "json" (--json: -o json)."""
+    if output not in (None, "wide", "json"):
+        raise Failure(f"-o {output!r}: expected wide or json")
+    return "json" if as_json else output or ""
 
 
 def _model_path(name: str, action: str) -> str:
@@ -106,25 +117,31 @@ def _waiting(work, describe) -> dict:
     return outcome["result"]
 
 
+PS_COLUMNS = [("MODEL", fmt.FLEX), ("REPLICA", fmt.KEEP), ("PID", fmt.KEEP), ("STATE", fmt.KEEP),
+              ("UPTIME", fmt.FIT), ("RESTARTS", fmt.KEEP), ("LAST EXIT", fmt.BELOW), ("INFLIGHT", fmt.KEEP),
+              ("RSS", fmt.FIT), ("CPU%", fmt.FIT), ("NODE", fmt.WIDE), ("GPU MEM", fmt.WIDE),
+              ("CHILDREN", fmt.BELOW), ("ERROR", fmt.BELOW)]
+
+
 @_client
-def ps(url: Url = DEFAULT_URL, as_json: AsJson = False) -> None:
+def ps(url: Url = DEFAULT_URL, output: Output = None, as_json: AsJson = False) -> None:
     """One row per replica: process, state, load, memory, CPU, GPU, children."""
+    mode = _output(output, as_json)
     workers = call(url, "GET", "/admin/workers")["workers"]
-    if as_json:
+    if mode == "json":
         return fmt.print_json(workers)
     if not workers:
         typer.echo("no replicas running", err=True)
         return
-    with_error = any(w.get("last_error") for w in workers)  # the column only when there is something in it
-    fmt.table(["MODEL", "REPLICA", "NODE", "PID", "STATE", "UPTIME", "RESTARTS", "LAST EXIT", "INFLIGHT", "RSS",
-            "CPU%", "GPU MEM", "CHILDREN"] + ["ERROR"] * with_error,
-           [(fmt.clip(w["model"]), str(w["replica"]), _node(w), fmt.dash(w["pid"]), w["state"], fmt.duration(w["uptime_s"]),
-             str(w["restarts"]), w.get("last_exit") or "-", f"{w['inflight']}/{w['capacity']}",
-             fmt.size(w["rss_bytes"]), "-" if w["cpu_percent"] is None else f"{w['cpu_percent']:.1f}",
-             fmt.size(w["gpu_memory_bytes"]),  # None (no GPU, no NVML) stays "-"
-             ", ".join(f"{c['name']}:{c['pid']}" for c in w["children"]) or "-")
-            + (fmt.one_line(w.get("last_error")),) * with_error
-            for w in workers])
+    # -o wide: the error column only when there is something in it
+    columns = PS_COLUMNS if any(w.get("last_error") for w in workers) else PS_COLUMNS[:-1]
+    fmt.table(columns, [
+        (fmt.clip(w["model"]), str(w["replica"]), fmt.dash(w["pid"]), w["state"], fmt.duration(w["uptime_s"]),
+         str(w["restarts"]), w.get("last_exit") or "-", f"{w['inflight']}/{w['capacity']}",
+         fmt.size(w["rss_bytes"]), "-" if w["cpu_percent"] is None else f"{w['cpu_percent']:.1f}", _node(w),
+         fmt.size(w["gpu_memory_bytes"]),  # None (no GPU, no NVML) stays "-"
+         ", ".join(f"{c['name']}:{c['pid']}" for c in w["children"]) or "-", fmt.one_line(w.get("last_error")))
+        for w in workers], wide=mode == "wide")
 
 
 def _node(worker: dict) -> str:
@@ -134,24 +151,30 @@ def _node(worker: dict) -> str:
     return worker.get("node") or "-"
 
 
+MODEL_COLUMNS = [("NAME", fmt.FLEX), ("BACKEND", fmt.KEEP), ("STATE", fmt.KEEP), ("READY", fmt.KEEP),
+                 ("QUEUE", fmt.KEEP), ("INFLIGHT", fmt.KEEP), ("CAPACITY cfg/eff", fmt.FIT), ("CONTEXT", fmt.FIT),
+                 ("MEMORY", fmt.FIT), ("LAST USED", fmt.FIT), ("IDLE UNLOAD IN", fmt.WIDE), ("PINNED", fmt.WIDE),
+                 ("ALIASES", fmt.BELOW), ("ERROR", fmt.BELOW)]
+
+
 @_client
-def models(url: Url = DEFAULT_URL, as_json: AsJson = False) -> None:
+def models(url: Url = DEFAULT_URL, output: Output = None, as_json: AsJson = False) -> None:
     """One row per configured model: state, replicas, queue, inflight, capacity, error."""
+    mode = _output(output, as_json)
     views = call(url, "GET", "/admin/models")["models"]
-    if as_json:
+    if mode == "json":
         return fmt.print_json(views)
-    with_error = any(m["error"] for m in views)  # the column only when there is something in it
-    fmt.table(["NAME", "BACKEND", "STATE", "READY", "QUEUE", "INFLIGHT", "CAPACITY cfg/eff", "CONTEXT",
-               "MEMORY", "LAST USED", "IDLE UNLOAD IN", "PINNED", "ALIASES"] + ["ERROR"] * with_error,
-              [(fmt.clip(m["name"]), m["backend"], m["state"], f"{m['replicas_ready']}/{m['replicas']}",
-                str(m["queue_depth"]), str(m["runtime_inflight"]),
-                f"{m['configured_target_inflight']}/{m['effective_target_inflight']}", fmt.dash(m.get("context_length")),
-                "-" if m.get("memory_mb") is None else f"{m['memory_mb']:g} MB ({m['memory_source']})",
-                "-" if m.get("last_used_at") is None else f"{fmt.duration(time.time() - m['last_used_at'])} ago",
-                fmt.duration(m.get("idle_unload_in_s")), "yes" if m.get("pinned") else "no",
-                ", ".join(m.get("aliases") or []) or "-")
-               + (fmt.one_line(m["error"]),) * with_error
-               for m in views])
+    # -o wide: the error column only when there is something in it
+    columns = MODEL_COLUMNS if any(m["error"] for m in views) else MODEL_COLUMNS[:-1]
+    fmt.table(columns, [
+        (fmt.clip(m["name"]), m["backend"], m["state"], f"{m['replicas_ready']}/{m['replicas']}",
+         str(m["queue_depth"]), str(m["runtime_inflight"]),
+         f"{m['configured_target_inflight']}/{m['effective_target_inflight']}", fmt.dash(m.get("context_length")),
+         "-" if m.get("memory_mb") is None else f"{m['memory_mb']:g} MB ({m['memory_source']})",
+         "-" if m.get("last_used_at") is None else f"{fmt.duration(time.time() - m['last_used_at'])} ago",
+         fmt.duration(m.get("idle_unload_in_s")), "yes" if m.get("pinned") else "no",
+         ", ".join(m.get("aliases") or []) or "-", fmt.one_line(m["error"]))
+        for m in views], wide=mode == "wide")
 
 
 @_client
@@ -287,25 +310,32 @@ def _since_param(text: str | None) -> str | None:
     return text
 
 
+ID_CHARS = 128  # a request id is never cut (the edge takes a client's up to 128 characters)
+
+
 def _request_rows(rows: list[dict]) -> list[tuple[str, ...]]:
     return [(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["ts"])),
-             fmt.clip(r["model"], 40), fmt.clip(r.get("replica"), 44), fmt.clip(r.get("tenant"), 40),
+             fmt.clip(r["model"]), fmt.clip(r.get("replica"), 44), fmt.clip(r.get("tenant"), 40),
              fmt.clip(r["endpoint"]),
              str(r["status"]), fmt.clip(r["error_code"]), fmt.ms(r["queued_ms"]), fmt.ms(r["ttft_ms"]),
              fmt.ms(r["duration_ms"]), fmt.dash(r["tokens_in"]), fmt.dash(r.get("cached_tokens")), fmt.dash(r["tokens_out"]),
              fmt.dash(r["tokens_per_s"]), fmt.dash(r.get("prefill_tokens_per_s")), fmt.dash(r.get("decode_tokens_per_s")),
-             fmt.dash(r.get("speeds_from")), fmt.clip(r.get("request_id"), 40))
+             fmt.dash(r.get("speeds_from")), fmt.clip(r.get("request_id"), ID_CHARS))
             for r in rows]
 
 
 # CACHED: of IN, from the runtime's prompt cache ("-": the runtime did not say); PREFILL/S and
 # DECODE/S: tokens/s of each phase, timed by the runtime or derived from the pool's times (FROM)
-REQUEST_HEADERS = ["TIME", "MODEL", "REPLICA", "TENANT", "ENDPOINT", "STATUS", "ERROR", "QUEUED", "TTFT", "DURATION",
-                   "IN", "CACHED", "OUT", "TOK/S", "PREFILL/S", "DECODE/S", "FROM", "REQUEST ID"]
+REQUEST_COLUMNS = [("TIME", fmt.KEEP), ("MODEL", fmt.FLEX), ("REPLICA", fmt.WIDE), ("TENANT", fmt.FIT),
+                   ("ENDPOINT", fmt.WIDE), ("STATUS", fmt.KEEP), ("ERROR", fmt.SPILL), ("QUEUED", fmt.FIT),
+                   ("TTFT", fmt.KEEP), ("DURATION", fmt.KEEP), ("IN", fmt.FIT), ("CACHED", fmt.WIDE),
+                   ("OUT", fmt.KEEP), ("TOK/S", fmt.WIDE), ("PREFILL/S", fmt.WIDE), ("DECODE/S", fmt.WIDE),
+                   ("FROM", fmt.WIDE), ("REQUEST ID", fmt.SPILL)]
+REQUEST_HEADERS = [h for h, _ in REQUEST_COLUMNS]
 
 
 @_client
-def requests(url: Url = DEFAULT_URL, as_json: AsJson = False,
+def requests(url: Url = DEFAULT_URL, output: Output = None, as_json: AsJson = False,
              model: Annotated[str | None, typer.Option("--model", "-m", help="only this model")] = None,
              tenant: Annotated[str | None, typer.Option("--tenant", "-t", help="only this tenant's")] = None,
              request_id: Annotated[str | None, typer.Option("--id", help="only this request id (its answer's "
@@ -321,6 +351,8 @@ def requests(url: Url = DEFAULT_URL, as_json: AsJson = False,
     duration, tokens. --follow keeps printing until Ctrl-C (one JSON object a line with --json).
     --id (without --follow) prints that request's whole story: admission, queue wait, replica,
     TTFT, tokens, its end, and the events and replica log lines from around its time."""
+    mode = _output(output, as_json)
+    as_json = mode == "json"
     if request_id is not None and not follow:
         stories = call(url, "GET", "/admin/requests/story", params={"id": request_id})["stories"][::-1]
         if as_json:
@@ -338,7 +370,7 @@ def requests(url: Url = DEFAULT_URL, as_json: AsJson = False,
         return fmt.print_json(rows)
     last = max((r["id"] for r in rows), default=0)
     if not follow:
-        return fmt.table(REQUEST_HEADERS, _request_rows(rows))
+        return fmt.table(REQUEST_COLUMNS, _request_rows(rows), wide=mode == "wide")
     # following: fixed-width lines (a table cannot grow), widths from the header and the first rows
     widths = [max([len(h), 8, *(len(row[i]) for row in _request_rows(rows))])
               for i, h in enumerate(REQUEST_HEADERS)]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import typer
 
@@ -44,17 +43,68 @@ def print_json(data) -> None:
     typer.echo(json.dumps(data, indent=2))
 
 
-def table(headers: list[str], rows: list[tuple[str, ...]]) -> None:
-    from rich.console import Console  # here, not at the top: a command that prints no table starts faster
-    from rich.table import Table
-    from rich.text import Text
-    console = Console()
-    if not console.is_terminal and "COLUMNS" not in os.environ:
-        console.width = 10_000  # piped: one line per row, never wrapped, for grep and awk
-    grid = Table(*headers, box=None, pad_edge=False, header_style="bold")
+# A table's columns, kubectl's pattern: the default fits the terminal (80 columns piped) and
+# never cuts what an operator types back (a pid, a state, an id); `-o wide` has every column.
+KEEP = "keep"  # in the default table, never cut
+FLEX = "flex"  # in the default table, cut to fit (a name); cut, its whole value follows on a line of its own
+SPILL = "spill"  # in the default table while it fits, else on a line of its own below the row
+FIT = "fit"  # in the default table while it fits, else in `-o wide` only
+BELOW = "below"  # on a line of its own below the row, when it has something to say
+WIDE = "wide"  # in `-o wide` only
+FLEX_MIN = 8
+FLEX_FIRST = 20  # a name is cut to this before a column that fits leaves the default table
+INDENT = "    "
+
+
+def width() -> int:
+    """The terminal's width: $COLUMNS, else the terminal's own; piped, 80 (the default table,
+    never one as wide as every column)."""
+    import shutil
+    return max(40, shutil.get_terminal_size((80, 24)).columns)
+
+
+def table(columns: list[tuple[str, str]], rows: list[tuple[str, ...]], wide: bool = False) -> None:
+    """Print rows under `columns` ((header, KEEP|FLEX|SPILL|FIT|BELOW|WIDE) each): with `wide`,
+    every column, a row a line (for grep and awk); else the default table for the terminal."""
+    headers = [h for h, _ in columns]
+    rows = [tuple(printable(cell) for cell in row) for row in rows]  # names and errors come from clients
+    if wide:
+        return _print_grid(headers, rows, list(range(len(headers))), _widths(headers, rows))
+    limit = width()
+    shown = [i for i, (_, kind) in enumerate(columns) if kind in (KEEP, FLEX, SPILL, FIT)]
+    widths = _widths(headers, rows)
+    flex = [i for i in shown if columns[i][1] == FLEX]
+    total = lambda: sum(min(widths[i], FLEX_FIRST) if i in flex else widths[i]  # noqa: E731
+                        for i in shown) + 2 * (len(shown) - 1)
+    for i in reversed([i for i in shown if columns[i][1] in (SPILL, FIT)]):  # the rightmost go first
+        if total() <= limit:
+            break
+        shown.remove(i)
+    total = lambda: sum(widths[i] for i in shown) + 2 * (len(shown) - 1)  # noqa: E731
+    for i in flex:
+        widths[i] = max(FLEX_MIN, len(headers[i]), widths[i] - max(0, total() - limit))
+    below = [i for i, (_, kind) in enumerate(columns) if i not in shown and kind in (SPILL, BELOW)]
+    _print_grid(headers, rows, shown, widths, below, limit)
+
+
+def _widths(headers: list[str], rows: list[tuple[str, ...]]) -> list[int]:
+    return [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+
+
+def _print_grid(headers, rows, shown, widths, below=(), limit=0) -> None:
+    import textwrap
+
+    def line(cells) -> str:
+        return "  ".join(c.ljust(widths[i]) for i, c in zip(shown, cells)).rstrip()
+
+    out = [line([headers[i] for i in shown])]
     for row in rows:
-        grid.add_row(*(Text(printable(cell)) for cell in row))  # Text: names and errors are not markup
-    console.print(grid)
+        cut = {i: row[i] for i in shown if len(row[i]) > widths[i]}  # FLEX cells only
+        out.append(line([row[i][:widths[i] - 1] + "…" if i in cut else row[i] for i in shown]))
+        for i in sorted([*cut, *(i for i in below if row[i] not in ("-", ""))]):
+            out.extend(textwrap.wrap(f"{headers[i].lower()}: {row[i]}", limit, initial_indent=INDENT,
+                                     subsequent_indent=INDENT * 2, break_on_hyphens=False))
+    typer.echo("\n".join(out))
 
 
 CELL_CHARS = 60  # a client's or runtime's text in a table cell: never wider (--json has it whole)

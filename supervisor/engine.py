@@ -14,6 +14,7 @@ from protocol import Done
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ConfigError, PoolConfig, load_config
 from supervisor.scheduling.deadlines import Prediction, learned_row, predict
+from supervisor.telemetry.request_context import REQUEST_ID
 from supervisor.events import EventKind, emit
 from supervisor.scheduling.jobs import Job
 from supervisor.models.health import readiness
@@ -271,6 +272,7 @@ class ModelRouterEngine:
         job = Job(entry.cfg.name, request, entry.cfg.request_timeout_s, entry.cfg.queue_timeout_s, endpoint,
                   self.config.server.max_job_output_bytes, tenant=tenant,
                   max_unsent_bytes=self.config.server.max_unsent_output_bytes, headers=headers)
+        job.request_id = REQUEST_ID.get()  # the edge's, in this request's context: in-flight rows show it
         if entry.cfg.log_bodies:
             job.transcript = []
         return job

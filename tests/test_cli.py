@@ -84,7 +84,7 @@ def test_synthetic_pool_through_the_cli(make_pool):
         assert_rss_sane(w["rss_bytes"], w["pid"])
 
     # ps table: one row per replica, with its pid, human RSS and no made-up GPU figure
-    done = cli("ps", url=url)
+    done = cli("ps", "-o", "wide", url=url)
     assert done.returncode == 0, done.stderr
     rows = {int(r["PID"]): r for r in table_rows(done.stdout)}
     assert set(rows) == {w["pid"] for w in workers}
@@ -102,7 +102,7 @@ def test_synthetic_pool_through_the_cli(make_pool):
     views = {m["name"]: m for m in json.loads(done.stdout)}
     assert views["syn"]["state"] == "loaded" and views["syn"]["replicas_ready"] == 2
     assert views["lazy"]["state"] == "unloaded"
-    done = cli("models", url=url)
+    done = cli("models", "-o", "wide", url=url)
     table = {r["NAME"]: r for r in table_rows(done.stdout)}
     assert table["syn"]["STATE"] == "loaded" and table["syn"]["READY"] == "2/2"
     assert table["syn"]["CAPACITY cfg/eff"] == "4/4" and table["lazy"]["STATE"] == "unloaded"
@@ -198,7 +198,7 @@ def test_llama_server_pool_through_the_cli(make_pool, tiny_gguf, llama_server_bi
     assert child["name"] == proc.name() == "llama-server" and proc.ppid() == worker["pid"]
     assert_rss_sane(child["rss_bytes"], child["pid"])
 
-    done = cli("ps", url=url)
+    done = cli("ps", "-o", "wide", url=url)
     [row] = table_rows(done.stdout)
     assert row["MODEL"] == "tiny" and row["PID"] == str(worker["pid"])
     assert row["CHILDREN"] == f"llama-server:{child['pid']}"
@@ -210,7 +210,7 @@ def test_llama_server_pool_through_the_cli(make_pool, tiny_gguf, llama_server_bi
     views = {m["name"]: m for m in cli_json("models", url=url)}
     assert views["tiny"]["state"] == "loaded" and views["tiny"]["effective_target_inflight"] == 1
     assert views["missing"]["state"] == "failed" and "model file not found" in views["missing"]["error"]
-    table = {r["NAME"]: r for r in table_rows(cli("models", url=url).stdout)}
+    table = {r["NAME"]: r for r in table_rows(cli("models", "-o", "wide", url=url).stdout)}
     assert table["missing"]["STATE"] == "failed" and "model file not found" in table["missing"]["ERROR"]
     assert table["tiny"]["ERROR"] == "-"
 
@@ -247,3 +247,63 @@ def test_a_url_with_v1_is_taken_as_the_pools_and_a_bad_one_is_named(make_pool):
         assert done.returncode == 0 and [w["model"] for w in json.loads(done.stdout)] == ["syn"], done.stderr
     assert cli("check", url=pool.url + "/v1").returncode == 0
     assert_one_line_error(cli("ps", url="ftp://127.0.0.1:1"), "is not an http:// or https:// URL")
+
+
+LONG_NAME = "a-model-with-a-rather-long-name-for-a-table"
+
+
+def test_tables_fit_80_columns_and_cut_no_pid_state_or_id(make_pool):
+    """At 80 columns (and piped, which is the same) ps, models and requests fit: no line over
+    80, every pid, state and request id whole (a long one on its own indented line below its
+    row); -o wide has every column, a row a line; -o json (and --json) the server's JSON."""
+    pool = make_pool([synthetic("syn", replicas=2), synthetic(LONG_NAME, aliases=["alias-one", "alias-two"])])
+    ids = [f"client-request-{n}-" + "x" * 40 for n in range(3)]
+    for rid in ids:
+        r = httpx.post(pool.url + "/v1/chat/completions", headers={"x-request-id": rid}, timeout=30,
+                       json={"model": LONG_NAME, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200, r.text
+    r = httpx.post(pool.url + "/v1/chat/completions", timeout=30, headers={"x-request-id": "bad-one"},
+                   json={"model": "syn", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -1})
+    assert r.status_code == 400
+    workers, views = cli_json("ps", url=pool.url), cli_json("models", url=pool.url)
+    wait_for(lambda: len(cli_json("requests", url=pool.url)) == 4, 10, what="4 rows in the request log")
+    requests = cli_json("requests", url=pool.url)
+
+    for env in ({"COLUMNS": "80"}, {}):  # piped without COLUMNS: the same 80-column table
+        shown = {c: cli(c, url=pool.url, env=env) for c in ("ps", "models", "requests")}
+        for command, done in shown.items():
+            assert done.returncode == 0, done.stderr
+            assert max(map(len, done.stdout.splitlines())) <= 80, (command, done.stdout)
+        words = {c: set(re.split(r"[\s:]+", done.stdout)) for c, done in shown.items()}
+        assert {str(w["pid"]) for w in workers} <= words["ps"] and {w["state"] for w in workers} <= words["ps"]
+        assert {m["state"] for m in views} <= words["models"] and LONG_NAME in words["models"]
+        assert "alias-one, alias-two" in shown["models"].stdout  # its own line, below its row
+        assert {r["request_id"] for r in requests} <= words["requests"], shown["requests"].stdout
+        assert {"400", "invalid_request"} <= words["requests"]
+
+    # -o wide: every column, a row a line, whatever the terminal's width
+    for command, header in (("ps", "GPU MEM"), ("models", "IDLE UNLOAD IN"), ("requests", "PREFILL/S")):
+        done = cli(command, "-o", "wide", url=pool.url, env={"COLUMNS": "80"})
+        assert header in done.stdout.splitlines()[0]
+        assert len(table_rows(done.stdout)) == {"ps": 3, "models": 2, "requests": 4}[command]
+        as_json = cli(command, "-o", "json", url=pool.url)
+        assert as_json.returncode == 0 and isinstance(json.loads(as_json.stdout), list)
+    assert_one_line_error(cli("ps", "-o", "yaml", url=pool.url), "expected wide or json")
+
+    # --help wraps to the terminal
+    done = cli("requests", "--help", env={"COLUMNS": "60"})
+    assert done.returncode == 0 and max(map(len, done.stdout.splitlines())) <= 60, done.stdout
+
+
+def test_the_operators_commands_import_neither_pydantic_nor_rich(make_pool):
+    """`ps`, `models`, `check` and `requests` start fast on a busy machine: what only `serve`
+    (the config's schema: pydantic) or a spinner (rich) needs is not imported (scripts/cli-speed
+    measures their CPU time)."""
+    pool = make_pool([synthetic("syn")])
+    for command in (["ps"], ["models"], ["check"], ["requests", "-n", "5"]):
+        done = subprocess.run([sys.executable, "-X", "importtime", "-m", "supervisor.cli", *command, "--url",
+                               pool.url], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr[-2000:]
+        imported = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.splitlines()
+                    if line.startswith("import time:")}
+        assert "typer" in imported and not imported & {"pydantic", "rich", "httpx"}, (command, imported)

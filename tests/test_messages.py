@@ -321,7 +321,7 @@ def test_a_prompt_over_the_context_gets_each_familys_words(llama_server_bin, tin
     listed = {m["id"]: m for m in pool.http.get("/v1/models").json()["data"]}
     assert listed["tiny"]["context_length"] == listed["tiny"]["max_model_len"] == 256
     assert pool.model("tiny")["context_length"] == 256
-    shown = cli("models", url=pool.url)
+    shown = cli("models", "-o", "wide", url=pool.url)
     assert {r["NAME"]: r for r in table_rows(shown.stdout)}["tiny"]["CONTEXT"] == "256", shown.stdout
     long = "hello " * 300
     with pytest.raises(openai.BadRequestError) as openai_refused:

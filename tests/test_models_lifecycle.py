@@ -252,7 +252,7 @@ def test_the_cli_shows_lifecycle_columns_and_reloads(make_pool):
     from tests.test_cli import assert_one_line_error, cli, table_rows
     model = lazy("m", memory_mb=100, pinned=True, aliases=["mini"], idle_unload_s=600)
     pool = make_pool([model])
-    row = table_rows(cli("models", url=pool.url).stdout)[0]
+    row = table_rows(cli("models", "-o", "wide", url=pool.url).stdout)[0]
     assert (row["MEMORY"], row["PINNED"], row["ALIASES"], row["LAST USED"]) == ("100 MB (declared)", "yes", "mini", "-")
     pool.rewrite_config([model, lazy("n")])
     done = cli("reload", url=pool.url)

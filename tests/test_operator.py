@@ -73,9 +73,9 @@ def test_a_degraded_model_is_visible_everywhere_and_check_fails(make_pool):
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert done.stdout.startswith("syn degraded (1/2 ready): ") and "cannot spawn" in done.stdout
     assert "degraded or failed" in done.stderr
-    models = {r["NAME"]: r for r in table_rows(cli("models", url=pool.url).stdout)}
+    models = {r["NAME"]: r for r in table_rows(cli("models", "-o", "wide", url=pool.url).stdout)}
     assert models["syn"]["STATE"] == "degraded" and "cannot spawn" in models["syn"]["ERROR"]
-    ps = {(r["MODEL"], r["REPLICA"]): r for r in table_rows(cli("ps", url=pool.url).stdout)}
+    ps = {(r["MODEL"], r["REPLICA"]): r for r in table_rows(cli("ps", "-o", "wide", url=pool.url).stdout)}
     assert ps[("syn", "1")]["STATE"] == "fatal" and ps[("syn", "1")]["LAST EXIT"] == "SIGKILL"
     assert "cannot spawn" in ps[("syn", "1")]["ERROR"]
 
@@ -130,7 +130,7 @@ def test_a_failed_loads_replicas_stay_listed_with_their_reason_and_log(make_pool
     assert "load_timeout_s" in pool.model("stuck")["error"]
     r = pool.http.get("/admin/models/stuck/logs", params={"replica": 0})
     assert r.status_code == 200 and r.json()["path"].endswith("stuck-0.log")  # selectable (empty: it never loaded)
-    rows = {(r["MODEL"], r["REPLICA"]): r for r in table_rows(cli("ps", url=pool.url).stdout)}
+    rows = {(r["MODEL"], r["REPLICA"]): r for r in table_rows(cli("ps", "-o", "wide", url=pool.url).stdout)}
     assert "load_timeout_s" in rows[("stuck", "0")]["ERROR"]
     failed = [e for e in events(pool) if e["kind"] == "load_failed"]
     assert failed and failed[0]["model"] == "stuck" and failed[0]["level"] == "error"

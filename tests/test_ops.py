@@ -49,7 +49,8 @@ def test_metrics_match_the_admin_view_under_load(make_pool):
     for w in pool.workers():
         key = dict(model=w["model"], replica=str(w["replica"]))
         assert value(samples, "llm_pool_worker_up", **key) == 1
-        assert value(samples, "llm_pool_worker_restarts_total", **key) == 0
+        assert value(samples, "llm_pool_worker_restarts_total", reason="crash", **key) == 0
+        assert value(samples, "llm_pool_worker_restarts_total", reason="planned", **key) == 0
         rss = value(samples, "llm_pool_process_rss_bytes", process="worker", **key)
         assert 0.5 < rss / psutil.Process(w["pid"]).memory_info().rss < 2
     supervisor_rss = value(samples, "llm_pool_process_rss_bytes", model="", replica="", process="supervisor")

@@ -198,7 +198,7 @@ def test_cli_requests(make_pool):
     for _ in range(2):
         assert chat(pool, "c").status_code == 200
     wait_for(lambda: len(logged(pool, model="c")) >= 2, 5, what="two rows")
-    done = cli("requests", "--model", "c", "--status", "ok", url=pool.url)
+    done = cli("requests", "-o", "wide", "--model", "c", "--status", "ok", url=pool.url)
     assert done.returncode == 0, done.stderr
     rows = table_rows(done.stdout)
     assert len(rows) == 2 and all(r["MODEL"] == "c" and r["STATUS"] == "200" and r["OUT"] == "5" for r in rows)
@@ -242,7 +242,7 @@ def test_a_clients_control_characters_never_reach_the_operators_terminal(make_po
                    (time.time(), HOSTILE, "chat_completions", 404, "\x1b[2J", "\x1b]0;x\x07"))
     wait_for(lambda: len(logged(pool)) == 2, 5, what="the raw row")
 
-    done = cli("requests", url=pool.url, text=False)
+    done = cli("requests", "-o", "wide", url=pool.url, text=False)
     assert done.returncode == 0, done.stderr
     assert_no_controls(done.stdout)
     new, old = table_rows(done.stdout.decode())
@@ -538,13 +538,13 @@ def test_llama_server_reports_cached_tokens_and_its_own_speeds(make_pool, tiny_g
     assert syn["cached_tokens"] is None and syn["runtime_prefill_tps"] is None
     assert syn["speeds_from"] == "pool" and syn["decode_tokens_per_s"] > 0
     # and `llm-pool requests` shows the same
-    done = cli("requests", "--model", "tiny", url=pool.url)
+    done = cli("requests", "-o", "wide", "--model", "tiny", url=pool.url)
     assert done.returncode == 0, done.stderr
     shown = table_rows(done.stdout)
     assert [r["CACHED"] for r in shown] == ["0", str(second["cached_tokens"])]
     assert [r["FROM"] for r in shown] == ["runtime", "runtime"]
     assert shown[1]["DECODE/S"] == str(second["decode_tokens_per_s"])
-    blank = table_rows(cli("requests", "--model", "syn", url=pool.url).stdout)
+    blank = table_rows(cli("requests", "-o", "wide", "--model", "syn", url=pool.url).stdout)
     assert blank[0]["CACHED"] == "-" and blank[0]["FROM"] == "pool"
 
 

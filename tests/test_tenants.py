@@ -243,7 +243,7 @@ def test_identity_scope_and_model_list(make_pool):
         return http.get("/admin/requests", params={"tenant": "team-a"}, headers=ADMIN_H).json()["requests"]
     wait_for(lambda: len(team_a_rows()) == 4, 5, what="team-a's rows (2 served, 2 not found)")
     assert {r["tenant"] for r in team_a_rows()} == {"team-a"}
-    done = cli("requests", "--tenant", "team-b", url=pool.url, env={"LLM_POOL_ADMIN_KEY": ADMIN})
+    done = cli("requests", "-o", "wide", "--tenant", "team-b", url=pool.url, env={"LLM_POOL_ADMIN_KEY": ADMIN})
     assert done.returncode == 0, done.stderr
     assert [(r["TENANT"], r["MODEL"]) for r in table_rows(done.stdout)] == [("team-b", "syn-b")]
     metrics = http.get("/metrics").text

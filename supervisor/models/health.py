@@ -94,15 +94,23 @@ def reason_text(view: dict) -> str | None:
     return "; ".join(dict.fromkeys(parts)) or None
 
 
+def last_load_failed(entry) -> bool:
+    """Unloaded, and its last load failed (unloaded while failed, or refused by the memory
+    budget): the error stays until a load succeeds. A request would try again, but nothing says
+    that it would work."""
+    return entry.state is ModelState.UNLOADED and bool(entry.error)
+
+
 def can_serve(entry) -> bool:
     """Whether a request for this model is served now or soon: a loaded model with a ready
     replica (or one in an operator's restart: planned work, its queue waits for it), or a
-    load_on_demand model that a request loads. A failed or down model does not."""
+    load_on_demand model that a request loads. A failed or down model does not, nor an
+    unloaded one whose last load failed (a failed model's unload does not mend it)."""
     state = entry.state
     if state in (ModelState.LOADED, ModelState.DEGRADED):
         return any(r.state is ReplicaState.READY or r.in_operator_restart for r in entry.executor.replicas)
-    return entry.cfg.load_on_demand and state in (ModelState.UNLOADED, ModelState.LOADING,
-                                                  ModelState.AUTO_UNLOADING)
+    return entry.cfg.load_on_demand and not last_load_failed(entry) and state in (
+        ModelState.UNLOADED, ModelState.LOADING, ModelState.AUTO_UNLOADING)
 
 
 def readiness(engine) -> dict:
@@ -127,10 +135,13 @@ def pool_health(engine) -> dict:
         name = entry.cfg.name
         h = model_health(entry)
         h["error"] = entry.error
+        failed_before = last_load_failed(entry)
         models[name] = {"state": h["state"], "ready": h["ready"], "configured": h["configured"],
-                        "reason": reason_text(h), "restarting": [r["name"] for r in h["restarting"]],
-                        "unloading": h["unloading"]}
-    bad = sorted(n for n, m in models.items() if m["state"] in UNHEALTHY)
+                        "reason": f"its last load failed: {entry.error}" if failed_before else reason_text(h),
+                        "restarting": [r["name"] for r in h["restarting"]], "unloading": h["unloading"],
+                        "last_load_failed": failed_before}
+    bad = sorted(n for n, m in models.items() if m["state"] in UNHEALTHY or m["last_load_failed"])
     status = ("shutting_down" if engine.shutting_down else "failed" if any(
-        models[n]["state"] == ModelState.FAILED.value for n in bad) else DEGRADED if bad else "ok")
+        models[n]["state"] == ModelState.FAILED.value or models[n]["last_load_failed"] for n in bad)
+        else DEGRADED if bad else "ok")
     return {"status": status, "ready": engine.ready(), "unhealthy": bad, "models": models}

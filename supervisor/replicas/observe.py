@@ -156,7 +156,8 @@ async def worker_views(replicas: list[Replica], sampler: ProcessSampler) -> list
         view = {
             "model": r.cfg.name, "replica": r.index, "backend": r.cfg.backend, "pid": r.pid,
             "node": LOCAL_NODE, "node_id": None, "node_address": None,
-            "state": r.state.value, "restarts": r.restarts, "last_exit_code": r.last_exit_code,
+            "state": r.state.value, "restarts": r.restarts,
+            "planned_restarts": r.planned_restarts, "last_exit_code": r.last_exit_code,
             # "SIGKILL" for an exit by signal (the code is then negative), else "code N"; the
             # runtime's own exit when its worker reported that its runtime died
             "last_exit": None if r.last_exit_code is None else exit_text(r.last_exit_code),

@@ -89,6 +89,7 @@ class Replica(WorkerLink):
         self.last_heard = 0.0
         self.connected = False  # the current worker has spoken: it can be sent to
         self.restarts = 0
+        self.planned_restarts = 0  # of them, an operator's (the rest: after a crash)
         # the last exit shown: the runtime's own when its worker reported it died (SIGKILL), else
         # the worker's; the restart policy reads the worker's (a boot failure is its code 3)
         self.last_exit_code: int | None = None
@@ -251,6 +252,7 @@ class Replica(WorkerLink):
             raise LoadFailed(f"replica {self.name} was stopped during its restart; not restarted")
         self.history = CrashHistory()
         self.restarts += 1
+        self.planned_restarts += 1
         await self._start()
 
     def drain(self) -> None:

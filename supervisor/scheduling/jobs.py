@@ -102,7 +102,7 @@ class Job:
                  "_waiter", "submitted_at", "transcript", "queue_reason", "_timer", "_timer_at", "counted",
                  "max_choices", "max_output_bytes", "output_bytes", "max_unsent_bytes", "unsent_bytes", "tenant",
                  "meter", "on_end", "prompt_tokens", "session", "slo_deadline", "slo_ttft_ms", "prediction",
-                 "chain", "light")
+                 "chain", "light", "request_id")
 
     def __init__(self, model: str, request: dict, timeout_s: float, queue_timeout_s: float | None = None,
                  endpoint: str = "chat", max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
@@ -148,6 +148,7 @@ class Job:
         self.max_unsent_bytes = max_unsent_bytes
         self.unsent_bytes = 0
         self.tenant = tenant  # who asked (admission); its queue lane and share
+        self.request_id: str | None = None  # its answer's x-request-id (set by the engine), for ops
         self.meter = None  # charges its tokens to its tenant as they come (fair_queue.TokenMeter), once handed out
         self.on_end = None  # on_end(job, outcome) once it ends, however (admission: the tenant's limits)
         self.slo_deadline: float | None = None  # monotonic: its TTFT deadline; queued past it, it leaves (deadlines.py)

@@ -190,7 +190,8 @@ class Activity:
             running = [(j, r.name) for r in ex.replicas for j in list(r.inflight.values())]
             queued = [(j, None) for j in list(ex.queue)]
             for job, replica in running + queued:
-                out.append({"id": job.id, "model": name, "endpoint": job.endpoint, "replica": replica,
+                out.append({"id": job.id, "request_id": job.request_id, "tenant": job.tenant,
+                            "model": name, "endpoint": job.endpoint, "replica": replica,
                             "state": "running" if replica else "queued", "age_s": round(now - job.created_at, 1),
                             "streaming": job.first_token_at is not None})
         return sorted(out, key=lambda j: -j["age_s"])

@@ -176,7 +176,8 @@ class _EngineCollector:
         ready = GaugeMetricFamily("llm_pool_model_replicas_ready", "Ready replicas of the model", labels=labels)
         rlabels = ["model", "replica"]
         up = GaugeMetricFamily("llm_pool_worker_up", "1 when the replica is ready", labels=rlabels)
-        restarts = CounterMetricFamily("llm_pool_worker_restarts", "Replica restarts", labels=rlabels)
+        restarts = CounterMetricFamily("llm_pool_worker_restarts", "Replica restarts, by reason: crash (a fault), "
+                                       "planned (an operator's restart)", labels=[*rlabels, "reason"])
         bad = CounterMetricFamily("llm_pool_protocol_errors", "Malformed frames from the replica", labels=rlabels)
         rss = GaugeMetricFamily("llm_pool_process_rss_bytes", "Resident memory per process",
                                 labels=["model", "replica", "process"])
@@ -220,7 +221,8 @@ class _EngineCollector:
             for r in entry.executor.replicas if entry.executor else []:
                 key = [name, str(r.index)]
                 up.add_metric(key, 1 if r.state is ReplicaState.READY else 0)
-                restarts.add_metric(key, r.restarts)
+                restarts.add_metric([*key, "crash"], r.restarts - r.planned_restarts)
+                restarts.add_metric([*key, "planned"], r.planned_restarts)
                 bad.add_metric(key, r.protocol_errors)
                 routing = entry.executor.choice.replica_view(r)
                 for decision, count in routing["decisions"].items():

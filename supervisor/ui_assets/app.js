@@ -455,8 +455,9 @@ const refreshActivity = inTurn(async () => {
   }
   addActivity(page.requests, true);
   showErrorRate(summary);
-  fill("#inflight", summary.in_flight.map((j) => el("tr", {"data-job": j.id},
-    el("td", {}, j.id.slice(0, 8)), cut("model", j.model), el("td", {}, j.endpoint),
+  // its request id, as `llm-pool requests --id` and the request log know it (cut: the whole in its title)
+  fill("#inflight", summary.in_flight.map((j) => el("tr", {"data-job": j.id, "data-request-id": j.request_id ?? ""},
+    cut("request-id", j.request_id ?? "-"), cut("tenant", j.tenant), cut("model", j.model), el("td", {}, j.endpoint),
     cut("replica", j.replica ?? "-"), el("td", {}, j.state + (j.streaming ? " (streaming)" : "")),
     el("td", {class: "age num"}, duration(j.age_s)))));
   $("#inflight").hidden = summary.in_flight.length === 0;
