@@ -151,6 +151,7 @@ class RequestLog:
         self.max_rows = max_rows
         self.days = days
         self.max_bytes = max_bytes
+        self._count: int | None = None  # rows in the table (the writer thread's; None: not counted yet)
         self._writer = BatchWriter("request-log", self.path, self._connect, self._write, queue_max=QUEUE_MAX,
                                    flush_s=flush_s, prepare=self._vacuum_mode, after=self._give_back)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -199,8 +200,14 @@ class RequestLog:
         self._writer.close(timeout_s)
 
     def _write(self, db: sqlite3.Connection, rows: list[tuple]) -> None:  # the writer thread, in a transaction
-        insert_rows(db, "requests", COLUMNS, rows)
-        self._trim(db)
+        try:
+            insert_rows(db, "requests", COLUMNS, rows)
+            if self._count is not None:
+                self._count += len(rows)
+            self._trim(db)
+        except BaseException:
+            self._count = None  # the transaction rolls back: counted again at the next write
+            raise
 
     def _vacuum_mode(self, db: sqlite3.Connection) -> None:
         """A file made before auto_vacuum was set keeps mode NONE until one VACUUM
@@ -217,16 +224,24 @@ class RequestLog:
 
     def _trim(self, db: sqlite3.Connection) -> None:
         """Keep the newest max_rows rows, none older than `days`, and about max_bytes of
-        data (the oldest tenth goes until it fits)."""
-        db.execute("DELETE FROM requests WHERE ts < ?", (time.time() - self.days * 86400,))
-        db.execute("DELETE FROM requests WHERE id <= (SELECT id FROM requests ORDER BY id DESC "
-                   "LIMIT 1 OFFSET ?)", (self.max_rows,))
-        while self.data_bytes(db) > self.max_bytes:
-            rows = db.execute("SELECT count(*) FROM requests").fetchone()[0]
-            if rows <= 1:
-                break
-            db.execute("DELETE FROM requests WHERE id IN (SELECT id FROM requests ORDER BY id LIMIT ?)",
-                       (max(1, rows // 10),))
+        data (the oldest tenth goes until it fits). The rows are counted once, then kept
+        count of (this writer is the table's only one): each trim costs what it deletes,
+        not a walk over max_rows rows."""
+        self._deleted(db.execute("DELETE FROM requests WHERE ts < ?", (time.time() - self.days * 86400,)))
+        if self._count is None:
+            self._count = db.execute("SELECT count(*) FROM requests").fetchone()[0]
+        if self._count > self.max_rows:
+            self._delete_oldest(db, self._count - self.max_rows)
+        while self.data_bytes(db) > self.max_bytes and self._count > 1:
+            self._delete_oldest(db, max(1, self._count // 10))
+
+    def _delete_oldest(self, db: sqlite3.Connection, rows: int) -> None:
+        self._deleted(db.execute("DELETE FROM requests WHERE id IN (SELECT id FROM requests ORDER BY id LIMIT ?)",
+                                 (rows,)))
+
+    def _deleted(self, cursor: sqlite3.Cursor) -> None:
+        if self._count is not None:
+            self._count -= cursor.rowcount
 
     def _give_back(self, db: sqlite3.Connection) -> None:
         """Free pages past an eighth of max_bytes (4 MiB at most) go back to the file system."""
