@@ -71,6 +71,7 @@ TEXT_LIMITS = {"model": 200, "endpoint": 64, "error_code": 64, "error_message": 
                "prompt": BODY_CHARS + 64, "output": BODY_CHARS + 64}  # room for truncate()'s note
 _LIMITS = tuple(TEXT_LIMITS.get(name) for name in COLUMNS)  # None: not a text column
 _KEEP = tuple("\n\t" if name in ("prompt", "output") else "" for name in COLUMNS)
+_TEXT = tuple((i, limit, keep) for i, (limit, keep) in enumerate(zip(_LIMITS, _KEEP)) if limit)  # (column, its limit, kept)
 # columns added since the first schema: a log written by an older version gets them on open
 # tenant: also "(unknown key)" (tenants.UNKNOWN_KEY) for a 401 whose key no tenant holds; NULL with no key
 ADDED_COLUMNS = {"tenant": "TEXT", "cached_tokens": "INTEGER", "runtime_prefill_tps": "REAL",
@@ -116,9 +117,19 @@ def speeds(r: dict) -> dict:
 
 def _clean(row: tuple) -> tuple:
     """The row with every text column printable (a client's control characters escaped;
-    bodies keep their newlines and tabs) and within TEXT_LIMITS."""
-    return tuple(truncate(printable(v, keep), limit) if limit and isinstance(v, str) else v
-                 for v, limit, keep in zip(row, _LIMITS, _KEEP))
+    bodies keep their newlines and tabs) and within TEXT_LIMITS. On the event loop, for
+    every request: only the text columns are looked at, and a row with nothing to change
+    (the usual one) is returned as it is."""
+    out = None
+    for i, limit, keep in _TEXT:
+        value = row[i]
+        if isinstance(value, str):
+            cleaned = truncate(printable(value, keep), limit)
+            if cleaned is not value:
+                if out is None:
+                    out = list(row)
+                out[i] = cleaned
+    return row if out is None else tuple(out)
 
 
 class RowRate:
