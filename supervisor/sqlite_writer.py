@@ -24,23 +24,29 @@ Write = Callable[[sqlite3.Connection, list[tuple]], None]
 Step = Callable[[sqlite3.Connection], None]
 
 
-INSERT_ROWS = 500  # rows per INSERT statement (17 columns at most: well under SQLite's 32,766 parameters)
+INSERT_ROWS = 256  # rows per INSERT statement at most (21 columns: well under SQLite's 32,766 parameters)
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=32)
 def _insert(table: str, columns: tuple[str, ...], rows: int) -> str:
     one = f"({', '.join('?' * len(columns))})"
     return f"INSERT INTO {table} ({', '.join(columns)}) VALUES {', '.join([one] * rows)}"
 
 
 def insert_rows(db: sqlite3.Connection, table: str, columns: tuple[str, ...], rows: list[tuple]) -> None:
-    """The rows in a few INSERTs of up to INSERT_ROWS rows each. One statement for many
-    rows, not executemany: sqlite3 lets go of the GIL at each statement's step, and every
-    let-go while the event loop is busy costs the loop a wait for the GIL (a wait per
-    request, at 500 rows a second)."""
-    for start in range(0, len(rows), INSERT_ROWS):
-        chunk = rows[start:start + INSERT_ROWS]
-        db.execute(_insert(table, columns, len(chunk)), [value for row in chunk for value in row])
+    """The rows in a few INSERTs of a power of two rows each (INSERT_ROWS at most). One
+    statement for many rows, not executemany: sqlite3 lets go of the GIL at each statement's
+    step, and every let-go while the event loop is busy costs the loop a wait for the GIL (a
+    wait per request, at 500 rows a second). Powers of two: a table has at most nine such
+    statements, which stay prepared in the connection's cache; a statement per batch size
+    was compiled anew for nearly every batch (a third of an insert's cost)."""
+    start, left = 0, len(rows)
+    while left:
+        size = min(INSERT_ROWS, 1 << (left.bit_length() - 1))
+        chunk = rows[start:start + size]
+        db.execute(_insert(table, columns, size), [value for row in chunk for value in row])
+        start += size
+        left -= size
 
 
 class BatchWriter:

@@ -71,6 +71,7 @@ TEXT_LIMITS = {"model": 200, "endpoint": 64, "error_code": 64, "error_message": 
                "prompt": BODY_CHARS + 64, "output": BODY_CHARS + 64}  # room for truncate()'s note
 _LIMITS = tuple(TEXT_LIMITS.get(name) for name in COLUMNS)  # None: not a text column
 _KEEP = tuple("\n\t" if name in ("prompt", "output") else "" for name in COLUMNS)
+_TEXT = tuple((i, limit, keep) for i, (limit, keep) in enumerate(zip(_LIMITS, _KEEP)) if limit)  # (column, its limit, kept)
 # columns added since the first schema: a log written by an older version gets them on open
 # tenant: also "(unknown key)" (tenants.UNKNOWN_KEY) for a 401 whose key no tenant holds; NULL with no key
 ADDED_COLUMNS = {"tenant": "TEXT", "cached_tokens": "INTEGER", "runtime_prefill_tps": "REAL",
@@ -116,9 +117,19 @@ def speeds(r: dict) -> dict:
 
 def _clean(row: tuple) -> tuple:
     """The row with every text column printable (a client's control characters escaped;
-    bodies keep their newlines and tabs) and within TEXT_LIMITS."""
-    return tuple(truncate(printable(v, keep), limit) if limit and isinstance(v, str) else v
-                 for v, limit, keep in zip(row, _LIMITS, _KEEP))
+    bodies keep their newlines and tabs) and within TEXT_LIMITS. On the event loop, for
+    every request: only the text columns are looked at, and a row with nothing to change
+    (the usual one) is returned as it is."""
+    out = None
+    for i, limit, keep in _TEXT:
+        value = row[i]
+        if isinstance(value, str):
+            cleaned = truncate(printable(value, keep), limit)
+            if cleaned is not value:
+                if out is None:
+                    out = list(row)
+                out[i] = cleaned
+    return row if out is None else tuple(out)
 
 
 class RowRate:
@@ -151,6 +162,7 @@ class RequestLog:
         self.max_rows = max_rows
         self.days = days
         self.max_bytes = max_bytes
+        self._count: int | None = None  # rows in the table (the writer thread's; None: not counted yet)
         self._writer = BatchWriter("request-log", self.path, self._connect, self._write, queue_max=QUEUE_MAX,
                                    flush_s=flush_s, prepare=self._vacuum_mode, after=self._give_back)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -199,8 +211,14 @@ class RequestLog:
         self._writer.close(timeout_s)
 
     def _write(self, db: sqlite3.Connection, rows: list[tuple]) -> None:  # the writer thread, in a transaction
-        insert_rows(db, "requests", COLUMNS, rows)
-        self._trim(db)
+        try:
+            insert_rows(db, "requests", COLUMNS, rows)
+            if self._count is not None:
+                self._count += len(rows)
+            self._trim(db)
+        except BaseException:
+            self._count = None  # the transaction rolls back: counted again at the next write
+            raise
 
     def _vacuum_mode(self, db: sqlite3.Connection) -> None:
         """A file made before auto_vacuum was set keeps mode NONE until one VACUUM
@@ -217,16 +235,24 @@ class RequestLog:
 
     def _trim(self, db: sqlite3.Connection) -> None:
         """Keep the newest max_rows rows, none older than `days`, and about max_bytes of
-        data (the oldest tenth goes until it fits)."""
-        db.execute("DELETE FROM requests WHERE ts < ?", (time.time() - self.days * 86400,))
-        db.execute("DELETE FROM requests WHERE id <= (SELECT id FROM requests ORDER BY id DESC "
-                   "LIMIT 1 OFFSET ?)", (self.max_rows,))
-        while self.data_bytes(db) > self.max_bytes:
-            rows = db.execute("SELECT count(*) FROM requests").fetchone()[0]
-            if rows <= 1:
-                break
-            db.execute("DELETE FROM requests WHERE id IN (SELECT id FROM requests ORDER BY id LIMIT ?)",
-                       (max(1, rows // 10),))
+        data (the oldest tenth goes until it fits). The rows are counted once, then kept
+        count of (this writer is the table's only one): each trim costs what it deletes,
+        not a walk over max_rows rows."""
+        self._deleted(db.execute("DELETE FROM requests WHERE ts < ?", (time.time() - self.days * 86400,)))
+        if self._count is None:
+            self._count = db.execute("SELECT count(*) FROM requests").fetchone()[0]
+        if self._count > self.max_rows:
+            self._delete_oldest(db, self._count - self.max_rows)
+        while self.data_bytes(db) > self.max_bytes and self._count > 1:
+            self._delete_oldest(db, max(1, self._count // 10))
+
+    def _delete_oldest(self, db: sqlite3.Connection, rows: int) -> None:
+        self._deleted(db.execute("DELETE FROM requests WHERE id IN (SELECT id FROM requests ORDER BY id LIMIT ?)",
+                                 (rows,)))
+
+    def _deleted(self, cursor: sqlite3.Cursor) -> None:
+        if self._count is not None:
+            self._count -= cursor.rowcount
 
     def _give_back(self, db: sqlite3.Connection) -> None:
         """Free pages past an eighth of max_bytes (4 MiB at most) go back to the file system."""
