@@ -30,8 +30,11 @@ def test_dashboard_queries_only_exported_metrics(make_pool):
     pool = make_pool([synthetic("m", tokens=3)])
     assert pool.http.post("/v1/chat/completions", json={
         "model": "m", "messages": [{"role": "user", "content": "hi"}]}).status_code == 200
-    exported = {line.split("{")[0].split(" ")[0] for line in pool.http.get("/metrics").text.splitlines()
-                if line.startswith("llm_pool_")}
+    text = pool.http.get("/metrics").text
+    exported = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("llm_pool_")}
+    # and the labelled counters with no sample yet (llm_pool_requests_planned_total before any unload)
+    exported |= {line.split(" ")[2] for line in text.splitlines() if line.startswith("# TYPE llm_pool_")
+                 and line.endswith(" counter")}
     assert wanted <= exported, wanted - exported
     labels = set(re.findall(r"\b(\w+)=", pool.http.get("/metrics").text))
     used = {label for e in exprs for group in re.findall(r"by \(([^)]*)\)", e)
@@ -42,8 +45,9 @@ def test_dashboard_queries_only_exported_metrics(make_pool):
 def test_dashboard_shows_client_and_server_errors_apart_and_the_queue_wait():
     panels = {p["title"]: [t["expr"] for t in p.get("targets", [])] for p in json.loads(DASHBOARD.read_text())["panels"]}
     errors = panels["Errors/s: client (4xx) and server (5xx)"]
-    assert [bool(re.search(r'status=~"4\.\."', e)) for e in errors] == [True, False]
-    assert [bool(re.search(r'status=~"5\.\."', e)) for e in errors] == [False, True]
+    assert [bool(re.search(r'status=~"4\.\."', e)) for e in errors] == [True, False, False]
+    assert [bool(re.search(r'status=~"5\.\."', e)) for e in errors] == [False, True, False]
+    assert "llm_pool_requests_planned_total" in errors[1] and "llm_pool_requests_planned_total" in errors[2]
     assert 'status=~"5.."' in panels["Server errors (5xx) share"][0]
     assert 'status=~"4.."' in panels["Client errors (4xx) share"][0]
     assert all("llm_pool_tenant_queue_wait_seconds_bucket" in e for e in panels["Queue wait (p50, p95)"])

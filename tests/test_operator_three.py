@@ -84,3 +84,24 @@ def test_an_operators_restart_is_planned_in_the_restart_counter_a_crash_is_not(m
                                        reason=reason) for replica in ("0", "1") for reason in ("crash", "planned")}
     assert counts == {("0", "crash"): 1, ("0", "planned"): 0, ("1", "crash"): 0, ("1", "planned"): 1}, counts
     assert [w["planned_restarts"] for w in pool.workers("syn")] == [0, 1]
+
+
+def test_an_operators_unload_drains_with_503s_counted_as_planned(make_pool):
+    """A request refused while an operator's unload drains is a 503 model_unloading in
+    llm_pool_requests_total and in llm_pool_requests_planned_total too (the 5xx alert and the
+    dashboard leave planned work out of the pool's faults); its 200s are not."""
+    from tests.test_ops import scrape, value
+    pool = make_pool([synthetic("slow", tps=20, tokens=400)])
+    with ThreadPoolExecutor(2) as ex:
+        running = ex.submit(chat_as, pool, "draining-1", "slow", max_tokens=60)  # 3 s
+        wait_for(lambda: pool.model("slow")["runtime_inflight"] == 1, 10, what="a request running")
+        unload = ex.submit(pool.http.post, "/admin/models/slow/unload", timeout=60)
+        wait_for(lambda: pool.model("slow")["state"] == "unloading", 10, what="unloading")
+        refused = chat_as(pool, "refused-1", "slow")
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_unloading", refused.text
+        assert running.result().status_code == 200 and unload.result().status_code == 200
+    samples = scrape(pool)
+    key = dict(model="slow", endpoint="chat_completions", status="503")
+    assert value(samples, "llm_pool_requests_total", **key) == 1
+    assert value(samples, "llm_pool_requests_planned_total", **key) == 1
+    assert ("llm_pool_requests_planned_total", tuple(sorted(dict(key, status="200").items()))) not in samples

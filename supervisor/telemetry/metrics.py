@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from protocol import Done
-from protocol.errors import PoolError
+from protocol.errors import ErrorCode, PoolError
 from supervisor.models.lifecycle import LOAD_BUCKETS
 from supervisor.scheduling.jobs import Job
 from supervisor.replicas.observe import replica_view
@@ -38,6 +38,12 @@ _ENDPOINT_LABELS = frozenset(ENDPOINTS.values())
 SHOWN_STATES = tuple(dict.fromkeys(s.public.value for s in ModelState))  # the names ops see
 
 
+# What planned work ended (an unload's drain, a shutdown, an operator's restart): the operator's
+# own doing, counted apart too (llm_pool_requests_planned_total) so that alerts and charts can
+# leave it out of the 5xx rate, which is then the pool's faults
+PLANNED_CODES = frozenset({ErrorCode.MODEL_UNLOADING, ErrorCode.RUNTIME_RESTARTED})
+
+
 class Metrics:
     def __init__(self, engine, on_finished=None) -> None:
         self.engine = engine
@@ -51,6 +57,9 @@ class Metrics:
         self.latency = Histogram("llm_pool_request_duration_seconds", "Admission to last token",
                                  ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.tokens = Counter("llm_pool_generated_tokens", "Tokens generated", ["model"], registry=self.registry)
+        self.planned = Counter("llm_pool_requests_planned", "Of llm_pool_requests, those that planned work ended "
+                               "(an unload's drain, a shutdown, an operator's restart)",
+                               ["model", "endpoint", "status"], registry=self.registry)
         # by tenant (label values: configured tenant names only)
         self.tenant_requests = Counter("llm_pool_tenant_requests", "Inference requests by tenant, model and "
                                        "HTTP status", ["tenant", "model", "status"], registry=self.registry)
@@ -104,6 +113,8 @@ class Metrics:
         model = self.engine.aliases.get(model, model)  # an alias counts, and is logged, as its model
         label = self._model(model)
         self._child(self.requests, label, endpoint, str(status)).inc()
+        if error is not None and error.code in PLANNED_CODES:
+            self._child(self.planned, label, endpoint, str(status)).inc()
         if job is not None:
             job.counted = True
             tenant = job.tenant
