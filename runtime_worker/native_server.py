@@ -45,6 +45,12 @@ RELAY_LINE_BYTES = 16 * 1024  # a longer line of the child's output is split in 
 CONNECT_RETRIES = 3  # tries again after a connection that could not be made (nothing of the request sent)
 
 
+async def _mark_reused(session, ctx, params) -> None:
+    """aiohttp's trace hook: this request went out on a kept-alive connection."""
+    if isinstance(ctx.trace_request_ctx, dict):
+        ctx.trace_request_ctx["reused"] = True
+
+
 class OpenAIClient:
     """Talks to an OpenAI-compatible server: chat and legacy completions
     streamed, embeddings whole. `base_url` ends before /chat/completions (e.g.
@@ -84,8 +90,10 @@ class OpenAIClient:
 
     def _open_session(self) -> aiohttp.ClientSession:
         if self._session is None:  # made on first use, inside the running loop
+            reuse = aiohttp.TraceConfig()  # says when a request goes out on a kept-alive connection
+            reuse.on_connection_reuseconn.append(_mark_reused)
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, force_close=not self.keep_alive),
+                connector=aiohttp.TCPConnector(limit=0, force_close=not self.keep_alive), trace_configs=[reuse],
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=10), headers=self.headers,
                 auto_decompress=False)  # aiohttp would inflate a whole chunk at once, unbounded
         return self._session
@@ -157,17 +165,25 @@ class OpenAIClient:
         session = self._open_session()
         failures = 0
         while True:
+            sent = {"reused": False}
             try:
                 # a redirect is the runtime's answer (an error), not a place to send the key and the prompt
-                return await session.post(url, json=body, headers=headers or None, allow_redirects=False)
+                return await session.post(url, json=body, headers=headers or None, allow_redirects=False,
+                                          trace_request_ctx=sent)
             except aiohttp.ClientConnectorError:
-                # The connection could not be made: nothing of the request left, so it may be sent
-                # again. Any other connection error (a pooled connection found closed, a server that
-                # read the request and dropped it) may come after the server took the request: a POST
-                # is never sent twice (aiohttp itself re-sends only idempotent methods), so a remote
-                # never runs, or bills, one generation twice (docs/reliability.md).
+                # the connection could not be made: nothing of the request left, so it may be sent again
                 failures += 1
                 if failures > CONNECT_RETRIES:
+                    raise
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                # A kept-alive connection the server had closed as it was taken from the pool (the
+                # stale keep-alive race: llama-server closes one after a stream now and then): the
+                # server closed it without a byte of answer. Sent once more, on a new connection (a
+                # remote that read it and closed without answering could so run it twice: the one
+                # case, docs/reliability.md). On a new connection the same error is a server that
+                # dropped the request: never re-sent.
+                failures += 1
+                if not sent["reused"] or failures > CONNECT_RETRIES:
                     raise
 
     async def _complete(self, path: str, body: dict, chat: bool, choices: int,
