@@ -216,7 +216,10 @@ async def _flood(url: str, n: int) -> list[httpx.Response]:
 
 
 def test_a_flood_past_max_queue_gets_429_and_the_queue_drains(make_pool):
-    pool = make_pool([synthetic("syn", target_inflight=2, capacity=2, tps=200, max_queue=64)])
+    # 500 connections from one address: over the per-client cap (256), which makes room by
+    # closing idle ones; this test is about the queue, so the cap is raised here
+    pool = make_pool([synthetic("syn", target_inflight=2, capacity=2, tps=200, max_queue=64)],
+                     server={"max_connections_per_client": 600})
     responses = asyncio.run(_flood(pool.url, 500))
     codes = collections.Counter(r.status_code for r in responses)
     assert set(codes) <= {200, 429} and codes[429] > 0 and codes[200] >= 64, codes
@@ -399,8 +402,11 @@ def test_client_text_echoed_in_errors_is_cut(make_pool):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     message = r.json()["error"]["message"]
     assert len(message) < 400 and "999744 more characters" in message
+    # a tool type the runtime would skip is skipped, never a 400 (as llama-server does): the answer
+    # names it, cut, in its header
     r = pool.http.post("/v1/responses", json={"model": "syn", "input": "hi", "tools": [{"type": "t" * 100_000}]})
-    assert r.status_code == 400 and len(r.json()["error"]["message"]) < 400, r.text[:500]
+    skipped = r.headers["x-llm-pool-skipped-tools"]
+    assert r.status_code == 200 and skipped.startswith("ttt") and len(skipped) <= 420, (r.status_code, skipped[:500])
     r = pool.http.post(CHAT, content=json.dumps({**chat_body(), "metadata": {"k" * 100_000: "\ud800"}}),
                        headers={"content-type": "application/json"})  # a lone surrogate under a long key
     assert r.status_code == 400 and len(r.json()["error"]["message"]) < 600 and len(r.json()["error"]["param"]) < 400

@@ -111,14 +111,19 @@ def test_a_request_and_a_restart_during_a_load(make_pool):
     assert post(pool, "l").status_code == 200
 
 
-def test_an_unload_during_a_load_waits_for_it_and_leaves_no_worker(make_pool):
+def test_an_unload_during_a_load_wins_and_leaves_no_worker(make_pool):
+    """The unload asked while the workers load wins: they are stopped before they are ready
+    (a vLLM load is minutes nobody wants), the load answers 503 model_unloading, and the
+    model ends unloaded with no error of its own."""
     pool = make_pool([with_options(synthetic("w", replicas=2, load_on_start=False), load_ms=2000)])
     with ThreadPoolExecutor(2) as ex:
         load = ex.submit(admin, pool, "w", "load")
         wait_for(lambda: pool.model("w")["state"] == "loading", 10, what="loading")
         unload = ex.submit(admin, pool, "w", "unload")
-        assert load.result().status_code == 200
+        loaded = load.result()
+        assert loaded.status_code == 503 and loaded.json()["error"]["code"] == "model_unloading", loaded.text
         assert unload.result().json()["state"] == "unloaded"
+        assert pool.model("w").get("error") is None
     assert pool.workers("w") == [] and worker_procs(pool) == []
 
 
