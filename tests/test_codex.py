@@ -98,8 +98,12 @@ def test_codex_answers_three_turns_through_the_pool(codex_bin, llama_server_bin,
     # the pool's answer and Codex's own start, far less than its reconnects' backoff
     for (took, _), row in zip(turns, responses):
         assert took - row["duration_ms"] / 1000 < STALL_S, (took, row["duration_ms"])
+    # the same turns direct, for the times side by side: a measurement, not a check of the pool (a
+    # 135M model now and then talks on for thousands of tokens, past TURN_TIMEOUT_S, either way)
     with direct_llama_server(llama_server_bin, _smollm2(), ["-c", "8192", "-np", "1", "-t", "2", "--jinja"],
                              tmp_path / "direct.log") as url:
-        direct = codex_turns(codex_bin, url, tmp_path / "direct", websockets=False)  # it serves no WebSocket
-    print("\nCodex, seconds per turn: direct", [round(t, 1) for t, _ in direct],
-          "pool", [round(t, 1) for t, _ in turns])
+        try:
+            direct = [round(t, 1) for t, _ in codex_turns(codex_bin, url, tmp_path / "direct", websockets=False)]
+        except (AssertionError, subprocess.TimeoutExpired) as exc:  # it serves no WebSocket
+            direct = f"not measured ({type(exc).__name__})"
+    print("\nCodex, seconds per turn: direct", direct, "pool", [round(t, 1) for t, _ in turns])
