@@ -14,8 +14,9 @@ from protocol.messages import (
 # 2: Submit.endpoint, Delta.parts, Done.finish_reasons and result; 3: batches (encode_batch);
 # 4: Setup (the model's options over the socket, not in argv); 5: Done.timings (the runtime's own);
 # 6: KvEvents (a runtime's KV-cache events); 7: Delta.tokens; "open" and "extra" delta parts,
-# Done.extra and Done.usage_on_finish (a runtime's answer relayed to the letter); 8: Submit.headers
-PROTOCOL_VERSION = 8
+# Done.extra and Done.usage_on_finish (a runtime's answer relayed to the letter); 8: Submit.headers;
+# 9: Setup.warm_swap
+PROTOCOL_VERSION = 9
 # Twice the largest request body a pool may accept (supervisor config caps
 # max_body_bytes at MAX_FRAME_BYTES // 2): msgpack never makes a JSON request
 # much bigger, so a body under its cap always fits in one Submit frame.

@@ -21,6 +21,8 @@ class Setup:
     never travel in the worker's argv. The worker loads its runtime once it has them."""
     TYPE: ClassVar[str] = "setup"
     options: dict = field(default_factory=dict)
+    # warm swaps (runtime_worker/warm_swap.py): {"dir", "budget_mb", "save_timeout_s"}; empty: off
+    warm_swap: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +164,7 @@ MESSAGE_TYPES: dict[str, type] = {
 # Expected Python types per field, checked on decode (msgpack gives plain types).
 FIELD_TYPES: dict[type, dict[str, Any]] = {
     Hello: {},
-    Setup: {"options": dict},
+    Setup: {"options": dict, "warm_swap": dict},
     Ready: {"capacity": int, "info": dict},
     Submit: {"job": str, "request": dict, "endpoint": str, "headers": dict},
     Cancel: {"job": str},

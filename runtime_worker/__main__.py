@@ -25,6 +25,7 @@ from runtime_worker.backends.base import (
 from runtime_worker.cancel_watch import CancelWatch
 from runtime_worker.lifeline import die_with_parent
 from runtime_worker.outbox import Outbox
+from runtime_worker.warm_swap import WarmSwap
 
 log = logging.getLogger("runtime_worker")
 TURN_S = 0.02  # a job relays its backend's events this long at most before the loop gets a turn
@@ -45,7 +46,7 @@ class Worker:
         self.sock = LoopSocket(sock, self.on_frames)
         self.outbox = Outbox(self.sock, on_job_failed=self.cancel_job)
         self.backend: Backend | None = None  # made once Setup brings the options
-        self.setup: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
+        self.setup: asyncio.Future[p.Setup] = asyncio.get_running_loop().create_future()
         self.capacity = 0
         self.light: set[str] = set()  # jobs of LIGHT_ENDPOINTS among `jobs`: they take no slot
         self.jobs: dict[str, asyncio.Task] = {}
@@ -81,6 +82,8 @@ class Worker:
             job.cancel()
         if self.jobs:  # bounded: a backend whose cancel hangs must not hold the worker
             await asyncio.wait(list(self.jobs.values()), timeout=self.args.stop_timeout_s)
+        if self.exit_code is WorkerExit.OK:  # a planned stop, with the runtime alive: save its KV
+            await self.save_kv()
         await self.outbox.flush(timeout_s=2.0)  # last words (a load error, cancelled jobs) go out
         tasks.append(sender)
         for t in tasks:
@@ -97,16 +100,36 @@ class Worker:
         self.ctx.term()
         return int(self.exit_code)
 
+    async def save_kv(self) -> None:
+        """Warm swaps: the runtime's KV to disk, within the supervisor's kv_save_timeout_s (its
+        wait for this worker's exit allows for it); a save that fails or runs late is logged."""
+        backend = self.backend
+        if backend is None or backend.warm_swap is None:
+            return
+        try:
+            await asyncio.wait_for(backend.save_kv(), backend.warm_swap.save_timeout_s)
+        except TimeoutError:
+            log.error("warm swap: the save did not finish within kv_save_timeout_s=%g; the next load is cold "
+                      "for what it missed", backend.warm_swap.save_timeout_s)
+        except Exception:
+            log.exception("warm swap: the save failed; the next load is cold for what it missed")
+
     def stop(self, code: WorkerExit) -> None:
         if not self.stopping.is_set():
             self.exit_code = code
             self.stopping.set()
 
     async def load(self) -> None:
-        options = await self.setup  # the supervisor's answer to Hello: secrets never ride in argv
+        setup = await self.setup  # the supervisor's answer to Hello: secrets never ride in argv
         self.backend = backend_class(self.args.backend)(
-            options, self.args.target_inflight, log, stop_timeout_s=self.args.stop_timeout_s,
+            setup.options, self.args.target_inflight, log, stop_timeout_s=self.args.stop_timeout_s,
             limits=OutputLimits(self.args.max_job_output_bytes, self.args.max_upstream_line_bytes))
+        if setup.warm_swap:
+            ws = setup.warm_swap
+            try:
+                self.backend.warm_swap = WarmSwap(str(ws["dir"]), float(ws["budget_mb"]), float(ws["save_timeout_s"]))
+            except (KeyError, TypeError, ValueError) as exc:
+                log.error("warm swap: a setup the worker cannot read (%r): off", exc)
         self.backend.kv_events_sink = lambda events, reset: self.send(p.KvEvents(events=events, reset=reset))
         started = time.monotonic()
         try:
@@ -159,9 +182,9 @@ class Worker:
                     task.add_done_callback(lambda t, job=job: self._job_ended(job))
             case p.Cancel(job=job):
                 self.cancel_job(job)
-            case p.Setup(options=options):
+            case p.Setup():
                 if not self.setup.done():
-                    self.setup.set_result(options)
+                    self.setup.set_result(msg)
             case p.Shutdown():
                 self.stop(WorkerExit.OK)
             case p.Heartbeat():

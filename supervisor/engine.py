@@ -30,6 +30,7 @@ from supervisor.admission.prompt_tokens import PromptTokenizer
 from supervisor.request_bounds import check_request_bounds
 from supervisor.replicas.replica import Launcher
 from supervisor.state_dir import make_private_dir, pool_state_dir
+from supervisor.models.warm_swaps import SavedKv
 from supervisor.states import ReplicaState
 from supervisor.admission.tenants import DEFAULT as DEFAULT_TENANT
 from supervisor.tasks import TaskSet
@@ -48,14 +49,16 @@ class ModelRouterEngine:
         self.tenants = tenants or Tenants(config)  # their shares order each model's queue; a reload updates them
         self.state_dir = pool_state_dir(config.server.state_dir)  # see supervisor/state_dir.py
         self.log_dir = self.state_dir / "logs"
+        self.kv_dir = self.state_dir / "kv"  # warm swaps (runtime_worker/warm_swap.py)
         server = lambda: self.config.server  # noqa: E731  (a reload replaces the config)
         self.registry = Registry(config.models)
         self.sampler = ProcessSampler()  # psutil and NVML, off the loop: footprints read its cache
         self.memory = Memory(self.registry, server, self.sampler)
         self.lifecycle = Lifecycle(self.registry, self.memory, server, self.log_dir, self.spawn,
-                                   launcher=launcher, transport=transport, tenants=self.tenants)
+                                   launcher=launcher, transport=transport, tenants=self.tenants, kv_dir=self.kv_dir)
         self.reloader = reloading.Reloader(self.registry, self.lifecycle, self.spawn)
-        self.views = Views(self.registry, self.memory, self.lifecycle)
+        self.saved_kv = SavedKv(self.kv_dir)
+        self.views = Views(self.registry, self.memory, self.lifecycle, self.saved_kv)
         self._drain: asyncio.Future | None = None  # the one drain of a graceful stop
         self._closed = False
         self._tasks = TaskSet()
@@ -117,6 +120,7 @@ class ModelRouterEngine:
     async def start(self) -> None:
         # replica logs, and the request log with any bodies it keeps: for this user only
         make_private_dir(self.log_dir)
+        make_private_dir(self.kv_dir)  # saved KV holds what conversations said
         swept = sweep_stale_workers()
         if swept:
             log.warning("swept %d stale worker(s) of a dead supervisor", len(swept))
@@ -229,6 +233,7 @@ class ModelRouterEngine:
     def tick(self, now: float) -> None:
         """Every heartbeat period: ping (and liveness-check) every worker, then
         reconcile each executor: re-derive what a missed event should have caused."""
+        self.saved_kv.refresh_due(now, self.spawn)
         for entry in list(self.models.values()):
             if entry.executor:
                 for r in entry.executor.replicas:

@@ -30,6 +30,10 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runtime_worker.warm_swap import WarmSwap
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +125,8 @@ class Backend(abc.ABC):
         self.stop_timeout_s = stop_timeout_s  # the model's stop_timeout_s: SIGTERM .. SIGKILL of a child
         # where a runtime that reports its prefix cache sends those events (protocol.KvEvents): (events, reset)
         self.kv_events_sink: Callable[[list, bool], None] | None = None
+        # where a runtime that can save its KV keeps it across planned stops (Setup.warm_swap); None: off
+        self.warm_swap: WarmSwap | None = None
 
     @abc.abstractmethod
     async def start(self) -> tuple[int, dict]:
@@ -173,6 +179,11 @@ class Backend(abc.ABC):
                 continue
             raise JobError("unsupported_parameter", f"{key!r} is not supported by the {self.name} backend",
                            param=key)
+
+    async def save_kv(self) -> dict | None:
+        """Before a planned stop: save what the runtime can restore after its next start (warm
+        swaps); None for a runtime that cannot. Bounded by the worker."""
+        return None
 
     @abc.abstractmethod
     async def stop(self) -> None:

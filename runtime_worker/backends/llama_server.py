@@ -11,6 +11,7 @@ bound its start and its stop."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import platform
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from runtime_worker.backends.base import BackendLoadError
 from runtime_worker.native_server import NativeServer, OpenAIServerBackend, extra_body
+from runtime_worker.warm_swap import SlotClient, restore, save
 
 
 def cached_llama_server() -> str | None:
@@ -55,6 +57,15 @@ def find_llama_server(option: str | None) -> str:
                            "or run scripts/install-llama-server")
 
 
+CACHE_RAM_FLAGS = ("--cache-ram", "-cram")
+DEFAULT_CACHE_RAM_MB = 1024  # llama-server's own default is 8192: host RAM no budget would see
+
+
+def cache_ram_mb(options: dict) -> int:
+    """The host prompt cache llama-server may fill (options.cache_ram_mb; 0: none), in the model's memory."""
+    return int(options.get("cache_ram_mb", DEFAULT_CACHE_RAM_MB))
+
+
 RERANK_FLAGS = ("--reranking", "--rerank")  # llama-server serves /v1/rerank only when started with one
 
 
@@ -89,20 +100,36 @@ class LlamaServerBackend(OpenAIServerBackend):
         extra = {"timings_per_token": True, **extra_body(self.options)}
         self.server = NativeServer("llama-server", self.log, extra=extra, limits=self.limits)
         self.client = self.server.client
-        argv = [binary, "-m", model, "-c", str(ctx), "-np", str(slots),
-                "--host", "127.0.0.1", "--port", str(self.server.port), "--no-webui"]
+        # the flags that shape the runtime (and its KV: a warm swap's config); then where it listens
+        flags = ["-c", str(ctx), "-np", str(slots)] + [str(a) for a in self.options.get("extra_args", [])]
+        if reranks(self.options) and not any(a in RERANK_FLAGS for a in flags):
+            flags.append("--reranking")
+        if not any(a in CACHE_RAM_FLAGS for a in flags):
+            flags += ["--cache-ram", str(cache_ram_mb(self.options))]  # explicit: the pool counts it
+        argv = [binary, "-m", model, *flags, "--host", "127.0.0.1", "--port", str(self.server.port), "--no-webui"]
         if self.options.get("threads"):
             argv += ["-t", str(self.options["threads"])]
-        argv += [str(a) for a in self.options.get("extra_args", [])]
-        if reranks(self.options) and not any(a in RERANK_FLAGS for a in argv):
-            argv.append("--reranking")
+        if self.warm_swap is not None:
+            kv_dir = await asyncio.to_thread(self.warm_swap.prepare, binary, model, flags)
+            argv += ["--slot-save-path", str(kv_dir)]
         await self.server.launch(argv, key_env="LLAMA_API_KEY")
         # no deadline here: the supervisor stops a worker not ready within the model's load_timeout_s
         await self.server.wait_healthy(math.inf)
         props = (await self.server.get("/props")).json()
         capacity = int(props.get("total_slots", 1))
         n_ctx = (props.get("default_generation_settings") or {}).get("n_ctx")
-        return capacity, {"child_pid": self.server.proc.pid, "port": self.server.port, "n_ctx_per_slot": n_ctx}
+        info = {"child_pid": self.server.proc.pid, "port": self.server.port, "n_ctx_per_slot": n_ctx}
+        if self.warm_swap is not None:  # before the first request: the slots are idle
+            info["warm_swap"] = await restore(self.warm_swap, self._slots(), capacity)
+        return capacity, info
+
+    def _slots(self) -> SlotClient:
+        return SlotClient(self.server.control, self.server.base_url)
+
+    async def save_kv(self) -> dict | None:
+        if self.warm_swap is None or self.runtime_pid() is None:
+            return None
+        return await save(self.warm_swap, self._slots())
 
     async def wait_dead(self) -> str:
         return await self.server.wait_exit()

@@ -5,6 +5,8 @@ Each field's `description` is its line in docs/configuration-reference.md
 
 from __future__ import annotations
 
+import contextlib
+
 import re
 from typing import Any, Literal
 
@@ -33,6 +35,21 @@ class LlamaServerOptions(Options):
     extra_args: list[str] = Field(default_factory=list, description="More llama-server arguments, as given "
                                   "(e.g. [\"--jinja\"], [\"-ngl\", \"99\"]).")
     extra_body: dict[str, Any] = Field(default_factory=dict, description="Fields added to every chat request.")
+    # the worker's default is runtime_worker.backends.llama_server.DEFAULT_CACHE_RAM_MB
+    cache_ram_mb: int = Field(1024, ge=0, description="llama-server's host prompt cache (--cache-ram; 0: none), "
+                              "counted in the model's memory; its own default, 8192, would not be.")
+
+
+def llama_cache_ram_mb(options: dict) -> float:
+    """The host prompt cache a llama_server model's runtime may fill: its --cache-ram in extra_args, else
+    options.cache_ram_mb (an unlimited one, -1, counts as llama-server's own default)."""
+    args = [str(a) for a in options.get("extra_args", [])]
+    for flag in ("--cache-ram", "-cram"):
+        if flag in args[:-1]:
+            with contextlib.suppress(ValueError):
+                value = float(args[args.index(flag) + 1])
+                return value if value >= 0 else 8192.0
+    return float(options.get("cache_ram_mb", LlamaServerOptions.model_fields["cache_ram_mb"].default))
 
 
 class VllmServeOptions(Options):
@@ -109,6 +126,9 @@ BACKEND_OPTIONS: dict[str, type[Options]] = {
 DEFAULT_LOAD_TIMEOUT_S = {"vllm_serve": 600.0}
 LOAD_TIMEOUT_S = 120.0
 
+# runtimes that save their slots' KV to disk and restore it (warm swaps)
+WARM_SWAP_BACKENDS = frozenset({"llama_server"})
+
 # runtimes whose prompt cache makes a replica's history worth returning to
 PREFIX_CACHING_BACKENDS = frozenset({"llama_server", "vllm_serve"})
 
@@ -180,6 +200,9 @@ class ModelConfig(Strict):
                                  "serve a request or meet its deadline.")
     context_fallback: str | None = Field(None, description="The model that takes a request refused for its "
                                          "context length.")
+    warm_swap: bool | None = Field(None, description="Save the runtime's KV before a planned stop and restore "
+                                   "it after the next load (docs/warm-swaps.md); default: on for local "
+                                   "llama_server models.")
     options: dict = Field(default_factory=dict, description="[models.options]: the backend's own keys "
                           "(below), checked per backend.")
 
@@ -197,9 +220,21 @@ class ModelConfig(Strict):
                              f"for {self.replicas} replicas")
         return self
 
+    @model_validator(mode="after")
+    def _warm_swap_where_it_can(self) -> ModelConfig:
+        if self.warm_swap and (self.backend not in WARM_SWAP_BACKENDS or self.remote):
+            raise ValueError(f"warm_swap: a {self.backend} model{' placed on Ray' if self.remote else ''} cannot "
+                             f"save its KV across a stop (only local llama_server models can)")
+        return self
+
     @property
     def remote(self) -> bool:
         return self.placement == "ray"
+
+    @property
+    def saves_kv(self) -> bool:
+        """Warm swaps on: its runtime's KV is saved before a planned stop and restored after a load."""
+        return self.warm_swap is not False and self.backend in WARM_SWAP_BACKENDS and not self.remote
 
     @property
     def replica_routing(self) -> str:

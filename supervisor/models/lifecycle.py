@@ -63,11 +63,12 @@ class LoadDurations:
 class Lifecycle:
     def __init__(self, registry: Registry, memory: Memory, server: Callable[[], ServerConfig], log_dir: Path,
                  spawn: Callable[[Coroutine], None], launcher: Launcher = spawn_worker,
-                 transport: Transport | None = None, tenants=None) -> None:
+                 transport: Transport | None = None, tenants=None, kv_dir: Path | None = None) -> None:
         self.registry = registry
         self.memory = memory
         self._server = server
         self.log_dir = log_dir
+        self.kv_dir = kv_dir  # warm swaps' saved KV, a directory per model (None: nowhere to save)
         self._spawn = spawn  # a tracked background task (its failure is logged)
         self.launcher = launcher
         self.tenants = tenants  # supervisor/admission/tenants.py: their shares order each executor's queue
@@ -124,7 +125,8 @@ class Lifecycle:
         key_env = frozenset(e.cfg.options["api_key_env"] for e in self.registry.configured()
                             if e.cfg.options.get("api_key_env"))
         executor.replicas = [Replica(entry.cfg, self._server(), i, self.transport, self.log_dir, executor,
-                                     launcher=launcher, secret_env=key_env) for i in range(entry.cfg.replicas)]
+                                     launcher=launcher, secret_env=key_env, kv_dir=self.kv_dir)
+                             for i in range(entry.cfg.replicas)]
         executor.start()
         entry.executor = executor
         entry.set_state(ModelState.LOADING)

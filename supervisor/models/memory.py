@@ -14,6 +14,7 @@ from pathlib import Path
 
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ModelConfig, ServerConfig
+from supervisor.config.models import llama_cache_ram_mb
 from supervisor.models.registry import ModelEntry, Registry
 from supervisor.replicas.observe import ProcessSampler, replica_view
 from supervisor.states import RUNNING, ModelState
@@ -26,7 +27,8 @@ Evict = Callable[[ModelEntry, str], Awaitable[bool]]
 
 
 def estimate_mb(cfg: ModelConfig) -> float | None:
-    """Before the first load: the model file plus its context (llama_server); else unknown."""
+    """Before the first load: the model file, its context and its host prompt cache (llama_server);
+    else unknown."""
     if cfg.backend != "llama_server":
         return None
     try:
@@ -34,7 +36,7 @@ def estimate_mb(cfg: ModelConfig) -> float | None:
     except (KeyError, OSError):
         return None
     ctx = cfg.options.get("ctx_size") or 2048 * (cfg.target_inflight + cfg.newcomer_slots)  # llama-server's default
-    return cfg.replicas * (size / 2**20 + ctx * KV_MB_PER_TOKEN)
+    return cfg.replicas * (size / 2**20 + ctx * KV_MB_PER_TOKEN + llama_cache_ram_mb(cfg.options))
 
 
 class Memory:

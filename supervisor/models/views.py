@@ -11,6 +11,7 @@ from supervisor.config.tenants import DEFAULT as DEFAULT_TENANT
 from supervisor.models.health import UNHEALTHY, model_health, reason_text, tenth
 from supervisor.models.memory import Memory
 from supervisor.models.registry import ModelEntry, Registry
+from supervisor.models.warm_swaps import SavedKv
 from supervisor.states import ModelState, ReplicaState
 
 
@@ -29,10 +30,11 @@ def served_context(entry) -> int | None:
 
 
 class Views:
-    def __init__(self, registry: Registry, memory: Memory, lifecycle: Lifecycle) -> None:
+    def __init__(self, registry: Registry, memory: Memory, lifecycle: Lifecycle, saved_kv: SavedKv) -> None:
         self.registry = registry
         self.memory = memory
         self.lifecycle = lifecycle
+        self.saved_kv = saved_kv
 
     def model_list(self) -> list[dict]:
         """/v1/models: every configured model and alias, with its state."""
@@ -75,9 +77,8 @@ class Views:
             "memory_source": source,
             "gpu_memory_mb": {d: tenth(mb) for d, mb in self.memory.gpu_footprint(entry).items()} or None,
             "prediction": prediction_view(entry),
+            "warm_swap": self.saved_kv.view(entry),
         }
-
-
 
     @staticmethod
     def _why(entry: ModelEntry, health: dict) -> str | None:

@@ -63,13 +63,15 @@ class Replica(WorkerLink):
     def __init__(self, cfg: ModelConfig, server: ServerConfig, index: int, transport: Transport,
                  log_dir: Path, owner: ReplicaOwner, policy: RestartPolicy | None = None,
                  launcher: Launcher = spawn_worker, clock: Callable[[], float] = time.monotonic,
-                 secret_env: frozenset[str] = frozenset()) -> None:
+                 secret_env: frozenset[str] = frozenset(), kv_dir: Path | None = None) -> None:
         self.cfg = cfg
         self.server = server
         self.index = index
         self.name = f"{cfg.name}/{index}"
         self.transport = transport
         self.log_path = log_dir / f"{cfg.name}-{index}.log"
+        # warm swaps: where its model's KV is saved across planned stops (None: not saved)
+        self.kv_dir = kv_dir / cfg.name if kv_dir is not None and cfg.saves_kv else None
         self.owner = owner
         self.policy = policy or RestartPolicy()
         self.launcher = launcher
@@ -333,12 +335,20 @@ class Replica(WorkerLink):
         proc = self.proc
         if proc and proc.returncode is None:
             self.transport.send(self.identity, p.Shutdown())
+            # a worker saving its KV (warm swaps) first gets kv_save_timeout_s more
+            wait_s = self.cfg.stop_timeout_s + (self.server.kv_save_timeout_s if self.kv_dir else 0.0)
             try:
-                await asyncio.wait_for(asyncio.shield(proc.wait()), self.cfg.stop_timeout_s)
+                await asyncio.wait_for(asyncio.shield(proc.wait()), wait_s)
             except TimeoutError:
                 await proc.stop(2.0)
         if self._watcher:
             await asyncio.gather(self._watcher, return_exceptions=True)
+
+    def setup(self) -> p.Setup:
+        """The answer to its worker's Hello: the model's options, and where its KV is saved."""
+        warm_swap = {"dir": str(self.kv_dir), "budget_mb": self.server.kv_disk_budget_mb,
+                     "save_timeout_s": self.server.kv_save_timeout_s} if self.kv_dir else {}
+        return p.Setup(options=self.cfg.worker_options, warm_swap=warm_swap)
 
     async def _kill(self) -> None:
         """Stop a worker that failed to start: no restart follows."""

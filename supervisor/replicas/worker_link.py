@@ -192,4 +192,4 @@ class WorkerLink:
             case p.KvEvents(events=events, reset=reset):
                 self.owner.replica_kv_events(self, events, reset)
             case p.Hello():
-                self.transport.send(self.identity, p.Setup(options=self.cfg.worker_options))
+                self.transport.send(self.identity, self.setup())

@@ -1,0 +1,380 @@
+"""Warm swaps (llama-server): the slots' KV saved to disk before a planned stop, and
+restored after the next start, so that a conversation's next turn reads its prefix from the
+runtime's cache instead of prefilling it again.
+
+On disk, under the model's directory (`<state>/kv/<model>/`, from the supervisor):
+
+    <config>/<stamp>-<slot>.bin   llama-server's own slot file (POST /slots/N?action=save)
+    <config>/<stamp>-<slot>.json  what the pool knows of it: its config, tokens, bytes, digest
+    <config>/OFF                  why warm swaps are off for this config (a restore did not take)
+
+<config> is a hash of what makes a saved KV fit a runtime: the model file, the llama-server
+binary, and its flags (context, slots, cache types, ...). A snapshot is only ever restored into
+a runtime of its own config. A file that does not check out (no sidecar, another config,
+truncated, another digest, refused by the runtime) is deleted and logged, never restored.
+
+Only a planned stop saves (Shutdown, SIGTERM: unload, idle unload, eviction, reload, operator
+restart); a crash cannot, and the next load restores what an earlier stop saved, if anything.
+A worker holds an flock on each snapshot it restored, for its life: another replica of the
+model starting meanwhile picks others, and once the worker is gone it may restore elsewhere.
+Every restore is verified: a probe of the snapshot's own tokens (n_predict 0) must read them
+from the runtime's cache; one that does not turns warm swaps off for the config (the OFF file
+says why: llama.cpp has models and versions whose restores report success and do not take)."""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import struct
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+log = logging.getLogger("llm_pool.worker.warm_swap")
+
+SIDECAR_VERSION = 1
+MIN_TOKENS = 32  # a shorter prefix is cheaper to prefill than to keep
+TAKEN_SHARE = 0.8  # a probe must find this share of the restored tokens in the cache
+PROBE_TIMEOUT_S = 15.0  # a probe reads its tokens from the cache in milliseconds; prefilling them takes longer
+CALL_TIMEOUT_S = 60.0  # one save or restore call (its bytes go to or from the page cache)
+STATE_MAGIC = 0x67677371  # llama.cpp's sequence state file ("ggsq")
+PACKED_TOKENS = 0xFFFFFFFF  # its token payload starts with a packed header: this, a version, the count
+OFF_FILE = "OFF"
+HEAD = struct.Struct("<III")
+
+
+class BadSnapshot(Exception):
+    """A snapshot that must not be restored; the message says why."""
+
+
+def config_key(binary: str, model: str, flags: list[str]) -> str:
+    """What a saved KV must match to be restored: the binary and the model file (path, size,
+    modification time) and the flags that shape the KV."""
+    def stat(path: str) -> list:
+        real = Path(path).resolve()
+        info = real.stat()
+        return [str(real), info.st_size, info.st_mtime_ns]
+    key = json.dumps({"binary": stat(binary), "model": stat(model), "flags": flags}, sort_keys=True)
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def read_tokens(path: Path) -> list[int]:
+    """The token ids a llama.cpp slot file holds (its header and token payload; the KV follows)."""
+    with open(path, "rb") as f:
+        head = f.read(HEAD.size)
+        if len(head) < HEAD.size:
+            raise BadSnapshot("truncated (no header)")
+        magic, _version, words = HEAD.unpack(head)
+        if magic != STATE_MAGIC:
+            raise BadSnapshot("not a llama.cpp slot file")
+        payload = f.read(words * 4)
+    if len(payload) < words * 4:
+        raise BadSnapshot("truncated (token list)")
+    values = array.array("I", payload)
+    if sys.byteorder != "little":
+        values.byteswap()
+    if words >= 3 and values[0] == PACKED_TOKENS:
+        count = values[2]
+        if 3 + count > words:
+            raise BadSnapshot("its token count exceeds its payload")
+        return values[3:3 + count].tolist()
+    return values.tolist()
+
+
+def digest(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass
+class Snapshot:
+    path: Path  # the .bin
+    tokens: list[int]
+    saved_at: float
+    size: int
+
+    @property
+    def sidecar(self) -> Path:
+        return self.path.with_suffix(".json")
+
+
+def remove(path: Path, why: str) -> None:
+    """Delete a snapshot (its .bin and its sidecar), saying why."""
+    for p in (path.with_suffix(".bin"), path.with_suffix(".json")):
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+    log.warning("warm swap: deleted %s: %s", path.with_suffix(".bin"), why)
+
+
+class WarmSwap:
+    """One worker's snapshots: where they live (`root`, the model's directory), the disk budget
+    of every model's snapshots together (`budget_mb`, over the parent of `root`), and the
+    snapshots this worker restored (held under flock until it exits)."""
+
+    def __init__(self, root: str, budget_mb: float, save_timeout_s: float) -> None:
+        self.root = Path(root)
+        self.budget_bytes = int(budget_mb * 2**20)
+        self.save_timeout_s = save_timeout_s
+        self.dir: Path | None = None  # root/<config>, once the runtime's config is known
+        self.held: dict[Path, int] = {}  # restored snapshot -> its locked fd
+        self.off_reason: str | None = None
+        self.report: dict = {}  # the last restore's result, for the supervisor (Ready.info)
+
+    # -- the config ----------------------------------------------------------------------------
+    def prepare(self, binary: str, model: str, flags: list[str]) -> Path:
+        """The directory for this runtime's config (made if new); snapshots of this model under
+        any other config can never be restored: deleted, logged. Blocking: run in a thread."""
+        key = config_key(binary, model, flags)
+        self.dir = self.root / key
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for other in self.root.iterdir():
+            if other.is_dir() and other.name != key:
+                count = len(list(other.glob("*.bin")))
+                shutil.rmtree(other, ignore_errors=True)
+                log.warning("warm swap: deleted %d snapshots of another config (%s): the model file, the "
+                            "binary or a flag changed", count, other.name)
+        self.dir.mkdir(exist_ok=True, mode=0o700)
+        off = self.dir / OFF_FILE
+        if off.is_file():
+            self.off_reason = off.read_text()[:500] or "off"
+        return self.dir
+
+    def turn_off(self, reason: str) -> None:
+        """No more saves or restores for this config: the OFF file says why; its snapshots go."""
+        self.off_reason = reason
+        assert self.dir is not None
+        for bin_path in self.dir.glob("*.bin"):
+            remove(bin_path, "warm swaps are off for this config")
+        (self.dir / OFF_FILE).write_text(reason)
+        log.error("warm swap: off for this model: %s", reason)
+
+    # -- reading snapshots (blocking: run in a thread) -------------------------------------------------
+    def check(self, bin_path: Path, full: bool) -> Snapshot:
+        """A snapshot as its sidecar says, checked: its config, its size, its token list, and
+        (`full`) its digest. Raises BadSnapshot."""
+        sidecar = bin_path.with_suffix(".json")
+        try:
+            meta = json.loads(sidecar.read_text())
+        except FileNotFoundError:
+            raise BadSnapshot("no sidecar: not saved by the pool") from None
+        except (ValueError, OSError) as exc:
+            raise BadSnapshot(f"unreadable sidecar ({exc})") from None
+        if not isinstance(meta, dict) or meta.get("version") != SIDECAR_VERSION:
+            raise BadSnapshot("a sidecar of another version")
+        if meta.get("config") != bin_path.parent.name:
+            raise BadSnapshot(f"saved under another config ({meta.get('config')})")
+        size = bin_path.stat().st_size
+        if size != meta.get("bytes"):
+            raise BadSnapshot(f"{size} bytes, saved as {meta.get('bytes')} (truncated or changed)")
+        tokens = read_tokens(bin_path)
+        if len(tokens) != meta.get("tokens"):
+            raise BadSnapshot(f"{len(tokens)} tokens, saved as {meta.get('tokens')}")
+        if full and digest(bin_path) != meta.get("digest"):
+            raise BadSnapshot("its digest differs from the one saved (corrupt)")
+        return Snapshot(bin_path, tokens, float(meta.get("saved_at", 0)), size)
+
+    def snapshots(self) -> list[Snapshot]:
+        """This config's snapshots that check out (without digests), newest first; the rest deleted."""
+        found = []
+        for bin_path in self.dir.glob("*.bin") if self.dir else ():
+            try:
+                found.append(self.check(bin_path, full=False))
+            except FileNotFoundError:
+                continue  # deleted meanwhile (another replica's save superseded it)
+            except BadSnapshot as exc:
+                remove(bin_path, str(exc))
+        for orphan in self.dir.glob("*.json") if self.dir else ():
+            if not orphan.with_suffix(".bin").exists():
+                with contextlib.suppress(FileNotFoundError):
+                    orphan.unlink()
+        return sorted(found, key=lambda s: s.saved_at, reverse=True)
+
+    def claim(self, limit: int) -> list[Snapshot]:
+        """Up to `limit` of the newest snapshots no other worker holds, digests checked, each
+        locked for this worker's life."""
+        claimed = []
+        for snap in self.snapshots():
+            if len(claimed) >= limit:
+                break
+            try:
+                fd = os.open(snap.path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # restored by another replica of the model, alive
+                os.close(fd)
+                continue
+            try:
+                self.check(snap.path, full=True)
+            except (BadSnapshot, FileNotFoundError) as exc:
+                os.close(fd)
+                remove(snap.path, str(exc))
+                continue
+            self.held[snap.path] = fd
+            os.utime(snap.path)  # used now: the disk budget drops the least recently used first
+            claimed.append(snap)
+        return claimed
+
+    def release(self, path: Path) -> None:
+        fd = self.held.pop(path, None)
+        if fd is not None:
+            os.close(fd)
+
+    # -- writing (blocking: run in a thread) ---------------------------------------------------------
+    def seal(self, bin_path: Path) -> Snapshot:
+        """Write a fresh save's sidecar (its tokens, size and digest)."""
+        tokens = read_tokens(bin_path)
+        meta = {"version": SIDECAR_VERSION, "config": bin_path.parent.name, "tokens": len(tokens),
+                "bytes": bin_path.stat().st_size, "digest": digest(bin_path), "saved_at": time.time()}
+        tmp = bin_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(meta))
+        tmp.replace(bin_path.with_suffix(".json"))
+        return Snapshot(bin_path, tokens, meta["saved_at"], meta["bytes"])
+
+    def supersede(self, fresh: list[Snapshot]) -> None:
+        """A snapshot whose tokens a fresh one continues (the same conversation, a later turn) is
+        superseded: deleted. Shared prefixes between conversations do not count."""
+        fresh_paths = {s.path for s in fresh}
+        for old in self.snapshots():
+            if old.path in fresh_paths:
+                continue
+            for new in fresh:
+                if len(new.tokens) >= len(old.tokens) and common_prefix(old.tokens, new.tokens) >= 0.9 * len(old.tokens):
+                    self.release(old.path)
+                    for p in (old.path, old.sidecar):
+                        with contextlib.suppress(FileNotFoundError):
+                            p.unlink()
+                    log.info("warm swap: %s superseded by %s", old.path.name, new.path.name)
+                    break
+
+    def trim(self) -> None:
+        """Every model's snapshots together within the disk budget: the least recently saved go first."""
+        files = []
+        for bin_path in self.root.parent.glob("*/*/*.bin"):
+            with contextlib.suppress(FileNotFoundError):
+                info = bin_path.stat()
+                files.append((info.st_mtime, info.st_size, bin_path))
+        total = sum(size for _, size, _ in files)
+        for _, size, bin_path in sorted(files):
+            if total <= self.budget_bytes:
+                break
+            self.release(bin_path)
+            remove(bin_path, f"over kv_disk_budget_mb ({self.budget_bytes / 2**20:g} MiB), the least recently saved")
+            total -= size
+
+
+class SlotClient:
+    """llama-server's slot calls, with its key."""
+
+    def __init__(self, control: httpx.AsyncClient, base_url: str) -> None:
+        self.control = control
+        self.base_url = base_url
+
+    async def slots(self) -> list[dict]:
+        r = await self.control.get(self.base_url + "/slots", timeout=CALL_TIMEOUT_S)
+        r.raise_for_status()
+        return r.json()
+
+    async def action(self, slot: int, action: str, filename: str) -> dict:
+        r = await self.control.post(f"{self.base_url}/slots/{slot}?action={action}", json={"filename": filename},
+                                    timeout=CALL_TIMEOUT_S)
+        if r.status_code != 200:
+            raise BadSnapshot(f"{action} answered {r.status_code}: {r.text[:200]}")
+        return r.json()
+
+    async def cached(self, slot: int, tokens: list[int]) -> int:
+        """How many of `tokens` the slot reads from its cache: a probe that generates nothing, sent
+        as the pool's requests are (the runtime's own cache_prompt setting)."""
+        r = await self.control.post(self.base_url + "/completion", timeout=PROBE_TIMEOUT_S, json={
+            "prompt": tokens, "n_predict": 0, "id_slot": slot})
+        r.raise_for_status()
+        return int((r.json().get("timings") or {}).get("cache_n") or 0)
+
+
+async def restore(ws: WarmSwap, client: SlotClient, slots: int) -> dict:
+    """Restore the newest snapshots into the idle slots of a runtime just started, each verified;
+    returns what happened (for the supervisor's Ready.info)."""
+    started = time.monotonic()
+    if ws.off_reason:
+        ws.report = {"restored": 0, "off": ws.off_reason}
+        return ws.report
+    claimed = await asyncio.to_thread(ws.claim, slots)
+    restored, tokens = 0, 0
+    for slot, snap in enumerate(claimed):
+        try:
+            await client.action(slot, "restore", snap.path.name)
+        except (BadSnapshot, httpx.HTTPError) as exc:
+            ws.release(snap.path)
+            await asyncio.to_thread(remove, snap.path, f"the runtime refused it: {exc}")
+            continue
+        try:
+            cached = await client.cached(slot, snap.tokens)
+        except httpx.TimeoutException:
+            cached = 0
+        if cached < TAKEN_SHARE * len(snap.tokens):
+            reason = (f"a restore did not take: the runtime read {cached} of {len(snap.tokens)} restored tokens "
+                      f"from its cache (this model or llama-server version gets no reuse from a restored slot)")
+            await asyncio.to_thread(ws.turn_off, reason)
+            ws.report = {"restored": 0, "off": reason}
+            return ws.report
+        restored += 1
+        tokens += len(snap.tokens)
+    ws.report = {"restored": restored, "tokens": tokens, "ms": round((time.monotonic() - started) * 1000, 1),
+                 "off": None}
+    if restored:
+        log.info("warm swap: restored %d conversations (%d tokens) in %.0f ms", restored, tokens, ws.report["ms"])
+    return ws.report
+
+
+async def save(ws: WarmSwap, client: SlotClient) -> dict:
+    """Save every slot that served a request since the start; then drop what the fresh saves
+    supersede, and trim every model's snapshots to the disk budget."""
+    if ws.off_reason or ws.dir is None:
+        return {"saved": 0}
+    started = time.monotonic()
+    stamp = time.time_ns()
+    fresh = []
+    for slot in await client.slots():
+        if slot.get("id_task") is None:  # idle since the start: nothing, or a restore still on disk
+            continue
+        name = f"{stamp}-{slot['id']}.bin"
+        try:
+            answer = await client.action(int(slot["id"]), "save", name)
+        except (BadSnapshot, httpx.HTTPError) as exc:
+            log.warning("warm swap: slot %s not saved: %s", slot.get("id"), exc)
+            continue
+        path = ws.dir / name
+        if int(answer.get("n_saved") or 0) < MIN_TOKENS:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            continue
+        fresh.append(await asyncio.to_thread(ws.seal, path))
+    await asyncio.to_thread(ws.supersede, fresh)
+    await asyncio.to_thread(ws.trim)
+    report = {"saved": len(fresh), "tokens": sum(len(s.tokens) for s in fresh),
+              "bytes": sum(s.size for s in fresh), "ms": round((time.monotonic() - started) * 1000, 1)}
+    log.info("warm swap: saved %d conversations (%d tokens, %d bytes) in %.0f ms", report["saved"],
+             report["tokens"], report["bytes"], report["ms"])
+    return report

@@ -1,0 +1,73 @@
+"""What warm swaps keep on disk, per model, as /admin/models and `llm-pool models` show it:
+read from the sidecars the workers write (runtime_worker/warm_swap.py, which owns the files,
+their checks and the disk budget), off the loop, at most every SCAN_EVERY_S."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+
+from supervisor.models.registry import ModelEntry
+
+log = logging.getLogger("llm_pool.warm_swaps")
+
+SCAN_EVERY_S = 2.0
+OFF_FILE = "OFF"  # runtime_worker.warm_swap.OFF_FILE: why a config's warm swaps were turned off
+
+
+def scan(root: Path) -> dict[str, dict]:
+    """Per model directory: its saved conversations, tokens and bytes, and why warm swaps are off
+    for its current config (the newest config directory), if they are."""
+    found: dict[str, dict] = {}
+    if not root.is_dir():
+        return found
+    for model_dir in root.iterdir():
+        configs = sorted((d for d in model_dir.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime) \
+            if model_dir.is_dir() else []
+        saved = {"conversations": 0, "tokens": 0, "bytes": 0}
+        off = None
+        for config in configs:
+            for sidecar in config.glob("*.json"):
+                try:
+                    meta = json.loads(sidecar.read_text())
+                    saved["tokens"] += int(meta["tokens"])
+                    saved["bytes"] += int(meta["bytes"])
+                    saved["conversations"] += 1
+                except (OSError, ValueError, KeyError, TypeError):
+                    continue  # mid-write, or deleted meanwhile: the worker's checks judge it
+        if configs and (configs[-1] / OFF_FILE).is_file():
+            off = (configs[-1] / OFF_FILE).read_text()[:500]
+        found[model_dir.name] = {"saved": saved, "off": off}
+    return found
+
+
+class SavedKv:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._by_model: dict[str, dict] = {}
+        self._last = float("-inf")
+        self._scanning: asyncio.Task | None = None
+
+    def refresh_due(self, now: float, spawn: Callable[[Coroutine], asyncio.Task]) -> None:
+        if now - self._last >= SCAN_EVERY_S and (self._scanning is None or self._scanning.done()):
+            self._last = now
+            self._scanning = spawn(self._refresh())
+
+    async def _refresh(self) -> None:
+        self._by_model = await asyncio.to_thread(scan, self.root)
+
+    def view(self, entry: ModelEntry) -> dict:
+        """The model's warm swaps: whether on (and why not), what is saved, and each running
+        replica's last restore (its Ready info)."""
+        disk = self._by_model.get(entry.cfg.name, {})
+        replicas = entry.executor.replicas if entry.executor is not None else ()
+        restores = [r.info["warm_swap"] for r in replicas if isinstance(r.info, dict) and "warm_swap" in r.info]
+        off = next((r["off"] for r in restores if r.get("off")), None) or disk.get("off")
+        if not entry.cfg.saves_kv:
+            off = "warm_swap = false" if entry.cfg.warm_swap is False else f"not for a {entry.cfg.backend} model"
+        return {"on": off is None, "off_reason": off,
+                "saved": disk.get("saved", {"conversations": 0, "tokens": 0, "bytes": 0}),
+                "last_restore": restores[0] if restores else None}
