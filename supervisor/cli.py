@@ -154,7 +154,20 @@ def _node(worker: dict) -> str:
 MODEL_COLUMNS = [("NAME", fmt.FLEX), ("BACKEND", fmt.KEEP), ("STATE", fmt.KEEP), ("READY", fmt.KEEP),
                  ("QUEUE", fmt.KEEP), ("INFLIGHT", fmt.KEEP), ("CAPACITY cfg/eff", fmt.FIT), ("CONTEXT", fmt.FIT),
                  ("MEMORY", fmt.FIT), ("LAST USED", fmt.FIT), ("IDLE UNLOAD IN", fmt.WIDE), ("PINNED", fmt.WIDE),
-                 ("ALIASES", fmt.BELOW), ("ERROR", fmt.BELOW)]
+                 ("WARM SWAP", fmt.WIDE), ("ALIASES", fmt.BELOW), ("ERROR", fmt.BELOW)]
+
+
+def warm_swap_cell(view: dict | None) -> str:
+    """A model's warm swaps: "-" where its runtime cannot save its KV, "off: why", or "on" with
+    what is saved and what its replicas restored at their last load."""
+    if view is None:
+        return "-"
+    if not view["on"]:
+        return f"off: {fmt.one_line(view['off_reason'], 60)}"
+    saved = view["saved"]
+    text = f"on, {saved['conversations']} saved ({fmt.size(saved['bytes'])})" if saved["conversations"] else "on"
+    restored = view.get("last_restore") or {}
+    return text + (f", restored {restored['restored']}" if restored.get("restored") else "")
 
 
 @_client
@@ -173,7 +186,7 @@ def models(url: Url = DEFAULT_URL, output: Output = None, as_json: AsJson = Fals
          "-" if m.get("memory_mb") is None else f"{m['memory_mb']:g} MB ({m['memory_source']})",
          "-" if m.get("last_used_at") is None else f"{fmt.duration(time.time() - m['last_used_at'])} ago",
          fmt.duration(m.get("idle_unload_in_s")), "yes" if m.get("pinned") else "no",
-         ", ".join(m.get("aliases") or []) or "-", fmt.one_line(m["error"]))
+         warm_swap_cell(m.get("warm_swap")), ", ".join(m.get("aliases") or []) or "-", fmt.one_line(m["error"]))
         for m in views], wide=mode == "wide")
 
 

@@ -100,6 +100,9 @@ def test_page_shows_models_workers_activity_and_log(pool, open_page):
         expect(page.locator(f'#workers tr[data-worker="{name}/0"] .node')).to_have_text(worker["node"])
     llama_child = pool.workers("tiny")[0]["children"][0]
     expect(page.locator('#workers tr[data-worker="tiny/0"]')).to_contain_text(f"llama-server:{llama_child['pid']}")
+    # warm swaps under the memory: on for llama-server (nothing saved yet); none for synthetic
+    expect(model_row(page, "tiny").locator("td.memory .warm-swap")).to_have_text("KV saved: 0")
+    expect(model_row(page, "syn").locator("td.memory .warm-swap")).to_have_count(0)
 
     # a request sent now is in the activity table within 2 s, with its status and token counts
     before = pool.http.get("/admin/requests", params={"limit": 1}).json()["requests"]

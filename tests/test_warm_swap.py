@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import llama
+from tests.test_cli import cli
 from tests.pool import wait_for
 from tests.test_lifecycle import admin
 from tests.test_prefix_routing_llama import words
@@ -99,12 +100,15 @@ def test_after_an_unload_and_a_load_the_next_turn_reads_its_prefix_from_the_cach
             assert cached == 0
             assert warm_swap(pool, model) == {"on": False, "off_reason": "warm_swap = false", "last_restore": None,
                                               "saved": {"conversations": 0, "tokens": 0, "bytes": 0}}
+            assert pool.model("cold")["backend"] == "llama_server"
             assert not kv_dir(pool, model).exists()
     # the restored conversation's later turn superseded its first save: one file, not two
     unload(pool, "tiny")
     wait_for(lambda: saved(pool, "tiny") == 1, 10, what="the saved KV shown")
     assert len(snapshots(pool, "tiny")) == 1
     assert warm_swap(pool, "tiny")["saved"]["tokens"] > 500
+    rows = {line.split()[0]: line for line in cli("models", "-o", "wide", url=pool.url).stdout.splitlines()[1:]}
+    assert "on, 1 saved (" in rows["tiny"] and "off: warm_swap = false" in rows["cold"], rows
 
 
 def test_an_idle_unload_and_an_eviction_save_and_a_crash_does_not(make_pool, tiny_gguf, llama_server_bin):

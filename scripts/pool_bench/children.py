@@ -106,12 +106,12 @@ def wait_http(proc: Proc, url: str, timeout: float, ok=(200,), headers: dict | N
 
 class PoolProc(Proc):
     def __init__(self, tmp: Path, name: str, models: list[dict], env: dict | None = None,
-                 tenants: list[dict] | None = None) -> None:
+                 tenants: list[dict] | None = None, server: dict | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cfg = tmp / f"{name}.toml"
         cfg.write_text(tomli_w.dumps({"server": {"host": "127.0.0.1", "port": self.port,
-                                                 "state_dir": str(tmp / f"{name}-state")},
+                                                 "state_dir": str(tmp / f"{name}-state"), **(server or {})},
                                       **({"tenants": tenants} if tenants else {}), "models": models}))
         super().__init__(name, [sys.executable, "-m", "supervisor.cli", "serve", "--config", str(cfg),
                                 "--log-level", "warning"],

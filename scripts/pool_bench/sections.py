@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Callable
 
 from pool_bench import (capacity, deadlines, fairness, memory, messages, peer, prefix, relay, scale, streaming,
-                        ttft)
+                        ttft, warm_swap)
 from pool_bench.bench import Bench
 
 SECTIONS: dict[str, Callable[[Bench], None]] = {
@@ -22,5 +22,6 @@ SECTIONS: dict[str, Callable[[Bench], None]] = {
     "9": scale.section,  # 10,000 streams at 1 tok/s: a bare SSE server vs the pool, clients in 4 processes
     "10": messages.run,  # Messages against chat: relay CPU per token (synthetic), added TTFT (llama-server)
     "11": deadlines.run,  # deadlines + fallbacks vs FIFO under 2x overload, admission CPU, SmolLM2 prediction error
+    "12": warm_swap.run,  # warm swaps: the next turn after an unload and a load, warm vs cold; two models swapping
 }
-ON_REQUEST = frozenset({"7", "8", "9", "10", "11"})  # run only when --sections names them (minutes each; the quick test skips them)
+ON_REQUEST = frozenset({"7", "8", "9", "10", "11", "12"})  # run only when --sections names them (minutes each; the quick test skips them)

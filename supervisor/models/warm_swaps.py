@@ -10,6 +10,7 @@ import logging
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 
+from supervisor.config.models import WARM_SWAP_BACKENDS
 from supervisor.models.registry import ModelEntry
 
 log = logging.getLogger("llm_pool.warm_swaps")
@@ -59,15 +60,17 @@ class SavedKv:
     async def _refresh(self) -> None:
         self._by_model = await asyncio.to_thread(scan, self.root)
 
-    def view(self, entry: ModelEntry) -> dict:
+    def view(self, entry: ModelEntry) -> dict | None:
         """The model's warm swaps: whether on (and why not), what is saved, and each running
-        replica's last restore (its Ready info)."""
+        replica's last restore (its Ready info); None for a model whose runtime cannot save its KV."""
+        if entry.cfg.backend not in WARM_SWAP_BACKENDS or entry.cfg.remote:
+            return None
         disk = self._by_model.get(entry.cfg.name, {})
         replicas = entry.executor.replicas if entry.executor is not None else ()
         restores = [r.info["warm_swap"] for r in replicas if isinstance(r.info, dict) and "warm_swap" in r.info]
         off = next((r["off"] for r in restores if r.get("off")), None) or disk.get("off")
-        if not entry.cfg.saves_kv:
-            off = "warm_swap = false" if entry.cfg.warm_swap is False else f"not for a {entry.cfg.backend} model"
+        if entry.cfg.warm_swap is False:
+            off = "warm_swap = false"
         return {"on": off is None, "off_reason": off,
                 "saved": disk.get("saved", {"conversations": 0, "tokens": 0, "bytes": 0}),
                 "last_restore": restores[0] if restores else None}

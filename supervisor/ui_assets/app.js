@@ -287,10 +287,20 @@ async function refreshModels() {
     num(`${m.runtime_inflight} / ${m.configured_target_inflight}/${m.effective_target_inflight}`),
     el("td", {}, ago(m.last_used_at)),
     el("td", {}, m.idle_unload_in_s == null ? "-" : duration(m.idle_unload_in_s)),
-    el("td", {}, m.memory_mb == null ? "-" : `${m.memory_mb} MB${m.memory_source ? " (" + m.memory_source + ")" : ""}`),
+    el("td", {class: "memory"}, m.memory_mb == null ? "-" : `${m.memory_mb} MB${m.memory_source ? " (" + m.memory_source + ")" : ""}`,
+      ...warmSwap(m.warm_swap)),
     cut("reason", m.error || plannedWork(m), {lines: true}),
     el("td", {class: "actions"}, ...["load", "unload", "restart"].map((action) =>
       el("button", {class: action, "data-action": action, onclick: () => act(m.name, action)}, action))))));
+}
+
+// A model's warm swaps under its memory: what KV it keeps on disk, or why they are off (none: its runtime cannot)
+function warmSwap(w) {
+  if (!w) return [];
+  const text = !w.on ? `warm swap off: ${w.off_reason}`
+    : `KV saved: ${w.saved.conversations}` + (w.saved.conversations ? ` (${(w.saved.bytes / 2 ** 20).toFixed(1)} MiB)` : "")
+      + (w.last_restore?.restored ? `, restored ${w.last_restore.restored}` : "");
+  return [el("br"), el("span", {class: "cut warm-swap", title: text}, text)];
 }
 
 // Planned work is no fault, but it says what it does: replicas restarting, an unload under way
