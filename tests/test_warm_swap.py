@@ -206,3 +206,40 @@ def test_a_restore_that_does_not_take_turns_warm_swaps_off_with_the_reason(make_
     view = warm_swap(pool, "tiny")
     assert not snapshots(pool, "tiny") and "did not take" in view["off_reason"], view
     assert json.loads(json.dumps(view))["last_restore"]["restored"] == 0
+
+
+def test_replicas_share_the_snapshots_and_each_restores_its_own(make_pool, tiny_gguf, llama_server_bin):
+    """Two replicas, a conversation on each: the unload saves both; at the next load each replica
+    claims one (a claim is a lock its worker holds): neither restores both, none is lost."""
+    pool = make_pool([tiny(tiny_gguf, llama_server_bin, replicas=2, routing="least_inflight")])
+    for seed in (0, 1):  # least_inflight, one at a time: round-robin puts one on each replica
+        Conversation(pool, "tiny", seed).turn()
+    unload(pool, "tiny")
+    wait_for(lambda: len(snapshots(pool, "tiny")) == 2, 10, what="both replicas' saves")
+    load(pool, "tiny")
+    restores = [w["runtime_info"]["warm_swap"] for w in pool.workers("tiny")]
+    assert sorted(r["restored"] for r in restores) == [1, 1], restores
+
+
+def test_an_operator_restart_saves_and_a_changed_flag_drops_the_old_config(make_pool, tiny_gguf, llama_server_bin):
+    models = [tiny(tiny_gguf, llama_server_bin)]
+    pool = make_pool(models)
+    talk = Conversation(pool, "tiny")
+    talk.turn()
+    assert admin(pool, "tiny", "restart").status_code == 200
+    wait_for(lambda: pool.workers("tiny")[0]["planned_restarts"] == 1 and pool.model("tiny")["state"] == "loaded",
+             60, what="the operator's restart")
+    assert warm_swap(pool, "tiny")["last_restore"]["restored"] == 1
+    prompt, cached = talk.turn()
+    assert cached >= TAKEN * prompt, (cached, prompt)
+    # a reload that changes the context: the KV no longer fits; the old config's snapshots go, logged
+    old_config = snapshots(pool, "tiny")[0].parent.name if snapshots(pool, "tiny") else None
+    models[0]["options"]["ctx_size"] = 2048
+    pool.rewrite_config(models)
+    assert pool.http.post("/admin/reload", timeout=120).status_code == 200
+    wait_for(lambda: pool.model("tiny")["state"] == "loaded" and pool.model("tiny")["context_length"] == 2048, 60,
+             what="the reloaded model")
+    configs = [d.name for d in kv_dir(pool, "tiny").iterdir()]
+    assert len(configs) == 1 and configs[0] != old_config, configs
+    assert "snapshots of another config" in worker_log(pool, "tiny")
+    assert warm_swap(pool, "tiny")["last_restore"]["restored"] == 0
