@@ -57,7 +57,7 @@ class ModelRouterEngine:
         self.lifecycle = Lifecycle(self.registry, self.memory, server, self.log_dir, self.spawn,
                                    launcher=launcher, transport=transport, tenants=self.tenants, kv_dir=self.kv_dir)
         self.reloader = reloading.Reloader(self.registry, self.lifecycle, self.spawn)
-        self.saved_kv = SavedKv(self.kv_dir)
+        self.saved_kv = SavedKv(self.kv_dir, server)
         self.views = Views(self.registry, self.memory, self.lifecycle, self.saved_kv)
         self._drain: asyncio.Future | None = None  # the one drain of a graceful stop
         self._closed = False

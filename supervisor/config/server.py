@@ -39,7 +39,7 @@ class ServerConfig(Strict):
     state_dir: str | None = Field(None, description="Replica logs and the request log live in `llm-pool` inside "
                                   "it (mode 0700); default: the user's state directory.")
     kv_disk_budget_mb: float = Field(4096, ge=0, description="Warm swaps' saved KV, every model's together, "
-                                     "in the state directory; the least recently used goes first.")
+                                     "in the state directory; the least recently used goes first (0: nothing is saved).")
     kv_save_timeout_s: float = Field(30.0, gt=0, description="A planned stop's KV save (warm swaps) gets this "
                                      "long, on top of the model's stop_timeout_s.")
     request_log_max_rows: int = Field(100_000, ge=1, description="The request log keeps the newest this many rows.")

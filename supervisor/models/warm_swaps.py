@@ -10,6 +10,7 @@ import logging
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 
+from supervisor.config import ServerConfig
 from supervisor.config.models import WARM_SWAP_BACKENDS
 from supervisor.models.registry import ModelEntry
 
@@ -46,8 +47,9 @@ def scan(root: Path) -> dict[str, dict]:
 
 
 class SavedKv:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, server: Callable[[], ServerConfig]) -> None:
         self.root = root
+        self._server = server  # the current [server] (its disk budget)
         self._by_model: dict[str, dict] = {}
         self._last = float("-inf")
         self._scanning: asyncio.Task | None = None
@@ -71,6 +73,8 @@ class SavedKv:
         off = next((r["off"] for r in restores if r.get("off")), None) or disk.get("off")
         if entry.cfg.warm_swap is False:
             off = "warm_swap = false"
+        elif not self._server().kv_disk_budget_mb:
+            off = "kv_disk_budget_mb = 0"
         return {"on": off is None, "off_reason": off,
                 "saved": disk.get("saved", {"conversations": 0, "tokens": 0, "bytes": 0}),
                 "last_restore": restores[0] if restores else None}

@@ -70,8 +70,9 @@ class Replica(WorkerLink):
         self.name = f"{cfg.name}/{index}"
         self.transport = transport
         self.log_path = log_dir / f"{cfg.name}-{index}.log"
-        # warm swaps: where its model's KV is saved across planned stops (None: not saved)
-        self.kv_dir = kv_dir / cfg.name if kv_dir is not None and cfg.saves_kv else None
+        # warm swaps: where its model's KV is saved across planned stops (None: not saved; a disk
+        # budget of 0 keeps nothing, so nothing is saved)
+        self.kv_dir = kv_dir / cfg.name if kv_dir is not None and cfg.saves_kv and server.kv_disk_budget_mb else None
         self.owner = owner
         self.policy = policy or RestartPolicy()
         self.launcher = launcher
