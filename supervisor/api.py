@@ -62,7 +62,7 @@ def create_app(config: PoolConfig) -> HttpEdge:
     activity.supervisor_log.setFormatter(PrintableFormatter(LOG_FORMAT))  # the page's log lines: one line a record
     metrics = Metrics(engine, on_finished=activity.finished)
     lag = LoopLag(metrics.lag)
-    admission = Admission(engine, engine.tenants)
+    admission = Admission(engine, engine.tenants, lambda: engine.config.server.max_held_request_bytes)
     inference = InferenceSurface(app, engine, admission, metrics, config).endpoints
     app.include_router(admin.router)
     app.include_router(admin_feeds.router)

@@ -363,3 +363,32 @@ def test_connections_waiting_for_bodies_lock_nobody_out(pool):
     finally:
         for s in sockets:
             s.close()
+
+
+def test_what_admitted_requests_hold_is_bounded_and_given_back(make_pool):
+    """Finding 5: requests waiting in a queue hold their prompts; all of them together are bounded
+    by max_held_request_bytes (429 queue_full, Retry-After, naming it), and what a request held
+    is given back when it ends, however: the next request after they end is served."""
+    prompt = "x" * 200_000  # a frame of about 200 KB
+    pool = make_pool([synthetic("slow", ttft_ms=600_000, request_timeout_s=30, max_queue=100)],
+                     server={"max_body_bytes": 512 * 1024, "max_held_request_bytes": 1_000_000})
+    streams = []
+    try:
+        for _ in range(4):  # ~800 KB held: the slot's and three queued
+            s = pool.http.stream("POST", CHAT, json={"model": "slow", "stream": True,
+                                                     "messages": [{"role": "user", "content": prompt}]})
+            streams.append((s, s.__enter__()))
+        wait_for(lambda: pool.model("slow")["queue_depth"] + pool.model("slow")["runtime_inflight"] == 4, 10,
+                 what="four requests held")
+        refused = pool.http.post(CHAT, json={"model": "slow", "messages": [{"role": "user", "content": prompt}]})
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["code"] == "queue_full" and refused.headers["retry-after"] == "1"
+        assert "max_held_request_bytes" in refused.json()["error"]["message"]
+    finally:
+        for s, _ in streams:
+            s.__exit__(None, None, None)  # the clients leave: their jobs end, cancelled
+    wait_for(lambda: pool.model("slow")["queue_depth"] + pool.model("slow")["runtime_inflight"] == 0, 10,
+             what="the held requests gone")
+    with pool.http.stream("POST", CHAT, timeout=10, json={"model": "slow", "stream": True,
+                                                          "messages": [{"role": "user", "content": prompt}]}) as s:
+        assert s.status_code == 200  # its head, after stream_head_hold_s: admitted

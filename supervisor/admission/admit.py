@@ -16,6 +16,8 @@ which a reload replaces; with no [[tenants]] there is one tenant, "default".
 from __future__ import annotations
 
 import hmac
+import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from protocol import Done
@@ -78,9 +80,12 @@ def key_matches(given: bytes, wanted: list[bytes]) -> bool:
 class Admission:
     """Key, tenant, scope and limits of inference requests, then the engine's queue."""
 
-    def __init__(self, engine: ModelRouterEngine, tenants: Tenants) -> None:
+    def __init__(self, engine: ModelRouterEngine, tenants: Tenants,
+                 max_held_bytes: Callable[[], int] = lambda: sys.maxsize) -> None:
         self.engine = engine
         self.tenants = tenants
+        self.held_bytes = 0  # the frames of admitted requests not yet ended
+        self.max_held_bytes = max_held_bytes  # server.max_held_request_bytes, as a reload leaves it
 
     # -- key -> tenant: at the edge, before the body is read -----------------------------------------------
     def tenant(self, headers) -> Tenant:
@@ -127,13 +132,14 @@ class Admission:
             output = output_reserve(request, context)  # 400 before it counts against any limit
         slo = request_slo(headers or {}, tenant.spec, entry.cfg)
         tenant.admit()
-        counted = Counted(tenant)
+        counted = Counted(tenant, self)
         try:
             job = self.engine.make_job(entry, request, endpoint, tenant.name,
                                        headers=forwarded_headers(endpoint, headers))
             job.session = session  # a session key its headers gave, for routing = "session"
             # whatever ends the job from here on (the queue, a deadline, a worker) settles what it holds
             job.on_end = counted.settle
+            counted.hold(len(job.frame), self.max_held_bytes())
             counted.estimate = len(job.frame) // PROMPT_BYTES_PER_TOKEN
             counted.reserved = tenant.reserve_tokens(counted.estimate + output)
             tokens = await self.engine.prompt_tokens(entry, request, endpoint)  # None where routing needs none
@@ -180,18 +186,30 @@ class Counted:
     back exactly once: `settle` at the job's end, however it ends (attached before anything can
     end it), or `refuse` when admission refuses it after counting it."""
 
-    __slots__ = ("tenant", "estimate", "reserved", "open")
+    __slots__ = ("tenant", "admission", "estimate", "reserved", "held", "open")
 
-    def __init__(self, tenant: Tenant) -> None:
+    def __init__(self, tenant: Tenant, admission: Admission) -> None:
         self.tenant = tenant
+        self.admission = admission
         self.estimate = 0  # the prompt's tokens as admission guessed them
         self.reserved = 0  # held of the tpm window
+        self.held = 0  # of admission.held_bytes
         self.open = True
+
+    def hold(self, size: int, limit: int) -> None:
+        """Count the request's frame among what admitted requests hold: 429 past `limit`."""
+        self.held = size
+        self.admission.held_bytes += size
+        if self.admission.held_bytes > limit:
+            raise PoolError(ErrorCode.QUEUE_FULL, f"admitted requests hold {self.admission.held_bytes - size} "
+                            f"bytes; this one's {size} would pass server.max_held_request_bytes ({limit}); "
+                            f"retry shortly", retry_after_s=1)
 
     def refuse(self) -> None:
         """Refused on the way in: it used nothing (its rpm place too goes back)."""
         if self.open:
             self.open = False
+            self.admission.held_bytes -= self.held
             self.tenant.refused()
             self.tenant.charge_tokens(-self.reserved)
 
@@ -200,6 +218,7 @@ class Counted:
         if not self.open:
             return
         self.open = False
+        self.admission.held_bytes -= self.held
         tenant = self.tenant
         tenant.release()
         usage = outcome.usage if isinstance(outcome, Done) else {}

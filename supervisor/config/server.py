@@ -55,6 +55,9 @@ class ServerConfig(Strict):
     # The HTTP edge (supervisor/edge/): bounds on what a client may send before a route runs.
     max_buffered_body_bytes: int = Field(256 * 1024 * 1024, ge=1024, description="All request bodies being "
                                          "read at once (at least max_body_bytes); 429 beyond, retry.")
+    max_held_request_bytes: int = Field(512 * 1024 * 1024, ge=1024, description="All admitted requests not yet "
+                                        "ended together, by the size of what each sends its runtime (a prompt "
+                                        "is held in a few forms meanwhile); 429 queue_full beyond, retry.")
     allowed_hosts: list[str] = Field(default_factory=list, description="More Host names the admin surface "
                                      "answers to (\"name\", \"name:port\" or \"*\").")
     max_connections: int = Field(1000, ge=1, le=1_000_000, description="Open connections; at the cap the oldest "
@@ -110,5 +113,6 @@ class ServerConfig(Strict):
         return address
 
     _room_for_one_body = key_not_below("max_buffered_body_bytes", "max_body_bytes")
+    _room_for_one_request = key_not_below("max_held_request_bytes", "max_body_bytes")
     _liveness_above_heartbeat = key_not_below("liveness_s", "heartbeat_s", strictly=True)
     _patience_at_least_liveness = key_not_below("supervisor_patience_s", "liveness_s")

@@ -19,7 +19,7 @@ from supervisor.states import RUNNING, ModelState
 log = logging.getLogger("llm_pool.engine")
 
 # [server] keys a reload applies; the others are bound when the pool starts
-SERVER_KEYS_APPLIED_ON_RELOAD = frozenset({"memory_budget_mb", "gpu_memory_budget_mb", "idle_unload_s",
+SERVER_KEYS_APPLIED_ON_RELOAD = frozenset({"memory_budget_mb", "gpu_memory_budget_mb", "idle_unload_s", "max_held_request_bytes",
                                            "max_swap_wait_s"})
 # Keys a reload applies in place: they change when the model comes and goes, or which requests
 # reach it (deadlines and fallbacks, read per request), not how it runs.
