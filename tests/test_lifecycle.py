@@ -300,3 +300,20 @@ def test_a_second_signal_stops_at_once(make_pool):
     assert took < stop + 3, f"exit {took:.1f}s after the second signal"
     assert all(gone(pid) for pid in pids)
     print(f"second signal -> exit: {took:.1f}s")
+
+
+def test_a_restart_an_unload_overtakes_answers_model_unloading(make_pool):
+    """An operator's restart draining a replica, then an unload: the unload wins, nothing starts,
+    and the restart's answer says the model is unloading (503 model_unloading), not a failed load."""
+    pool = make_pool([synthetic("r", tps=10, tokens=400, drain_timeout_s=60)])
+    with ThreadPoolExecutor(2) as ex, stream_responses(pool, "r") as s:
+        first_delta(sse(s))
+        restart = ex.submit(admin, pool, "r", "restart")
+        wait_for(lambda: pool.workers("r")[0]["state"] == "restarting", 10, what="the restart draining")
+        unload = ex.submit(admin, pool, "r", "unload")
+        answer = restart.result(timeout=30)
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "model_unloading", answer.text
+    assert unload.result(timeout=30).status_code == 200
+    wait_for(lambda: pool.model("r")["state"] == "unloaded", 30, what="unloaded")
+    assert worker_procs(pool) == []

@@ -397,8 +397,9 @@ class Lifecycle:
                          replica=r.index, by=by, level=logging.ERROR)
                 else:
                     emit(EventKind.RESTARTED, f"replica {r.name} restarted", model=name, replica=r.index, by=by)
+            stopped = entry.state not in RUNNING or self.shutting_down  # an unload or a stop won meanwhile
         finally:
             entry.action.release()
         if failed:
-            raise PoolError(ErrorCode.LOAD_FAILED, "; ".join(failed))
+            raise PoolError(ErrorCode.MODEL_UNLOADING if stopped else ErrorCode.LOAD_FAILED, "; ".join(failed))
         return entry
