@@ -160,7 +160,8 @@ def test_two_replicas_one_per_node_serve_concurrent_load(ray_pool, ray_cluster):
     served = {w["replica"]: w for w in pool.workers("spread")}
     assert len(served) == 2 and chat(pool, "here").status_code == 200
     # the process view and the log come from the node, through the actor
-    ps = subprocess.run([sys.executable, "-m", "supervisor.cli", "ps", "--url", pool.url], cwd=ROOT,
+    # -o wide: every column (the default fits 80 columns, where NODE may not)
+    ps = subprocess.run([sys.executable, "-m", "supervisor.cli", "ps", "-o", "wide", "--url", pool.url], cwd=ROOT,
                         capture_output=True, text=True, timeout=60)
     assert ps.returncode == 0 and "NODE" in ps.stdout and "(ray " in ps.stdout, ps.stdout + ps.stderr
     logs = wait_for(lambda: (r := pool.http.get("/admin/models/spread/logs", params={"replica": 1})).status_code
