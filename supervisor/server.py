@@ -14,8 +14,13 @@ from protocol.errors import PoolError
 from supervisor.api import create_app
 from supervisor.config import PoolConfig
 from supervisor.edge.listener import bounded_protocol
+from supervisor.log_throttle import CLIENT_WARNING_EVERY_S, ThrottledMessages
 
 log = logging.getLogger("llm_pool.server")
+
+# What uvicorn logs for every Upgrade request (the guard answers those: 426, or plain HTTP/1.1),
+# two lines each, which any client could make at will
+UVICORN_UPGRADE_WARNINGS = ("Unsupported upgrade request", "No supported WebSocket library detected")
 
 
 class DrainingServer(uvicorn.Server):
@@ -100,4 +105,6 @@ def run(cfg: PoolConfig, log_level: str = "info") -> None:
         http=bounded_protocol(cfg.server), ws="none",  # no WebSocket routes: no upgrade path to guard
         access_log=False, timeout_graceful_shutdown=5),
         app.app.state.engine, cfg.server.shutdown_grace_s)
+    # after uvicorn.Config, which sets up its loggers
+    logging.getLogger("uvicorn.error").addFilter(ThrottledMessages(UVICORN_UPGRADE_WARNINGS, CLIENT_WARNING_EVERY_S))
     server.run()

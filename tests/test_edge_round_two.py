@@ -392,3 +392,19 @@ def test_what_admitted_requests_hold_is_bounded_and_given_back(make_pool):
     with pool.http.stream("POST", CHAT, timeout=10, json={"model": "slow", "stream": True,
                                                           "messages": [{"role": "user", "content": prompt}]}) as s:
         assert s.status_code == 200  # its head, after stream_head_hold_s: admitted
+
+
+def test_upgrade_requests_cost_the_log_two_lines_not_two_each(pool):
+    """Finding 8: uvicorn logs two warnings for every Upgrade request (the guard answers them);
+    a client sending a hundred costs the log each warning once in 10 s, not two hundred lines."""
+    websocket = (b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+                 b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    before = pool.log_path.stat().st_size
+    for _ in range(100):
+        with socket.create_connection(("127.0.0.1", pool.port), timeout=5) as s:
+            s.sendall(websocket)
+            assert s.recv(65536).startswith(b"HTTP/1.1 426"), "the guard's answer"
+    assert pool.http.get("/health").status_code == 200  # after the last: its lines are written
+    added = pool.log_path.read_bytes()[before:].decode(errors="replace")
+    upgrade_lines = [line for line in added.splitlines() if "upgrade request" in line or "WebSocket library" in line]
+    assert len(upgrade_lines) <= 2, upgrade_lines[:5]

@@ -47,10 +47,10 @@ from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ServerConfig
 from supervisor.edge.request_ids import fresh_id
 from supervisor.edge.writes import CoalescedWrites
-from supervisor.log_throttle import ThrottledLog
+from supervisor.log_throttle import CLIENT_WARNING_EVERY_S, ThrottledLog
 
 log = logging.getLogger("llm_pool.http")
-warnings = ThrottledLog(log, every_s=10.0)  # a client can make any of these at will
+warnings = ThrottledLog(log, every_s=CLIENT_WARNING_EVERY_S)  # a client can make any of these at will
 
 DISCONNECT_KEY = "llm_pool.disconnect"  # in the ASGI scope of each request read by a BoundedConnection
 HEAD_END = b"\r\n\r\n"  # where a request's head ends (and a chunked body)
