@@ -44,6 +44,8 @@ log = logging.getLogger("llm_pool.worker.warm_swap")
 
 SIDECAR_VERSION = 1
 MIN_TOKENS = 32  # a shorter prefix is cheaper to prefill than to keep
+SERVES = 0.5  # a snapshot is restored for a prompt when it holds at least this share of it
+MAX_PENDING = 64  # snapshots left on disk after a start that a request may still restore (their tokens held)
 TAKEN_SHARE = 0.8  # a probe must find this share of the restored tokens in the cache
 PROBE_TIMEOUT_S = 15.0  # a probe reads its tokens from the cache in milliseconds; prefilling them takes longer
 CALL_TIMEOUT_S = 60.0  # one save or restore call (its bytes go to or from the page cache)
@@ -68,7 +70,7 @@ def config_key(binary: str, model: str, flags: list[str]) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def read_tokens(path: Path) -> list[int]:
+def read_tokens(path: Path) -> array.array:
     """The token ids a llama.cpp slot file holds (its header and token payload; the KV follows)."""
     with open(path, "rb") as f:
         head = f.read(HEAD.size)
@@ -87,8 +89,8 @@ def read_tokens(path: Path) -> list[int]:
         count = values[2]
         if 3 + count > words:
             raise BadSnapshot("its token count exceeds its payload")
-        return values[3:3 + count].tolist()
-    return values.tolist()
+        return values[3:3 + count]
+    return values
 
 
 def digest(path: Path) -> str:
@@ -99,18 +101,24 @@ def digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+def common_prefix(a, b) -> int:
+    """How many leading token ids `a` and `b` share: a bisection over memory compares (C speed)."""
+    a = memoryview(a if isinstance(a, array.array) else array.array("I", a)).cast("B")
+    b = memoryview(b if isinstance(b, array.array) else array.array("I", b)).cast("B")
+    lo, hi = 0, min(len(a), len(b)) // 4
+    while lo < hi:  # the most tokens k with a[:k] == b[:k]
+        mid = (lo + hi + 1) // 2
+        if a[:4 * mid] == b[:4 * mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 @dataclass
 class Snapshot:
     path: Path  # the .bin
-    tokens: list[int]
+    tokens: array.array  # its token ids ("I": 4 bytes each, however many snapshots wait)
     saved_at: float
     size: int
 
@@ -138,6 +146,9 @@ class WarmSwap:
         self.save_timeout_s = save_timeout_s
         self.dir: Path | None = None  # root/<config>, once the runtime's config is known
         self.held: dict[Path, int] = {}  # restored snapshot -> its locked fd
+        # snapshots not restored at the start (more than slots): a request that continues one
+        # restores it then (restore_for), newest first, at most MAX_PENDING
+        self.pending: list[Snapshot] = []
         self.off_reason: str | None = None
         self.report: dict = {}  # the last restore's result, for the supervisor (Ready.info)
 
@@ -237,6 +248,59 @@ class WarmSwap:
             claimed.append(snap)
         return claimed
 
+    def unclaimed(self, limit: int) -> list[Snapshot]:
+        """The newest snapshots no worker holds, unlocked (a request may claim one later)."""
+        found = []
+        for snap in self.snapshots():
+            if len(found) >= limit:
+                break
+            if snap.path in self.held:
+                continue
+            try:
+                fd = os.open(snap.path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            finally:
+                os.close(fd)  # closing drops the lock taken to ask
+            found.append(snap)
+        return found
+
+    def serving(self, tokens: list[int]) -> Snapshot | None:
+        """The pending snapshot that holds the longest start of `tokens`, if that is at least
+        SERVES of them (and MIN_TOKENS): a later turn of its conversation, or the same turn again."""
+        best, best_n = None, max(MIN_TOKENS, SERVES * len(tokens)) - 1
+        for snap in self.pending:
+            n = common_prefix(snap.tokens, tokens)
+            if n > best_n:
+                best, best_n = snap, n
+        return best
+
+    def claim_one(self, snap: Snapshot) -> bool:
+        """Lock `snap` for this worker, its digest checked; False (and it is no longer pending)
+        when another worker holds it or it does not check out."""
+        self.pending = [s for s in self.pending if s is not snap]
+        try:
+            fd = os.open(snap.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.check(snap.path, full=True)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        except (BadSnapshot, FileNotFoundError) as exc:
+            os.close(fd)
+            remove(snap.path, str(exc))
+            return False
+        self.held[snap.path] = fd
+        os.utime(snap.path)
+        return True
+
     def release(self, path: Path) -> None:
         fd = self.held.pop(path, None)
         if fd is not None:
@@ -304,11 +368,21 @@ class SlotClient:
             raise BadSnapshot(f"{action} answered {r.status_code}: {r.text[:200]}")
         return r.json()
 
-    async def cached(self, slot: int, tokens: list[int]) -> int:
+    async def chat_tokens(self, request: dict) -> list[int]:
+        """A chat request's prompt as the runtime tokenizes it: its template applied, then its
+        tokens with the special ones (what a slot's cache holds for it)."""
+        r = await self.control.post(self.base_url + "/apply-template", json=request, timeout=CALL_TIMEOUT_S)
+        r.raise_for_status()
+        r = await self.control.post(self.base_url + "/tokenize", timeout=CALL_TIMEOUT_S, json={
+            "content": r.json()["prompt"], "add_special": True, "parse_special": True})
+        r.raise_for_status()
+        return r.json()["tokens"]
+
+    async def cached(self, slot: int, tokens) -> int:
         """How many of `tokens` the slot reads from its cache: a probe that generates nothing, sent
         as the pool's requests are (the runtime's own cache_prompt setting)."""
         r = await self.control.post(self.base_url + "/completion", timeout=PROBE_TIMEOUT_S, json={
-            "prompt": tokens, "n_predict": 0, "id_slot": slot})
+            "prompt": list(tokens), "n_predict": 0, "id_slot": slot})
         r.raise_for_status()
         return int((r.json().get("timings") or {}).get("cache_n") or 0)
 
@@ -341,11 +415,33 @@ async def restore(ws: WarmSwap, client: SlotClient, slots: int) -> dict:
             return ws.report
         restored += 1
         tokens += len(snap.tokens)
+    ws.pending = await asyncio.to_thread(ws.unclaimed, MAX_PENDING)
     ws.report = {"restored": restored, "tokens": tokens, "ms": round((time.monotonic() - started) * 1000, 1),
-                 "off": None}
+                 "off": None, "on_disk": len(ws.pending)}
     if restored:
         log.info("warm swap: restored %d conversations (%d tokens) in %.0f ms", restored, tokens, ws.report["ms"])
     return ws.report
+
+
+async def restore_for(ws: WarmSwap, client: SlotClient, request: dict) -> int | None:
+    """For a chat request while snapshots wait on disk: the slot that a snapshot holding most of
+    its prompt was restored into (the request then asks for that slot), or None (nothing to restore, no idle
+    slot, or a failure, which is logged: the request runs as it would have)."""
+    try:
+        tokens = await client.chat_tokens(request)
+        snap = await asyncio.to_thread(ws.serving, array.array("I", tokens))
+        if snap is None:
+            return None
+        idle = [s["id"] for s in await client.slots() if not s.get("is_processing")]
+        if not idle or not await asyncio.to_thread(ws.claim_one, snap):
+            return None
+        await client.action(int(idle[0]), "restore", snap.path.name)
+    except (BadSnapshot, httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        log.warning("warm swap: no restore for this request: %s", exc)
+        return None
+    log.info("warm swap: restored %s (%d tokens) into slot %s for a request it serves",
+             snap.path.name, len(snap.tokens), idle[0])
+    return int(idle[0])
 
 
 async def save(ws: WarmSwap, client: SlotClient) -> dict:

@@ -243,3 +243,25 @@ def test_an_operator_restart_saves_and_a_changed_flag_drops_the_old_config(make_
     assert len(configs) == 1 and configs[0] != old_config, configs
     assert "snapshots of another config" in worker_log(pool, "tiny")
     assert warm_swap(pool, "tiny")["last_restore"]["restored"] == 0
+
+
+def test_a_conversation_left_on_disk_is_restored_when_its_next_turn_comes(make_pool, tiny_gguf, llama_server_bin):
+    """One slot, two conversations saved: the load restores the newest (b); a's next turn finds
+    its snapshot on disk, which is restored into an idle slot for it, and reads its prefix."""
+    pool = make_pool([tiny(tiny_gguf, llama_server_bin)])
+    a, b = Conversation(pool, "tiny", seed=0), Conversation(pool, "tiny", seed=1)
+    a.turn()
+    unload(pool, "tiny")
+    load(pool, "tiny")
+    b.turn()  # the slot now holds b; a's snapshot stays on disk
+    unload(pool, "tiny")
+    wait_for(lambda: len(snapshots(pool, "tiny")) == 2, 10, what="a's and b's snapshots")
+    load(pool, "tiny")
+    restore = warm_swap(pool, "tiny")["last_restore"]
+    assert restore["restored"] == 1 and restore["on_disk"] == 1, restore
+    prompt, cached = a.turn()
+    print(f"a's next turn, restored on demand: {cached} of {prompt} prompt tokens cached")
+    assert cached >= TAKEN * prompt, (cached, prompt)
+    assert "for a request it serves" in worker_log(pool, "tiny")
+    prompt, cached = b.turn()  # b's slot was taken by a: b's snapshot is on disk, held by this worker
+    assert prompt > 500

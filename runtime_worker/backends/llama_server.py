@@ -16,11 +16,12 @@ import math
 import os
 import platform
 import shutil
+from collections.abc import AsyncIterator
 from pathlib import Path
 
-from runtime_worker.backends.base import BackendLoadError
+from runtime_worker.backends.base import BackendLoadError, Event
 from runtime_worker.native_server import NativeServer, OpenAIServerBackend, extra_body
-from runtime_worker.warm_swap import SlotClient, restore, save
+from runtime_worker.warm_swap import SlotClient, restore, restore_for, save
 
 
 def cached_llama_server() -> str | None:
@@ -122,6 +123,22 @@ class LlamaServerBackend(OpenAIServerBackend):
         if self.warm_swap is not None:  # before the first request: the slots are idle
             info["warm_swap"] = await restore(self.warm_swap, self._slots(), capacity)
         return capacity, info
+
+    def run(self, job: str, request: dict) -> AsyncIterator[Event]:
+        if self.warm_swap is not None and self.warm_swap.pending:  # snapshots wait on disk: one may serve it
+            return self._run_restoring(job, request)
+        return super().run(job, request)
+
+    async def _run_restoring(self, job: str, request: dict) -> AsyncIterator[Event]:
+        slot = await restore_for(self.warm_swap, self._slots(), request)
+        if slot is not None:  # the slot its snapshot went into: there its prefix is cached
+            request = {**request, "id_slot": slot}
+        stream = super().run(job, request)
+        try:
+            async for event in stream:
+                yield event
+        finally:
+            await stream.aclose()
 
     def _slots(self) -> SlotClient:
         return SlotClient(self.server.control, self.server.base_url)
