@@ -45,6 +45,7 @@ log = logging.getLogger("llm_pool.worker.warm_swap")
 SIDECAR_VERSION = 1
 MIN_TOKENS = 32  # a shorter prefix is cheaper to prefill than to keep
 SERVES = 0.5  # a snapshot is restored for a prompt when it holds at least this share of it
+SUPERSEDES = 0.9  # a fresh save supersedes an older one that it starts with this share of (a later turn)
 MAX_PENDING = 64  # snapshots left on disk after a start that a request may still restore (their tokens held)
 TAKEN_SHARE = 0.8  # a probe must find this share of the restored tokens in the cache
 PROBE_TIMEOUT_S = 15.0  # a probe reads its tokens from the cache in milliseconds; prefilling them takes longer
@@ -221,52 +222,58 @@ class WarmSwap:
                     orphan.unlink()
         return sorted(found, key=lambda s: s.saved_at, reverse=True)
 
+    @staticmethod
+    def _lock(path: Path) -> int | None:
+        """An fd of `path` holding its exclusive lock; None when it is gone or another live
+        worker holds it (restored by another replica of the model)."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
+
+    def claim_one(self, snap: Snapshot) -> bool:
+        """Lock `snap` for this worker's life, its digest checked; False when another worker
+        holds it or it does not check out (then deleted). Either way it is no longer pending."""
+        self.pending = [s for s in self.pending if s is not snap]
+        fd = self._lock(snap.path)
+        if fd is None:
+            return False
+        try:
+            self.check(snap.path, full=True)
+        except (BadSnapshot, FileNotFoundError) as exc:
+            os.close(fd)
+            remove(snap.path, str(exc))
+            return False
+        self.held[snap.path] = fd
+        os.utime(snap.path)  # used now: the disk budget drops the least recently used first
+        return True
+
     def claim(self, limit: int) -> list[Snapshot]:
-        """Up to `limit` of the newest snapshots no other worker holds, digests checked, each
-        locked for this worker's life."""
+        """Up to `limit` of the newest snapshots no other worker holds, each claimed (claim_one)."""
         claimed = []
         for snap in self.snapshots():
             if len(claimed) >= limit:
                 break
-            try:
-                fd = os.open(snap.path, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:  # restored by another replica of the model, alive
-                os.close(fd)
-                continue
-            try:
-                self.check(snap.path, full=True)
-            except (BadSnapshot, FileNotFoundError) as exc:
-                os.close(fd)
-                remove(snap.path, str(exc))
-                continue
-            self.held[snap.path] = fd
-            os.utime(snap.path)  # used now: the disk budget drops the least recently used first
-            claimed.append(snap)
+            if self.claim_one(snap):
+                claimed.append(snap)
         return claimed
 
     def unclaimed(self, limit: int) -> list[Snapshot]:
-        """The newest snapshots no worker holds, unlocked (a request may claim one later)."""
+        """The newest snapshots no worker holds, left unlocked (a request may claim one later)."""
         found = []
         for snap in self.snapshots():
             if len(found) >= limit:
                 break
-            if snap.path in self.held:
-                continue
-            try:
-                fd = os.open(snap.path, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue
-            finally:
+            fd = None if snap.path in self.held else self._lock(snap.path)
+            if fd is not None:
                 os.close(fd)  # closing drops the lock taken to ask
-            found.append(snap)
+                found.append(snap)
         return found
 
     def serving(self, tokens: list[int]) -> Snapshot | None:
@@ -278,28 +285,6 @@ class WarmSwap:
             if n > best_n:
                 best, best_n = snap, n
         return best
-
-    def claim_one(self, snap: Snapshot) -> bool:
-        """Lock `snap` for this worker, its digest checked; False (and it is no longer pending)
-        when another worker holds it or it does not check out."""
-        self.pending = [s for s in self.pending if s is not snap]
-        try:
-            fd = os.open(snap.path, os.O_RDONLY)
-        except FileNotFoundError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            self.check(snap.path, full=True)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        except (BadSnapshot, FileNotFoundError) as exc:
-            os.close(fd)
-            remove(snap.path, str(exc))
-            return False
-        self.held[snap.path] = fd
-        os.utime(snap.path)
-        return True
 
     def release(self, path: Path) -> None:
         fd = self.held.pop(path, None)
@@ -325,7 +310,8 @@ class WarmSwap:
             if old.path in fresh_paths:
                 continue
             for new in fresh:
-                if len(new.tokens) >= len(old.tokens) and common_prefix(old.tokens, new.tokens) >= 0.9 * len(old.tokens):
+                if (len(new.tokens) >= len(old.tokens)
+                        and common_prefix(old.tokens, new.tokens) >= SUPERSEDES * len(old.tokens)):
                     self.release(old.path)
                     for p in (old.path, old.sidecar):
                         with contextlib.suppress(FileNotFoundError):
@@ -334,7 +320,8 @@ class WarmSwap:
                     break
 
     def trim(self) -> None:
-        """Every model's snapshots together within the disk budget: the least recently saved go first."""
+        """Every model's snapshots together within the disk budget: the least recently used (saved
+        or restored: a claim touches its file) go first."""
         files = []
         for bin_path in self.root.parent.glob("*/*/*.bin"):
             with contextlib.suppress(FileNotFoundError):
