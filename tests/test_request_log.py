@@ -615,3 +615,26 @@ def test_skipped_tools_are_said_in_the_answer_and_its_row(make_pool):
     assert plain.status_code == 200 and "x-llm-pool-skipped-tools" not in plain.headers
     rows = wait_for(lambda: (rows := logged(pool)) and len(rows) == 4 and rows, 5, what="four rows")
     assert [r["skipped_tools"] for r in rows] == [None, None, "web_search, file_search", "web_search, file_search"]
+
+
+def test_a_crashed_streams_row_counts_the_tokens_it_streamed(make_pool):
+    """A stream whose worker dies mid-answer has no Done: its row counts the output tokens that
+    reached the client (what the pool metered as they streamed), not nothing."""
+    import signal
+
+    from tests.test_reliability import sse, stream_responses
+    pool = make_pool([synthetic("c", tps=40, tokens=2000)])
+    pid = pool.workers("c")[0]["pid"]
+    deltas = 0
+    with stream_responses(pool, "c") as s:
+        for event in sse(s):
+            if event["type"] == "response.output_text.delta":
+                deltas += 1
+                if deltas == 20:
+                    os.kill(pid, signal.SIGKILL)
+            if event["type"] in ("response.failed", "response.completed"):
+                assert event["type"] == "response.failed"
+                break
+    row = wait_for(lambda: (rows := logged(pool, model="c")) and rows[0], 10, what="the crashed stream's row")
+    assert row["status"] >= 500 and row["error_code"] == "runtime_crashed", row
+    assert deltas <= row["tokens_out"] < 2000, (deltas, row)

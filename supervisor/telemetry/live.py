@@ -123,6 +123,8 @@ class Activity:
             if job is not None and model in self.engine.models:
                 by_tenant = self._tenant_tokens.setdefault(model, {})
                 by_tenant[job.tenant] = by_tenant.get(job.tenant, 0) + tokens_in + tokens_out
+        elif job is not None and job.meter is not None and job.meter.output:
+            tokens_out = job.meter.output  # ended without its Done (a crash, a cut): the tokens it streamed
         if job is not None:
             now = time.monotonic()
             start = job.created_at
