@@ -218,13 +218,12 @@ class HttpEdge:
             return await error_response(body, scope["path"])(scope, receive, send)
         if body is None:  # the client left while sending
             return
-        replayed = False
+        held = [body]  # handed over once, and then held by whoever took it, not here (a queued
+        del body       # request's prompt is held in as few copies as can be)
 
         async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
+            if held:
+                return {"type": "http.request", "body": held.pop(), "more_body": False}
             return await receive()  # after the body: disconnect notices pass through
 
         return await app(scope, replay, send)

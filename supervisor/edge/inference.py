@@ -91,12 +91,15 @@ class InferenceSurface:
         """The body decoded and validated as `body_type`, then `handle(body, data, request)`
         with it and its JSON object as sent. A PoolError is answered here, in the error
         envelope (it is counted where it was raised)."""
-        raw = await request.body()
+        # read as a stream, not request.body(), which would keep the bytes for the request's
+        # life: decoded, they are dropped (the guard hands the body over whole: no copy here)
+        raw = b"".join([chunk async for chunk in request.stream()])
         try:
             body, data = request_body(raw, request.headers.get("content-type"), body_type)
         except PoolError as err:  # logged with the model the body named, its code and message
             self.metrics.request(named_model(raw), path, err.status, error=err, tenant=tenant_name(request.scope))
             return error_response(err, path)
+        del raw
         try:
             return await handle(body, data, request)
         except PoolError as err:
