@@ -56,8 +56,8 @@ class ServerConfig(Strict):
     max_buffered_body_bytes: int = Field(256 * 1024 * 1024, ge=1024, description="All request bodies being "
                                          "read at once (at least max_body_bytes); 429 beyond, retry.")
     max_held_request_bytes: int = Field(512 * 1024 * 1024, ge=1024, description="All admitted requests not yet "
-                                        "ended together, by the size of what each sends its runtime (a prompt "
-                                        "is held in a few forms meanwhile); 429 queue_full beyond, retry.")
+                                        "ended together, by the size of what each sends its runtime (a queued prompt "
+                                        "is held about twice meanwhile); 429 queue_full beyond, retry.")
     allowed_hosts: list[str] = Field(default_factory=list, description="More Host names the admin surface "
                                      "answers to (\"name\", \"name:port\" or \"*\").")
     max_connections: int = Field(1000, ge=1, le=1_000_000, description="Open connections; at the cap the oldest "
