@@ -118,7 +118,7 @@ def _waiting(work, describe) -> dict:
 
 
 PS_COLUMNS = [("MODEL", fmt.FLEX), ("REPLICA", fmt.KEEP), ("PID", fmt.KEEP), ("STATE", fmt.KEEP),
-              ("UPTIME", fmt.FIT), ("RESTARTS", fmt.KEEP), ("LAST EXIT", fmt.BELOW), ("INFLIGHT", fmt.KEEP),
+              ("UPTIME", fmt.FIT), ("RESTARTS", fmt.KEEP), ("CRASHES", fmt.KEEP), ("LAST EXIT", fmt.BELOW), ("INFLIGHT", fmt.KEEP),
               ("RSS", fmt.FIT), ("CPU%", fmt.FIT), ("NODE", fmt.WIDE), ("GPU MEM", fmt.WIDE),
               ("CHILDREN", fmt.BELOW), ("ERROR", fmt.BELOW)]
 
@@ -137,11 +137,19 @@ def ps(url: Url = DEFAULT_URL, output: Output = None, as_json: AsJson = False) -
     columns = PS_COLUMNS if any(w.get("last_error") for w in workers) else PS_COLUMNS[:-1]
     fmt.table(columns, [
         (fmt.clip(w["model"]), str(w["replica"]), fmt.dash(w["pid"]), w["state"], fmt.duration(w["uptime_s"]),
-         str(w["restarts"]), w.get("last_exit") or "-", f"{w['inflight']}/{w['capacity']}",
+         str(w["restarts"]), str(w.get("crashes", 0)), last_exit_cell(w), f"{w['inflight']}/{w['capacity']}",
          fmt.size(w["rss_bytes"]), "-" if w["cpu_percent"] is None else f"{w['cpu_percent']:.1f}", _node(w),
          fmt.size(w["gpu_memory_bytes"]),  # None (no GPU, no NVML) stays "-"
          ", ".join(f"{c['name']}:{c['pid']}" for c in w["children"]) or "-", fmt.one_line(w.get("last_error")))
         for w in workers], wide=mode == "wide")
+
+
+def last_exit_cell(worker: dict) -> str:
+    """Who ended its last worker and why ("killed by the pool: ...", "stopped (...)"), with the exit."""
+    if not worker.get("last_exit"):
+        return "-"
+    why = worker.get("last_exit_why")
+    return f"{worker['last_exit']}: {fmt.one_line(why, 120)}" if why else worker["last_exit"]
 
 
 def _node(worker: dict) -> str:

@@ -174,7 +174,7 @@ class ModelRouterEngine:
             executors = [e.executor for e in self.models.values() if e.executor]
             for ex in executors:
                 for r in ex.replicas:
-                    r.wind_down()  # no worker starts again; a crash now is final
+                    r.wind_down("shutdown")  # no worker starts again; a crash now is final
             self._drain = asyncio.ensure_future(asyncio.gather(
                 *(ex.drain(grace_s) for ex in executors), return_exceptions=True))
         await asyncio.shield(self._drain)
@@ -194,7 +194,8 @@ class ModelRouterEngine:
             self._closed = True
             # stop every replica at once, starting ones included (a load or restart then fails fast)
             entries = [e for e in self.models.values() if e.executor]
-            await asyncio.gather(*(r.stop() for e in entries for r in e.executor.replicas), return_exceptions=True)
+            await asyncio.gather(*(r.stop("shutdown") for e in entries for r in e.executor.replicas),
+                                 return_exceptions=True)
             await asyncio.gather(*(self.lifecycle.unload_entry(e, drain_timeout_s=0, why="shutdown")
                                    for e in entries), return_exceptions=True)
             await self._tasks.close()

@@ -29,6 +29,7 @@ from supervisor.events import EventKind, emit, tenant_actor
 from supervisor.scheduling.jobs import Job
 from supervisor.models.memory import Memory
 from supervisor.models.registry import ModelEntry, Registry
+from supervisor.replicas import exits
 from supervisor.replicas.process import spawn_worker
 from supervisor.replicas.ray_placement import RayCluster
 from supervisor.replicas.replica import Launcher, Replica
@@ -58,6 +59,13 @@ class LoadDurations:
         for i, bound in enumerate(LOAD_BUCKETS):
             if seconds <= bound:
                 self.bucket_counts[i] += 1
+
+
+def unload_stop(why: str | None) -> tuple[str, str]:
+    """How an unload's stop of a replica is told with its exit (replicas/exits.py): an
+    operator's (engine.unload's "asked by ...") or one the pool planned (idle, evicted, shutdown)."""
+    why = why or "unloaded"
+    return f"unload: {why}", exits.BY_OPERATOR if why.startswith("asked by") else exits.BY_PLANNED
 
 
 class Lifecycle:
@@ -255,7 +263,7 @@ class Lifecycle:
             # the stop wins over any start under way (a load, a restart, a crash restart): no
             # worker starts from now on, and serving ones drain
             for r in entry.executor.replicas if entry.executor else ():
-                r.wind_down()
+                r.wind_down(*unload_stop(why))
 
     async def unload(self, name: str, drain_timeout_s: float | None = None, why: str = "unloaded") -> ModelEntry:
         """Drain and stop a model; waits for a load or restart of it under way first."""
@@ -279,7 +287,8 @@ class Lifecycle:
             return
         executor = entry.executor
         for r in executor.replicas:
-            r.wind_down()  # stop_intake did; a replica a restart brought back since is wound down too
+            # stop_intake did; a replica a restart brought back since is wound down too
+            r.wind_down(*unload_stop(entry.unload_why))
         await executor.drain(drain_timeout_s if drain_timeout_s is not None else entry.cfg.request_timeout_s)
         await asyncio.gather(*(r.stop() for r in executor.replicas), return_exceptions=True)
         self._detach(entry)
