@@ -74,7 +74,7 @@ def test_a_worker_killed_for_malformed_frames_is_the_pools_everywhere(make_pool)
     # `llm-pool ps`: CRASHES beside RESTARTS, and the last exit says who and why
     row = ps_row(pool, "bad")
     assert (row["RESTARTS"], row["CRASHES"]) == ("1", "1"), row
-    assert row["LAST EXIT"].startswith("SIGKILL: killed by the pool: malformed frames"), row
+    assert row["LAST EXIT"] == "SIGKILL" and row["WHO ENDED IT"].startswith("killed by the pool: malformed frames"), row
 
     # until it gives up: fatal, and the fatal message names the pool's kill, not a bare SIGKILL
     def fatal() -> bool:
@@ -128,7 +128,7 @@ def test_an_outside_sigkill_says_it_came_from_outside_the_pool(make_pool):
     [crash] = events(pool, "crashed")
     assert "replica syn/0 killed by SIGKILL from outside the pool" in crash["message"], crash
     row = ps_row(pool, "syn")
-    assert row["LAST EXIT"].startswith("SIGKILL: killed by SIGKILL from outside the pool"), row
+    assert row["WHO ENDED IT"].startswith("killed by SIGKILL from outside the pool"), row
     assert row["CRASHES"] == "1", row
     assert value(scrape(pool), "llm_pool_worker_crashes_total", model="syn", replica="0", by="outside") == 1
 

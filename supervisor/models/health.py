@@ -109,7 +109,7 @@ def can_serve(entry) -> bool:
     state = entry.state
     if state in (ModelState.LOADED, ModelState.DEGRADED):
         return any(r.state is ReplicaState.READY or r.in_operator_restart for r in entry.executor.replicas)
-    return entry.cfg.load_on_demand and not last_load_failed(entry) and state in (
+    return entry.cfg.load_on_demand and not entry.held_by and not last_load_failed(entry) and state in (
         ModelState.UNLOADED, ModelState.LOADING, ModelState.AUTO_UNLOADING)
 
 

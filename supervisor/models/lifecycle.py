@@ -61,6 +61,9 @@ class LoadDurations:
                 self.bucket_counts[i] += 1
 
 
+UNDONE_WINDOW_S = 10.0  # a load on demand this soon after an operator's unload is warned of
+
+
 def unload_stop(why: str | None) -> tuple[str, str]:
     """How an unload's stop of a replica is told with its exit (replicas/exits.py): an
     operator's (engine.unload's "asked by ...") or one the pool planned (idle, evicted, shutdown)."""
@@ -116,6 +119,9 @@ class Lifecycle:
         if entry.state in (ModelState.UNLOADED, ModelState.FAILED) and not entry.cfg.load_on_demand:
             return PoolError(ErrorCode.MODEL_NOT_LOADED,
                              f"model {entry.cfg.name!r} is {entry.state.value}; load it first", param="model")
+        if entry.state in (ModelState.UNLOADED, ModelState.FAILED) and entry.held_by:
+            return PoolError(ErrorCode.MODEL_NOT_LOADED, f"model {entry.cfg.name!r} is held unloaded (`llm-pool "
+                             f"unload --hold`, by {entry.held_by}); an operator's load releases it", param="model")
         return None
 
     # -- load ----------------------------------------------------------------------------------
@@ -143,6 +149,8 @@ class Lifecycle:
     async def load(self, name: str, reason: str = "operator", by: str | None = None) -> ModelEntry:
         """Load a model; waits for a load, unload or restart of it under way first."""
         entry = self.registry.lookup(name)
+        if reason == "operator":  # an operator's load (or restart of an unloaded model) releases a hold
+            entry.held_by = None
         async with entry.action:
             if entry.state in RUNNING:
                 return entry
@@ -167,6 +175,12 @@ class Lifecycle:
         executor = self._prepare_load(entry)
         emit(EventKind.LOADING, f"model {entry.cfg.name}: loading (on demand: a request for it)",
              model=entry.cfg.name, by=by)
+        since = None if entry.operator_unload_at is None else time.monotonic() - entry.operator_unload_at
+        if since is not None and since <= UNDONE_WINDOW_S:  # the operator's unload achieved nothing: say so
+            entry.operator_unload_at = None
+            emit(EventKind.UNLOAD_UNDONE, f"model {entry.cfg.name} was loaded on demand {since:.0f}s after an "
+                 f"operator's unload: requests keep coming; `llm-pool unload {entry.cfg.name} --hold` keeps it "
+                 "unloaded", model=entry.cfg.name, by=by, level=logging.WARNING)
 
         async def run() -> None:
             async with entry.action:
