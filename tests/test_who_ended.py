@@ -168,6 +168,8 @@ def test_the_words_of_each_kind_of_exit():
     assert exits.describe_exit(facts(worker_code=0, planned=True, stop_by="operator",
                                      stop_why="unload: asked by admin")) == (
         "operator", "stopped (unload: asked by admin)")
+    assert exits.describe_exit(facts(worker_code=3, load_failed=True, message="no such file: m.gguf")) == (
+        "self", "its load failed: no such file: m.gguf (then exited with code 3)")
     oom = "the kernel's OOM killer killed process 4242 (python3): out of memory"
     assert exits.describe_exit(facts(worker_code=-9), kernel_note=oom) == (
         "outside", f"killed by SIGKILL from outside the pool ({oom})")
@@ -190,3 +192,15 @@ def test_the_last_meaningful_line_of_a_log(tmp_path: Path):
                    "ValueError: the model file is truncated\n\n")
     assert exits.last_log_line(log) == "ValueError: the model file is truncated"
     assert exits.last_log_line(tmp_path / "none.log") is None
+
+
+def test_a_load_the_pool_gave_up_on_says_its_cause(make_pool):
+    slow = synthetic("slow", load_timeout_s=1.0, load_on_start=False)
+    slow["options"]["load_ms"] = 60_000  # never ready within load_timeout_s
+    pool = make_pool([slow])
+    answer = pool.http.post("/admin/models/slow/load")
+    assert answer.status_code == 503 and "runtime not ready within load_timeout_s=1" in answer.text, answer.text
+    [worker] = pool.workers("slow")
+    assert worker["last_exit_by"] == "pool", worker
+    assert worker["last_exit_why"] == "killed by the pool: its load failed: runtime not ready within load_timeout_s=1.0"
+    assert worker["crashes"] == 0  # a failed load is told by load_failed, not counted as a crash

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protocol.errors import exit_text
+from supervisor.states import ReplicaState
 
 BY_POOL, BY_OPERATOR, BY_PLANNED, BY_OUTSIDE, BY_SELF = "pool", "operator", "planned", "outside", "self"
 OUTSIDE_GUESS = "the OOM killer, or another process"  # when the kernel's log cannot be read
@@ -38,6 +39,19 @@ class ExitFacts:
     runtime_code: int | None  # its runtime's exit, when its worker reported that the runtime died
     runtime_killed_by_worker: bool  # the worker killed its own runtime (a cancel it did not honour)
     message: str | None  # the worker's last word on it (a dead runtime's reason), first line
+    load_failed: bool = False  # its load failed, and the worker said why (message)
+
+
+def facts_of(replica, code: int) -> ExitFacts:
+    """What a Replica knew when its worker exited with `code`. A stop after a failed load is
+    no planned stop: its exit tells the load's cause (the pool's kill of it, or its own code)."""
+    timed_out, why = replica.load_failure or (False, replica.last_error)
+    first = why.splitlines()[0] if why else None
+    failed = replica.load_failure is not None
+    return ExitFacts(
+        code, replica.state in (ReplicaState.STOPPING, ReplicaState.RESTARTING) and not failed, replica.stop_by,
+        replica.stop_why, replica.kill_why or (f"its load failed: {first}" if timed_out else None),
+        replica.runtime_exit_code, replica.runtime_killed_by_worker, first, load_failed=failed)
 
 
 def describe_exit(facts: ExitFacts, kernel_note: str | None = None, last_line: str | None = None) -> tuple[str, str]:
@@ -55,6 +69,8 @@ def describe_exit(facts: ExitFacts, kernel_note: str | None = None, last_line: s
         if signal_:
             return BY_OUTSIDE, f"crashed: {said}, from outside the pool ({kernel_note or OUTSIDE_GUESS})"
         return BY_SELF, f"crashed: {said}"
+    if facts.load_failed and facts.message:  # its worker said why; the exit after it is the symptom
+        return BY_SELF, f"its load failed: {facts.message} (then exited with {exit_text(facts.worker_code)})"
     if facts.planned:
         return facts.stop_by, f"stopped ({facts.stop_why or 'a planned stop'})"
     if facts.worker_code < 0:

@@ -104,6 +104,7 @@ class Replica(WorkerLink):
         self.last_exit_why: str | None = None
         self.crashes: dict[str, int] = {}  # unplanned exits, by who ended them (apart from restarts)
         self.kill_why: str | None = None  # the pool is killing the current worker: why
+        self.load_failure: tuple[bool, str] | None = None  # its load failed: (timed out, why)
         self.runtime_killed_by_worker = False  # its worker killed its runtime (a cancel not honoured)
         self.stop_by, self.stop_why = exits.BY_PLANNED, None  # who asked a planned stop of it, and why
         self.history = CrashHistory()
@@ -286,7 +287,7 @@ class Replica(WorkerLink):
         self.capacity = 0
         self.last_error = None
         self.runtime_exit_code = None
-        self.kill_why, self.runtime_killed_by_worker = None, False
+        self.kill_why, self.runtime_killed_by_worker, self.load_failure = None, False, None
         self.stop_by, self.stop_why = exits.BY_PLANNED, None
         self.submits_sent = 0
         self.connected = False
@@ -330,7 +331,8 @@ class Replica(WorkerLink):
             self._ready = None
             if isinstance(exc, TimeoutError):
                 self.last_error = f"runtime not ready within load_timeout_s={self.cfg.load_timeout_s}"
-                self.kill_why = self.last_error
+            if not isinstance(exc, asyncio.CancelledError) and self.last_error:  # its exit tells the cause
+                self.load_failure = (isinstance(exc, TimeoutError), self.last_error)
             await asyncio.shield(self._kill())
             if isinstance(exc, TimeoutError):
                 raise LoadFailed(self.last_error) from None
@@ -404,10 +406,7 @@ class Replica(WorkerLink):
         code = await proc.wait()
         proc.kill_tree()  # whatever it left behind (a native child, vLLM's engine processes)
         self.transport.unregister(self.identity)
-        facts = exits.ExitFacts(
-            code, self.state in (ReplicaState.STOPPING, ReplicaState.RESTARTING), self.stop_by, self.stop_why,
-            self.kill_why, self.runtime_exit_code, self.runtime_killed_by_worker,
-            self.last_error.splitlines()[0] if self.last_error else None)
+        facts = exits.facts_of(self, code)
         # the kernel's log (an OOM kill) or the worker's last line: read off the loop, bounded
         disk = await asyncio.to_thread(exits.read_disk, facts, proc.pid, self.log_path) \
             if exits.needs_disk(facts) else (None, None)
@@ -430,9 +429,10 @@ class Replica(WorkerLink):
                 self.owner.requeue(job)  # nothing reached the client: safe to run once more
             else:
                 job.finish(self._lost_job_error(code))
-        if not planned or facts.kill_why:  # a kill in a drain is a fault too
+        if not planned or self.kill_why:  # a kill in a drain is a fault too
             self.crashes[self.last_exit_by] = self.crashes.get(self.last_exit_by, 0) + 1
-            self.last_error = self.last_exit_why
+            rest = self.last_error.splitlines()[1:] if self.last_error else []  # a runtime's further lines
+            self.last_error = "\n".join([self.last_exit_why, *rest])
             emit(EventKind.CRASHED, f"replica {self.name} {self.last_exit_why}", model=self.cfg.name,
                  replica=self.index, level=logging.ERROR)
         if self.state in (ReplicaState.READY, ReplicaState.KILLING) and up_since is not None:
@@ -450,7 +450,7 @@ class Replica(WorkerLink):
         delay = restart_delay(self.policy, self.history, now=self.clock(), up_since=up_since,
                               exit_code=self.worker_exit_code)
         if delay is None:
-            self.last_error = f"too many crashes (last: {self.last_error or exit_text(self.last_exit_code)})"
+            self.last_error = f"too many crashes (last: {self.last_exit_why or exit_text(self.last_exit_code)})"
             self._set(ReplicaState.FATAL)
             emit(EventKind.FATAL, f"replica {self.name} is fatal: {self.last_error}; it is not restarted "
                  "until an operator restarts it", model=self.cfg.name, replica=self.index, level=logging.ERROR)
