@@ -114,8 +114,8 @@ class Error:
     code: str  # an ErrorCode value
     message: str
     param: str | None = None  # the request field at fault, when one is
-    # job None, code runtime_crashed: the native runtime's own exit (negative: the signal that
-    # ended it), which the worker's own exit (code 1) would otherwise hide
+    # job None, code runtime_crashed (runtime_timeout: its worker killed it): the native runtime's
+    # own exit (negative: the signal that ended it), which the worker's own exit (code 1) would hide
     exit_code: int | None = None
 
 

@@ -151,7 +151,9 @@ class Worker:
         if self.killed_runtime:  # the worker's own kill: say so, not only the signal
             reason = f"{reason} ({self.killed_runtime})"
         log.error("runtime died: %s", reason)
-        self.send(p.Error(job=None, code=ErrorCode.RUNTIME_CRASHED, message=reason,
+        # runtime_timeout: this worker killed it (the supervisor reports it killed by the pool)
+        code = ErrorCode.RUNTIME_TIMEOUT if self.killed_runtime else ErrorCode.RUNTIME_CRASHED
+        self.send(p.Error(job=None, code=code, message=reason,
                           exit_code=self.backend.runtime_exit_code()))
         self.stop(WorkerExit.CRASH)
 

@@ -118,7 +118,8 @@ def _waiting(work, describe) -> dict:
 
 
 PS_COLUMNS = [("MODEL", fmt.FLEX), ("REPLICA", fmt.KEEP), ("PID", fmt.KEEP), ("STATE", fmt.KEEP),
-              ("UPTIME", fmt.FIT), ("RESTARTS", fmt.KEEP), ("LAST EXIT", fmt.BELOW), ("INFLIGHT", fmt.KEEP),
+              ("UPTIME", fmt.FIT), ("RESTARTS", fmt.KEEP), ("CRASHES", fmt.KEEP), ("LAST EXIT", fmt.BELOW),
+              ("WHO ENDED IT", fmt.BELOW), ("INFLIGHT", fmt.KEEP),
               ("RSS", fmt.FIT), ("CPU%", fmt.FIT), ("NODE", fmt.WIDE), ("GPU MEM", fmt.WIDE),
               ("CHILDREN", fmt.BELOW), ("ERROR", fmt.BELOW)]
 
@@ -137,7 +138,8 @@ def ps(url: Url = DEFAULT_URL, output: Output = None, as_json: AsJson = False) -
     columns = PS_COLUMNS if any(w.get("last_error") for w in workers) else PS_COLUMNS[:-1]
     fmt.table(columns, [
         (fmt.clip(w["model"]), str(w["replica"]), fmt.dash(w["pid"]), w["state"], fmt.duration(w["uptime_s"]),
-         str(w["restarts"]), w.get("last_exit") or "-", f"{w['inflight']}/{w['capacity']}",
+         str(w["restarts"]), str(w.get("crashes", 0)), w.get("last_exit") or "-",
+         fmt.one_line(w.get("last_exit_why")) if w.get("last_exit_why") else "-", f"{w['inflight']}/{w['capacity']}",
          fmt.size(w["rss_bytes"]), "-" if w["cpu_percent"] is None else f"{w['cpu_percent']:.1f}", _node(w),
          fmt.size(w["gpu_memory_bytes"]),  # None (no GPU, no NVML) stays "-"
          ", ".join(f"{c['name']}:{c['pid']}" for c in w["children"]) or "-", fmt.one_line(w.get("last_error")))
@@ -180,7 +182,7 @@ def models(url: Url = DEFAULT_URL, output: Output = None, as_json: AsJson = Fals
     # -o wide: the error column only when there is something in it
     columns = MODEL_COLUMNS if any(m["error"] for m in views) else MODEL_COLUMNS[:-1]
     fmt.table(columns, [
-        (fmt.clip(m["name"]), m["backend"], m["state"], f"{m['replicas_ready']}/{m['replicas']}",
+        (fmt.clip(m["name"]), m["backend"], m["state"] + (" (held)" if m.get("held") else ""), f"{m['replicas_ready']}/{m['replicas']}",
          str(m["queue_depth"]), str(m["runtime_inflight"]),
          f"{m['configured_target_inflight']}/{m['effective_target_inflight']}", fmt.dash(m.get("context_length")),
          "-" if m.get("memory_mb") is None else f"{m['memory_mb']:g} MB ({m['memory_source']})",
@@ -203,15 +205,19 @@ def load(name: Annotated[str, typer.Argument(help="model name")], url: Url = DEF
 
 
 @_client
-def unload(name: Annotated[str, typer.Argument(help="model name")], url: Url = DEFAULT_URL) -> None:
+def unload(name: Annotated[str, typer.Argument(help="model name")], url: Url = DEFAULT_URL,
+           hold: Annotated[bool, typer.Option("--hold", help="keep it unloaded: no load on demand until "
+                                              "`llm-pool load NAME` or a reload")] = False) -> None:
     """Unload a model: refuse new requests, let running ones finish, stop its workers."""
     def describe(elapsed: float) -> str:
         view = _model_view(url, name)
         return (f"{name}: {view['state']}, draining: {view['queue_depth']} queued, "
                 f"{view['runtime_inflight']} running, {elapsed:.0f}s")
 
-    view = _waiting(lambda: call(url, "POST", _model_path(name, "unload"), timeout=None), describe)
-    typer.echo(f"{name}: {view['state']}")
+    params = {"hold": "true"} if hold else None
+    view = _waiting(lambda: call(url, "POST", _model_path(name, "unload"), params=params, timeout=None), describe)
+    typer.echo(f"{name}: {view['state']}" + (" (held: no load on demand until `llm-pool load`)"
+                                             if view.get("held") else ""))
 
 
 @_client

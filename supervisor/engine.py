@@ -106,11 +106,19 @@ class ModelRouterEngine:
     async def load(self, name: str, reason: str = "operator", by: str | None = None) -> ModelEntry:
         return await self.lifecycle.load(name, reason, by)
 
-    async def unload(self, name: str, drain_timeout_s: float | None = None, by: str | None = None) -> ModelEntry:
+    async def unload(self, name: str, drain_timeout_s: float | None = None, by: str | None = None,
+                     hold: bool = False) -> ModelEntry:
+        """`hold`: it stays unloaded (no load on demand) until an operator's load or a reload."""
+        entry = self.registry.lookup(name, removed_too=True)
         if by:  # an operator's unload: the timeline says who asked
-            entry = self.registry.lookup(name, removed_too=True)
-            emit(EventKind.UNLOADING, f"model {entry.cfg.name}: unloading", model=entry.cfg.name, by=by)
-        return await self.lifecycle.unload(name, drain_timeout_s, why=f"asked by {by}" if by else "unloaded")
+            held = " and holding it unloaded" if hold else ""
+            emit(EventKind.UNLOADING, f"model {entry.cfg.name}: unloading{held}", model=entry.cfg.name, by=by)
+        if hold:  # before the unload begins: no request loads it again from now on
+            entry.held_by = by or "an operator"
+        entry = await self.lifecycle.unload(name, drain_timeout_s, why=f"asked by {by}" if by else "unloaded")
+        if by:
+            entry.operator_unload_at = time.monotonic()  # a load on demand soon after is warned of
+        return entry
 
     async def restart(self, name: str, replica: int | None = None, *, now: bool = False,
                       by: str | None = None) -> ModelEntry:
@@ -174,7 +182,7 @@ class ModelRouterEngine:
             executors = [e.executor for e in self.models.values() if e.executor]
             for ex in executors:
                 for r in ex.replicas:
-                    r.wind_down()  # no worker starts again; a crash now is final
+                    r.wind_down("shutdown")  # no worker starts again; a crash now is final
             self._drain = asyncio.ensure_future(asyncio.gather(
                 *(ex.drain(grace_s) for ex in executors), return_exceptions=True))
         await asyncio.shield(self._drain)
@@ -194,7 +202,8 @@ class ModelRouterEngine:
             self._closed = True
             # stop every replica at once, starting ones included (a load or restart then fails fast)
             entries = [e for e in self.models.values() if e.executor]
-            await asyncio.gather(*(r.stop() for e in entries for r in e.executor.replicas), return_exceptions=True)
+            await asyncio.gather(*(r.stop("shutdown") for e in entries for r in e.executor.replicas),
+                                 return_exceptions=True)
             await asyncio.gather(*(self.lifecycle.unload_entry(e, drain_timeout_s=0, why="shutdown")
                                    for e in entries), return_exceptions=True)
             await self._tasks.close()
@@ -335,5 +344,7 @@ class ModelRouterEngine:
         except ConfigError as exc:
             raise PoolError(ErrorCode.INVALID_REQUEST, f"config error: {exc}") from None
         self.config = new
+        for entry in self.registry.configured():  # a reload releases every unload's hold
+            entry.held_by = None
         self.reloader.apply(change, new)
         return change.summary()

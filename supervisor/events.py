@@ -41,6 +41,7 @@ class EventKind(StrEnum):
     RESTARTED = "restarted"
     RESTART_FAILED = "restart_failed"
     RELOADED = "reloaded"
+    UNLOAD_UNDONE = "unload_undone"  # loaded on demand soon after an operator's unload: it achieved nothing
     STATE = "state"  # a model's shown state changed (degraded, failed, recovered)
     # the supervisor itself: its process started, its start-up loads settled, its stop began, it stopped
     STARTED = "started"

@@ -40,9 +40,10 @@ async def admin_load(request: Request, name: str):
 
 
 @router.post("/admin/models/{name}/unload")
-async def admin_unload(request: Request, name: str):
+async def admin_unload(request: Request, name: str, hold: bool = False):
+    """Drain and stop it; `hold=true`: no load on demand until an operator's load or a reload."""
     engine = request.app.state.engine
-    return engine.model_view(await engine.unload(name, by=admin_feeds.asked_by(request)))
+    return engine.model_view(await engine.unload(name, by=admin_feeds.asked_by(request), hold=hold))
 
 
 @router.post("/admin/models/{name}/restart")

@@ -42,7 +42,7 @@ def _reason(r) -> str:
         left = r.restart_drain_left_s
         return "restarting (asked by the operator" + (f"; its drain ends within {left:.0f}s)" if left else ")")
     if r.last_exit_code is not None and r.state is not ReplicaState.STARTING:
-        return f"exited with {exit_text(r.last_exit_code)}"
+        return r.last_exit_why or f"exited with {exit_text(r.last_exit_code)}"
     return {ReplicaState.STARTING: "starting", ReplicaState.DRAINING: "draining",
             ReplicaState.STOPPING: "stopping", ReplicaState.KILLING: "being killed (not responding)",
             ReplicaState.BACKOFF: "waiting to restart after a crash",
@@ -109,7 +109,7 @@ def can_serve(entry) -> bool:
     state = entry.state
     if state in (ModelState.LOADED, ModelState.DEGRADED):
         return any(r.state is ReplicaState.READY or r.in_operator_restart for r in entry.executor.replicas)
-    return entry.cfg.load_on_demand and not last_load_failed(entry) and state in (
+    return entry.cfg.load_on_demand and not entry.held_by and not last_load_failed(entry) and state in (
         ModelState.UNLOADED, ModelState.LOADING, ModelState.AUTO_UNLOADING)
 
 

@@ -29,6 +29,7 @@ from supervisor.events import EventKind, emit, tenant_actor
 from supervisor.scheduling.jobs import Job
 from supervisor.models.memory import Memory
 from supervisor.models.registry import ModelEntry, Registry
+from supervisor.replicas import exits
 from supervisor.replicas.process import spawn_worker
 from supervisor.replicas.ray_placement import RayCluster
 from supervisor.replicas.replica import Launcher, Replica
@@ -58,6 +59,16 @@ class LoadDurations:
         for i, bound in enumerate(LOAD_BUCKETS):
             if seconds <= bound:
                 self.bucket_counts[i] += 1
+
+
+UNDONE_WINDOW_S = 10.0  # a load on demand this soon after an operator's unload is warned of
+
+
+def unload_stop(why: str | None) -> tuple[str, str]:
+    """How an unload's stop of a replica is told with its exit (replicas/exits.py): an
+    operator's (engine.unload's "asked by ...") or one the pool planned (idle, evicted, shutdown)."""
+    why = why or "unloaded"
+    return f"unload: {why}", exits.BY_OPERATOR if why.startswith("asked by") else exits.BY_PLANNED
 
 
 class Lifecycle:
@@ -108,6 +119,9 @@ class Lifecycle:
         if entry.state in (ModelState.UNLOADED, ModelState.FAILED) and not entry.cfg.load_on_demand:
             return PoolError(ErrorCode.MODEL_NOT_LOADED,
                              f"model {entry.cfg.name!r} is {entry.state.value}; load it first", param="model")
+        if entry.state in (ModelState.UNLOADED, ModelState.FAILED) and entry.held_by:
+            return PoolError(ErrorCode.MODEL_NOT_LOADED, f"model {entry.cfg.name!r} is held unloaded (`llm-pool "
+                             f"unload --hold`, by {entry.held_by}); an operator's load releases it", param="model")
         return None
 
     # -- load ----------------------------------------------------------------------------------
@@ -135,6 +149,8 @@ class Lifecycle:
     async def load(self, name: str, reason: str = "operator", by: str | None = None) -> ModelEntry:
         """Load a model; waits for a load, unload or restart of it under way first."""
         entry = self.registry.lookup(name)
+        if reason == "operator":  # an operator's load (or restart of an unloaded model) releases a hold
+            entry.held_by = None
         async with entry.action:
             if entry.state in RUNNING:
                 return entry
@@ -159,6 +175,12 @@ class Lifecycle:
         executor = self._prepare_load(entry)
         emit(EventKind.LOADING, f"model {entry.cfg.name}: loading (on demand: a request for it)",
              model=entry.cfg.name, by=by)
+        since = None if entry.operator_unload_at is None else time.monotonic() - entry.operator_unload_at
+        if since is not None and since <= UNDONE_WINDOW_S:  # the operator's unload achieved nothing: say so
+            entry.operator_unload_at = None
+            emit(EventKind.UNLOAD_UNDONE, f"model {entry.cfg.name} was loaded on demand {since:.0f}s after an "
+                 f"operator's unload: requests keep coming; `llm-pool unload {entry.cfg.name} --hold` keeps it "
+                 "unloaded", model=entry.cfg.name, by=by, level=logging.WARNING)
 
         async def run() -> None:
             async with entry.action:
@@ -255,7 +277,7 @@ class Lifecycle:
             # the stop wins over any start under way (a load, a restart, a crash restart): no
             # worker starts from now on, and serving ones drain
             for r in entry.executor.replicas if entry.executor else ():
-                r.wind_down()
+                r.wind_down(*unload_stop(why))
 
     async def unload(self, name: str, drain_timeout_s: float | None = None, why: str = "unloaded") -> ModelEntry:
         """Drain and stop a model; waits for a load or restart of it under way first."""
@@ -279,7 +301,8 @@ class Lifecycle:
             return
         executor = entry.executor
         for r in executor.replicas:
-            r.wind_down()  # stop_intake did; a replica a restart brought back since is wound down too
+            # stop_intake did; a replica a restart brought back since is wound down too
+            r.wind_down(*unload_stop(entry.unload_why))
         await executor.drain(drain_timeout_s if drain_timeout_s is not None else entry.cfg.request_timeout_s)
         await asyncio.gather(*(r.stop() for r in executor.replicas), return_exceptions=True)
         self._detach(entry)

@@ -93,6 +93,9 @@ class ModelEntry:
     # (Lifecycle._detach), so `cfg` is always the config its workers run
     next_cfg: ModelConfig | None = None
     unload_why: str | None = None  # the unload under way: why (planned work, shown apart from faults)
+    # an operator's `unload --hold`: no load on demand until an operator's load or a reload; who held it
+    held_by: str | None = None
+    operator_unload_at: float | None = None  # monotonic: an operator's last unload (a load on demand soon after warns)
     predictor: ModelPredictor = field(default_factory=ModelPredictor)  # learned speeds, kept across loads
     # told (entry, old, new) after every change of state: the registry's watchers (events, metrics)
     observer: Callable[[ModelEntry, ModelState, ModelState], None] | None = field(default=None, repr=False)

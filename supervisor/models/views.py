@@ -69,6 +69,8 @@ class Views:
             "load_seconds": entry.load_seconds,
             "error": entry.error or self._why(entry, health),
             "load_on_demand": entry.cfg.load_on_demand,
+            # an operator's `unload --hold`: no load on demand until an operator's load or a reload
+            "held": entry.held_by is not None, "held_by": entry.held_by,
             "pinned": entry.cfg.pinned,
             "aliases": list(entry.cfg.aliases),
             "last_used_at": entry.last_used_at,

@@ -161,6 +161,9 @@ async def worker_views(replicas: list[Replica], sampler: ProcessSampler) -> list
             # "SIGKILL" for an exit by signal (the code is then negative), else "code N"; the
             # runtime's own exit when its worker reported that its runtime died
             "last_exit": None if r.last_exit_code is None else exit_text(r.last_exit_code),
+            # who ended it ("pool", "operator", "planned", "outside", "self") and why, in words (exits.py)
+            "last_exit_by": r.last_exit_by, "last_exit_why": r.last_exit_why,
+            "crashes": sum(r.crashes.values()), "crashes_by": dict(r.crashes),  # unplanned exits, apart from restarts
             "worker_exit_code": r.worker_exit_code, "restart_drain_left_s": r.restart_drain_left_s,
             "restart_in_s": r.restart_in_s,  # a crash restart's back-off countdown
             "uptime_s": round(time.time() - r.started_at, 1) if r.pid and r.started_at else None,

@@ -17,6 +17,7 @@ import protocol as p
 from protocol.errors import ErrorCode, PoolError, exit_text
 from supervisor.config import ModelConfig, ServerConfig
 from supervisor.events import EventKind, emit
+from supervisor.replicas import exits
 from supervisor.replicas.process import WorkerProcess, spawn_worker, withheld_env
 from supervisor.replicas.restart_policy import CrashHistory, RestartPolicy, restart_delay
 from supervisor.states import REPLICA_TRANSITIONS, ReplicaState, transition
@@ -99,6 +100,14 @@ class Replica(WorkerLink):
         self.worker_exit_code: int | None = None
         self.runtime_exit_code: int | None = None  # of the current worker's runtime, once it died
         self.last_error: str | None = None
+        # who ended the last worker and why (exits.py): "pool", "operator", "planned", "outside", "self"
+        self.last_exit_by: str | None = None
+        self.last_exit_why: str | None = None
+        self.crashes: dict[str, int] = {}  # unplanned exits, by who ended them (apart from restarts)
+        self.kill_why: str | None = None  # the pool is killing the current worker: why
+        self.load_failure: tuple[bool, str] | None = None  # its load failed: (timed out, why)
+        self.runtime_killed_by_worker = False  # its worker killed its runtime (a cancel not honoured)
+        self.stop_by, self.stop_why = exits.BY_PLANNED, None  # who asked a planned stop of it, and why
         self.history = CrashHistory()
         self.unknown_job_replies = 0  # late or bogus replies, dropped by job id
         # output tokens as they stream (the live tokens/s): what each delta says it carries; a
@@ -182,21 +191,24 @@ class Replica(WorkerLink):
         async with self._lock:
             await self._start()
 
-    async def stop(self) -> None:
+    async def stop(self, why: str | None = None, by: str = exits.BY_PLANNED) -> None:
         """Stop the worker now: a clean Shutdown, then SIGTERM/SIGKILL of its tree.
         Whatever start is under way (a load, a crash restart, any phase of an operator
         restart) ends without a new worker (wind_down)."""
-        self.wind_down()
+        self.wind_down(why, by)
         await self._cancel_restart()
         async with self._lock:
             await self._stop()
 
-    def wind_down(self) -> None:
+    def wind_down(self, why: str | None = None, by: str = exits.BY_PLANNED) -> None:
         """A stop is wanted (unload, shutdown, a reload's change), in this loop turn: no worker
         of this replica starts from now on. A start under way is abandoned (its worker killed),
         an operator restart ends in any phase (STOPPING: it starts nothing after its drain or
         its stop), a pending crash restart is cancelled, a crash kill's exit becomes final; a
-        serving worker drains (its running jobs finish, its exit is final)."""
+        serving worker drains (its running jobs finish, its exit is final). `why`, `by`: who
+        asked the stop and why (exits.py), shown with its exit."""
+        if why is not None:
+            self.stop_by, self.stop_why = by, why
         if self.state is ReplicaState.READY:
             self.drain()
         elif self.state in (ReplicaState.RESTARTING, ReplicaState.KILLING):
@@ -220,6 +232,7 @@ class Replica(WorkerLink):
         async with self._lock:
             if self.state is ReplicaState.DRAINING:
                 raise LoadFailed(f"replica {self.name} is draining; not restarted")
+            self.stop_by, self.stop_why = exits.BY_OPERATOR, "restarted by the operator"
             if self.state is ReplicaState.READY:  # a serving replica's restart is planned work; a broken one's a repair
                 self.operator_restart_until = self.clock() + (drain_timeout_s or 0.0)
             try:
@@ -275,6 +288,8 @@ class Replica(WorkerLink):
         self.capacity = 0
         self.last_error = None
         self.runtime_exit_code = None
+        self.kill_why, self.runtime_killed_by_worker, self.load_failure = None, False, None
+        self.stop_by, self.stop_why = exits.BY_PLANNED, None
         self.submits_sent = 0
         self.connected = False
         self._ready = ready = asyncio.get_running_loop().create_future()
@@ -317,6 +332,8 @@ class Replica(WorkerLink):
             self._ready = None
             if isinstance(exc, TimeoutError):
                 self.last_error = f"runtime not ready within load_timeout_s={self.cfg.load_timeout_s}"
+            if not isinstance(exc, asyncio.CancelledError) and self.last_error:  # its exit tells the cause
+                self.load_failure = (isinstance(exc, TimeoutError), self.last_error)
             await asyncio.shield(self._kill())
             if isinstance(exc, TimeoutError):
                 raise LoadFailed(self.last_error) from None
@@ -368,10 +385,12 @@ class Replica(WorkerLink):
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
-    def _crash_kill(self, code: ErrorCode, message: str) -> None:
+    def _crash_kill(self, code: ErrorCode, message: str, why: str) -> None:
         """The worker is hung or corrupt: fail its jobs, take it out of rotation,
         kill its whole tree. Its exit then takes the crash path (a restart), except in
-        an unload's drain (final) or an operator's restart (which goes on)."""
+        an unload's drain (final) or an operator's restart (which goes on). `why`: the
+        pool's reason, which its exit is reported with (not a mysterious SIGKILL)."""
+        self.kill_why = self.kill_why or why
         self._fail_all(code, message)
         self._out_of_rotation()
         if self.proc:
@@ -388,6 +407,11 @@ class Replica(WorkerLink):
         code = await proc.wait()
         proc.kill_tree()  # whatever it left behind (a native child, vLLM's engine processes)
         self.transport.unregister(self.identity)
+        facts = exits.facts_of(self, code)
+        # the kernel's log (an OOM kill) or the worker's last line: read off the loop, bounded
+        disk = await asyncio.to_thread(exits.read_disk, facts, proc.pid, self.log_path) \
+            if exits.needs_disk(facts) else (None, None)
+        self.last_exit_by, self.last_exit_why = exits.describe_exit(facts, *disk)
         self.worker_exit_code = code
         self.last_exit_code = code if self.runtime_exit_code is None else self.runtime_exit_code
         up_since = self.ready_at
@@ -395,7 +419,7 @@ class Replica(WorkerLink):
         self.capacity = 0
         if self._ready and not self._ready.done():
             self._ready.set_exception(LoadFailed(
-                self.last_error or f"worker exited with code {code} before it was ready; see {self.log_path}"))
+                self.last_error or f"worker {self.last_exit_why} before it was ready; see {self.log_path}"))
         # what the exit means is the state's alone (states.ReplicaState)
         planned = self.state in (ReplicaState.STOPPING, ReplicaState.RESTARTING)
         lost = self._forget_all()
@@ -406,8 +430,12 @@ class Replica(WorkerLink):
                 self.owner.requeue(job)  # nothing reached the client: safe to run once more
             else:
                 job.finish(self._lost_job_error(code))
-        if not planned:
-            self._crash_event(code)
+        if not planned or self.kill_why:  # a kill in a drain is a fault too
+            self.crashes[self.last_exit_by] = self.crashes.get(self.last_exit_by, 0) + 1
+            rest = self.last_error.splitlines()[1:] if self.last_error else []  # a runtime's further lines
+            self.last_error = "\n".join([self.last_exit_why, *rest])
+            emit(EventKind.CRASHED, f"replica {self.name} {self.last_exit_why}", model=self.cfg.name,
+                 replica=self.index, level=logging.ERROR)
         if self.state in (ReplicaState.READY, ReplicaState.KILLING) and up_since is not None:
             self._crashed(up_since)  # it served, and nobody stopped it: back off and restart
             return
@@ -418,33 +446,12 @@ class Replica(WorkerLink):
             self._set(ReplicaState.STOPPED)
         self._drain_over()
 
-    def _lost_job_error(self, code: int) -> PoolError:
-        """What a job still running when the worker exited is told, by the replica's state."""
-        if self.state is ReplicaState.RESTARTING:
-            return PoolError(ErrorCode.RUNTIME_RESTARTED, f"replica {self.name} was restarted by the operator "
-                             "before the request finished")
-        if self.state is ReplicaState.STOPPING:  # what a drain's grace did not let finish (unload, shutdown)
-            return PoolError(ErrorCode.MODEL_UNLOADING, f"replica {self.name} was stopped (unload or shutdown) "
-                             "before the request finished")
-        return PoolError(ErrorCode.RUNTIME_CRASHED, f"the runtime of replica {self.name} exited "
-                         f"({exit_text(code)}) during the request")
-
-    def _crash_event(self, code: int) -> None:
-        if self.runtime_exit_code is not None and self.last_error:  # its runtime died: the worker said how
-            what = f"replica {self.name} crashed: {self.last_error.splitlines()[0]}"
-        else:
-            why = f": {self.last_error.splitlines()[0]}" if self.last_error else ""
-            what = f"replica {self.name} exited unexpectedly with {exit_text(code)}{why}"
-        emit(EventKind.CRASHED, what, model=self.cfg.name, replica=self.index, level=logging.ERROR)
-
     def _crashed(self, up_since: float | None) -> None:
         """A crash of a wanted replica: back off and restart, or give up (fatal)."""
         delay = restart_delay(self.policy, self.history, now=self.clock(), up_since=up_since,
                               exit_code=self.worker_exit_code)
         if delay is None:
-            exit_ = exit_text(self.last_exit_code)
-            self.last_error = (f"too many crashes (last exit {exit_}): {self.last_error}" if self.last_error
-                               else f"too many crashes (last exit {exit_})")
+            self.last_error = f"too many crashes (last: {self.last_exit_why or exit_text(self.last_exit_code)})"
             self._set(ReplicaState.FATAL)
             emit(EventKind.FATAL, f"replica {self.name} is fatal: {self.last_error}; it is not restarted "
                  "until an operator restarts it", model=self.cfg.name, replica=self.index, level=logging.ERROR)
@@ -483,7 +490,9 @@ class Replica(WorkerLink):
             if now - self.last_heard > self.server.liveness_s:
                 log.error("replica %s silent for %.1fs: killing it", self.name, now - self.last_heard)
                 # SIGKILL of the tree: a stopped process ignores SIGTERM
-                self._crash_kill(ErrorCode.RUNTIME_TIMEOUT, f"replica {self.name} stopped responding")
+                self._crash_kill(ErrorCode.RUNTIME_TIMEOUT, f"replica {self.name} stopped responding",
+                                 f"no heartbeat for {now - self.last_heard:.0f}s (liveness_s="
+                                 f"{self.server.liveness_s:g}): hung or stopped")
                 return
         if self.connected:  # before its Hello there is no peer to send to (a remote one takes seconds)
             self.transport.send(self.identity, p.Heartbeat(inflight=len(self.inflight)))

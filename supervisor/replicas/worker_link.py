@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING
 
 import protocol as p
-from protocol.errors import ErrorCode, PoolError
+from protocol.errors import ErrorCode, PoolError, exit_text
 from protocol.redact import mask_values
 from supervisor.states import JobState, ReplicaState
 
@@ -67,6 +67,7 @@ class WorkerLink:
         if self.state not in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING):
             return  # already on its way out
         log.error("replica %s is unreachable (gone, or not reading its socket): restarting it", self.name)
+        self.kill_why = self.kill_why or "unreachable: its socket took no frames"
         self._out_of_rotation()
         if self.proc:
             self.proc.kill_tree()  # its exit takes the crash path: jobs end or run again, a restart follows
@@ -102,6 +103,17 @@ class WorkerLink:
             job.finish(PoolError(code, message))
         self._drain_over()
         self.owner.replica_changed()
+
+    def _lost_job_error(self, code: int) -> PoolError:
+        """What a job still running when the worker exited is told, by the replica's state."""
+        if self.state is ReplicaState.RESTARTING:
+            return PoolError(ErrorCode.RUNTIME_RESTARTED, f"replica {self.name} was restarted by the operator "
+                             "before the request finished")
+        if self.state is ReplicaState.STOPPING:  # what a drain's grace did not let finish (unload, shutdown)
+            return PoolError(ErrorCode.MODEL_UNLOADING, f"replica {self.name} was stopped (unload or shutdown) "
+                             "before the request finished")
+        return PoolError(ErrorCode.RUNTIME_CRASHED, f"the runtime of replica {self.name} exited "
+                         f"({self.last_exit_why or exit_text(code)}) during the request")
 
     def _finish(self, job_id: str, outcome: p.Done | PoolError) -> None:
         job = self.forget(job_id)
@@ -150,9 +162,11 @@ class WorkerLink:
                     self.unknown_job_replies += 1
             case p.Done(job=job_id):
                 self._finish(job_id, msg)
-            case p.Error(job=None, message=message, exit_code=exit_code):
+            case p.Error(job=None, code=code, message=message, exit_code=exit_code):
                 self.last_error = message
                 self.runtime_exit_code = exit_code  # its runtime died: that exit is the one to show
+                # runtime_timeout: its worker killed it (busy after a cancel left it no job)
+                self.runtime_killed_by_worker = code == ErrorCode.RUNTIME_TIMEOUT
                 if self._ready and not self._ready.done():
                     self._ready.set_exception(LoadFailed(message))
             case p.Error(job=job_id, code=code, message=message, param=param):
@@ -186,7 +200,7 @@ class WorkerLink:
                     self._finish(job_id, error)
                 elif job_id is None and self.proc and self.proc.returncode is None:
                     # which job's stream is corrupt is unknown: fail them all, restart the worker
-                    self._crash_kill(error.code, error.message)
+                    self._crash_kill(error.code, error.message, f"malformed frames from its worker ({reason})")
             case p.Heartbeat():
                 self._reconcile_jobs(msg)
             case p.KvEvents(events=events, reset=reset):

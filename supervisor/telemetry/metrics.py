@@ -189,6 +189,10 @@ class _EngineCollector:
         up = GaugeMetricFamily("llm_pool_worker_up", "1 when the replica is ready", labels=rlabels)
         restarts = CounterMetricFamily("llm_pool_worker_restarts", "Replica restarts, by reason: crash (a fault), "
                                        "planned (an operator's restart)", labels=[*rlabels, "reason"])
+        crashes = CounterMetricFamily("llm_pool_worker_crashes", "Unplanned worker exits, by who ended it: pool "
+                                      "(killed by the pool: malformed frames, no heartbeat, a cancel not honoured), "
+                                      "outside (a signal from outside the pool), self (it exited with a code)",
+                                      labels=[*rlabels, "by"])
         bad = CounterMetricFamily("llm_pool_protocol_errors", "Malformed frames from the replica", labels=rlabels)
         rss = GaugeMetricFamily("llm_pool_process_rss_bytes", "Resident memory per process",
                                 labels=["model", "replica", "process"])
@@ -234,6 +238,8 @@ class _EngineCollector:
                 up.add_metric(key, 1 if r.state is ReplicaState.READY else 0)
                 restarts.add_metric([*key, "crash"], r.restarts - r.planned_restarts)
                 restarts.add_metric([*key, "planned"], r.planned_restarts)
+                for by in ("pool", "outside", "self"):
+                    crashes.add_metric([*key, by], r.crashes.get(by, 0))
                 bad.add_metric(key, r.protocol_errors)
                 routing = entry.executor.choice.replica_view(r)
                 for decision, count in routing["decisions"].items():
@@ -255,8 +261,8 @@ class _EngineCollector:
                         by_process[child["name"]] = by_process.get(child["name"], 0) + child["rss_bytes"]
                 for process, value in by_process.items():
                     rss.add_metric([*key, process], value)
-        yield from (queue, inflight, configured, effective, loaded, shown, ready, up, restarts, bad, rss, routed,
-                    prompt, cached, hit_ratio, matched, kv_blocks, kv_resets, tok_calls, tok_failed, tok_seconds)
+        yield from (queue, inflight, configured, effective, loaded, shown, ready, up, restarts, crashes, bad, rss,
+                    routed, prompt, cached, hit_ratio, matched, kv_blocks, kv_resets, tok_calls, tok_failed, tok_seconds)
         yield from self._lifecycle()
 
     def _lifecycle(self):

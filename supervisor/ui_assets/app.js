@@ -333,7 +333,11 @@ async function refreshWorkers() {
     el("td", {class: "node", title: w.node_id ? `Ray node ${w.node_id} (${w.node})` : "this host"},
        (w.node_id ? w.node_address : w.node) ?? w.node ?? "-"),
     el("td", {class: "pid num"}, w.pid ?? "-"), stateCell(w.state),
-    num(duration(w.uptime_s)), num(w.restarts), el("td", {class: "last-exit num"}, w.last_exit ?? "-"),
+    // crashes (unplanned exits) apart from restarts; who ended the last one, and why, on hover
+    // (and in the last error column after a crash)
+    num(duration(w.uptime_s)), num(w.restarts), num(w.crashes ?? 0),
+    el("td", {class: "last-exit num", title: w.last_exit_why ? `${w.last_exit_by}: ${w.last_exit_why}` : ""},
+       w.last_exit ?? "-"),
     num(`${w.inflight}/${w.capacity}`),
     num(bytes(w.rss_bytes)), num(w.cpu_percent == null ? "-" : w.cpu_percent.toFixed(1) + "%"),
     num(w.gpu_memory_bytes == null ? "-" : bytes(w.gpu_memory_bytes)),
