@@ -53,11 +53,22 @@ CALL_TIMEOUT_S = 60.0  # one save or restore call (its bytes go to or from the p
 STATE_MAGIC = 0x67677371  # llama.cpp's sequence state file ("ggsq")
 PACKED_TOKENS = 0xFFFFFFFF  # its token payload starts with a packed header: this, a version, the count
 OFF_FILE = "OFF"
+PART = ".part"  # a save being written: invisible to every scan until its sidecar is there
+STALE_S = 600.0  # a .part or a sidecar without its .bin this old was left by a worker that died mid-save
+MAX_MISSES = 32  # chat requests in a row that no waiting snapshot served: stop looking (they stay on disk)
+# flags under which llama-server cannot save or restore a slot (no /slots; a multimodal projector)
+NO_SLOT_FILES = {"--no-slots": "the runtime runs with --no-slots", "--mmproj": "a multimodal projector is loaded",
+                 "-mm": "a multimodal projector is loaded", "--mmproj-url": "a multimodal projector is loaded",
+                 "-mmu": "a multimodal projector is loaded"}
 HEAD = struct.Struct("<III")
 
 
 class BadSnapshot(Exception):
     """A snapshot that must not be restored; the message says why."""
+
+
+class Unsupported(Exception):
+    """The runtime cannot save or restore slots at all (it answered 501); the message says why."""
 
 
 def config_key(binary: str, model: str, flags: list[str]) -> str:
@@ -129,10 +140,14 @@ class Snapshot:
 
 
 def remove(path: Path, why: str) -> None:
-    """Delete a snapshot (its .bin and its sidecar), saying why."""
-    for p in (path.with_suffix(".bin"), path.with_suffix(".json")):
-        with contextlib.suppress(FileNotFoundError):
-            p.unlink()
+    """Delete a snapshot (its .bin and its sidecar), saying why; a disk that refuses is logged."""
+    try:
+        for p in (path.with_suffix(".bin"), path.with_suffix(".json")):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+    except OSError as exc:
+        log.error("warm swap: cannot delete %s (%s): %s", path.with_suffix(".bin"), why, exc)
+        return
     log.warning("warm swap: deleted %s: %s", path.with_suffix(".bin"), why)
 
 
@@ -150,6 +165,11 @@ class WarmSwap:
         # snapshots not restored at the start (more than slots): a request that continues one
         # restores it then (restore_for), newest first, at most MAX_PENDING
         self.pending: list[Snapshot] = []
+        self.misses = 0  # chat requests in a row that no pending snapshot served
+        self.in_slot: dict[int, Snapshot] = {}  # slot -> the snapshot restored into it (held)
+        self.reserved: set[int] = set()  # slots restored for a request that has not ended yet
+        self.untouched: dict[int, object] = {}  # slot -> its task after the start's probe: unused since
+        self.lock = asyncio.Lock()  # one restore on demand at a time (a slot is chosen, then filled)
         self.off_reason: str | None = None
         self.report: dict = {}  # the last restore's result, for the supervisor (Ready.info)
 
@@ -167,18 +187,38 @@ class WarmSwap:
                 log.warning("warm swap: deleted %d snapshots of another config (%s): the model file, the "
                             "binary or a flag changed", count, other.name)
         self.dir.mkdir(exist_ok=True, mode=0o700)
-        off = self.dir / OFF_FILE
-        if off.is_file():
-            self.off_reason = off.read_text()[:500] or "off"
+        if self.off_written():
+            for bin_path in self.dir.glob("*.bin"):  # saved by a replica that had not seen it yet
+                remove(bin_path, "warm swaps are off for this config")
+        now = time.time()
+        for left in [*self.dir.glob(f"*{PART}"), *self.dir.glob("*.json.tmp")]:
+            with contextlib.suppress(OSError):
+                if now - left.stat().st_mtime > STALE_S:
+                    left.unlink()
         return self.dir
+
+    def off_written(self) -> bool:
+        """Whether this config's OFF file is there (another replica may have written it); if so,
+        off_reason says why."""
+        off = self.dir / OFF_FILE if self.dir else None
+        if off is None or not off.is_file():
+            return False
+        self.off_reason = self.off_reason or off.read_text()[:500] or "off"
+        return True
 
     def turn_off(self, reason: str) -> None:
         """No more saves or restores for this config: the OFF file says why; its snapshots go."""
         self.off_reason = reason
+        self.pending = []
+        for path in list(self.held):
+            self.release(path)
         assert self.dir is not None
         for bin_path in self.dir.glob("*.bin"):
             remove(bin_path, "warm swaps are off for this config")
-        (self.dir / OFF_FILE).write_text(reason)
+        try:
+            (self.dir / OFF_FILE).write_text(reason)
+        except OSError as exc:  # off for this worker still; the next start tries again
+            log.error("warm swap: cannot write %s: %s", self.dir / OFF_FILE, exc)
         log.error("warm swap: off for this model: %s", reason)
 
     # -- reading snapshots (blocking: run in a thread) -------------------------------------------------
@@ -216,9 +256,10 @@ class WarmSwap:
                 continue  # deleted meanwhile (another replica's save superseded it)
             except BadSnapshot as exc:
                 remove(bin_path, str(exc))
+        now = time.time()
         for orphan in self.dir.glob("*.json") if self.dir else ():
-            if not orphan.with_suffix(".bin").exists():
-                with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # a fresh one belongs to a save about to rename its .part
+                if not orphan.with_suffix(".bin").exists() and now - orphan.stat().st_mtime > STALE_S:
                     orphan.unlink()
         return sorted(found, key=lambda s: s.saved_at, reverse=True)
 
@@ -246,12 +287,16 @@ class WarmSwap:
             return False
         try:
             self.check(snap.path, full=True)
-        except (BadSnapshot, FileNotFoundError) as exc:
+            os.utime(snap.path)  # used now: the disk budget drops the least recently used first
+        except BadSnapshot as exc:
             os.close(fd)
             remove(snap.path, str(exc))
             return False
+        except OSError as exc:  # gone meanwhile, or a disk that refuses: not this one
+            os.close(fd)
+            log.warning("warm swap: %s not claimed: %s", snap.path.name, exc)
+            return False
         self.held[snap.path] = fd
-        os.utime(snap.path)  # used now: the disk budget drops the least recently used first
         return True
 
     def claim(self, limit: int) -> list[Snapshot]:
@@ -292,14 +337,17 @@ class WarmSwap:
             os.close(fd)
 
     # -- writing (blocking: run in a thread) ---------------------------------------------------------
-    def seal(self, bin_path: Path) -> Snapshot:
-        """Write a fresh save's sidecar (its tokens, size and digest)."""
-        tokens = read_tokens(bin_path)
+    def seal(self, part: Path) -> Snapshot:
+        """A fresh save (`<name>.part`) made a snapshot: its sidecar written (tokens, size,
+        digest), then renamed `<name>.bin`, so that no scan sees it before it checks out."""
+        bin_path = part.with_suffix(".bin")
+        tokens = read_tokens(part)
         meta = {"version": SIDECAR_VERSION, "config": bin_path.parent.name, "tokens": len(tokens),
-                "bytes": bin_path.stat().st_size, "digest": digest(bin_path), "saved_at": time.time()}
+                "bytes": part.stat().st_size, "digest": digest(part), "saved_at": time.time()}
         tmp = bin_path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(meta))
         tmp.replace(bin_path.with_suffix(".json"))
+        part.replace(bin_path)
         return Snapshot(bin_path, tokens, meta["saved_at"], meta["bytes"])
 
     def supersede(self, fresh: list[Snapshot]) -> None:
@@ -351,6 +399,8 @@ class SlotClient:
     async def action(self, slot: int, action: str, filename: str) -> dict:
         r = await self.control.post(f"{self.base_url}/slots/{slot}?action={action}", json={"filename": filename},
                                     timeout=CALL_TIMEOUT_S)
+        if r.status_code == 501:
+            raise Unsupported(f"the runtime cannot {action} a slot: {r.text[:200]}")
         if r.status_code != 200:
             raise BadSnapshot(f"{action} answered {r.status_code}: {r.text[:200]}")
         return r.json()
@@ -376,84 +426,124 @@ class SlotClient:
 
 async def restore(ws: WarmSwap, client: SlotClient, slots: int) -> dict:
     """Restore the newest snapshots into the idle slots of a runtime just started, each verified;
-    returns what happened (for the supervisor's Ready.info)."""
+    returns what happened (for the supervisor's Ready.info). Never raises (but CancelledError):
+    whatever fails here leaves the load cold, not failed."""
     started = time.monotonic()
     if ws.off_reason:
         ws.report = {"restored": 0, "off": ws.off_reason}
         return ws.report
-    claimed = await asyncio.to_thread(ws.claim, slots)
-    restored, tokens = 0, 0
-    for slot, snap in enumerate(claimed):
-        try:
-            await client.action(slot, "restore", snap.path.name)
-        except (BadSnapshot, httpx.HTTPError) as exc:
-            ws.release(snap.path)
-            await asyncio.to_thread(remove, snap.path, f"the runtime refused it: {exc}")
-            continue
-        try:
-            cached = await client.cached(slot, snap.tokens)
-        except httpx.TimeoutException:
-            cached = 0
-        if cached < TAKEN_SHARE * len(snap.tokens):
-            reason = (f"a restore did not take: the runtime read {cached} of {len(snap.tokens)} restored tokens "
-                      f"from its cache (this model or llama-server version gets no reuse from a restored slot)")
-            await asyncio.to_thread(ws.turn_off, reason)
-            ws.report = {"restored": 0, "off": reason}
-            return ws.report
-        restored += 1
-        tokens += len(snap.tokens)
-    ws.pending = await asyncio.to_thread(ws.unclaimed, MAX_PENDING)
+    restored, tokens, note = 0, 0, None
+    try:
+        claimed = await asyncio.to_thread(ws.claim, slots)
+        for slot, snap in enumerate(claimed):
+            if note is not None:  # the runtime stalled on an earlier one: the rest wait on disk
+                ws.release(snap.path)
+                continue
+            try:
+                await client.action(slot, "restore", snap.path.name)
+                cached = await client.cached(slot, snap.tokens)
+            except httpx.TransportError as exc:  # a stall proves nothing of the file: it stays
+                ws.release(snap.path)
+                note = f"not verified: the runtime did not answer ({type(exc).__name__}); left on disk"
+                continue
+            except BadSnapshot as exc:
+                ws.release(snap.path)
+                await asyncio.to_thread(remove, snap.path, f"the runtime refused it: {exc}")
+                continue
+            if cached < TAKEN_SHARE * len(snap.tokens):
+                reason = (f"a restore did not take: the runtime read {cached} of {len(snap.tokens)} restored "
+                          f"tokens from its cache (this model or llama-server version gets no reuse from a "
+                          f"restored slot)")
+                await asyncio.to_thread(ws.turn_off, reason)
+                ws.report = {"restored": 0, "off": reason}
+                return ws.report
+            ws.in_slot[slot] = snap
+            restored += 1
+            tokens += len(snap.tokens)
+        if restored:  # each restored slot's probe left a task on it: unused since, it needs no new save
+            ws.untouched = {s["id"]: s.get("id_task") for s in await client.slots() if s["id"] in ws.in_slot}
+        ws.pending = await asyncio.to_thread(ws.unclaimed, MAX_PENDING)
+    except Unsupported as exc:
+        await asyncio.to_thread(ws.turn_off, str(exc))
+        ws.report = {"restored": 0, "off": str(exc)}
+        return ws.report
+    except Exception as exc:  # a disk that refuses, an answer that is not JSON: cold, and said
+        log.error("warm swap: the restore failed (%r); the load goes on cold", exc)
+        note = f"failed: {exc!r}"[:300]
     ws.report = {"restored": restored, "tokens": tokens, "ms": round((time.monotonic() - started) * 1000, 1),
-                 "off": None, "on_disk": len(ws.pending)}
+                 "off": None, "on_disk": len(ws.pending), **({"note": note} if note else {})}
     if restored:
         log.info("warm swap: restored %d conversations (%d tokens) in %.0f ms", restored, tokens, ws.report["ms"])
     return ws.report
 
 
 async def restore_for(ws: WarmSwap, client: SlotClient, request: dict) -> int | None:
-    """For a chat request while snapshots wait on disk: the slot that a snapshot holding most of
-    its prompt was restored into (the request then asks for that slot), or None (nothing to restore, no idle
-    slot, or a failure, which is logged: the request runs as it would have)."""
+    """For a chat request while snapshots wait on disk: the idle slot that a snapshot holding
+    most of its prompt was restored into (the request then asks for that slot, reserved for it
+    until it ends: release_slot), or None (nothing serves it, no idle slot, or a failure, which
+    is logged: the request runs as it would have). One at a time."""
     try:
         tokens = await client.chat_tokens(request)
-        snap = await asyncio.to_thread(ws.serving, array.array("I", tokens))
-        if snap is None:
-            return None
-        idle = [s["id"] for s in await client.slots() if not s.get("is_processing")]
-        if not idle or not await asyncio.to_thread(ws.claim_one, snap):
-            return None
-        await client.action(int(idle[0]), "restore", snap.path.name)
-    except (BadSnapshot, httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-        log.warning("warm swap: no restore for this request: %s", exc)
+        async with ws.lock:
+            snap = await asyncio.to_thread(ws.serving, array.array("I", tokens)) if ws.pending else None
+            if snap is None:
+                ws.misses += 1
+                if ws.misses >= MAX_MISSES and ws.pending:
+                    log.info("warm swap: %d requests in a row continued none of the %d snapshots on disk; "
+                             "no more looking (they wait for the next load)", ws.misses, len(ws.pending))
+                    ws.pending = []
+                return None
+            ws.misses = 0
+            idle = [s["id"] for s in await client.slots() if not s.get("is_processing") and s["id"] not in ws.reserved]
+            # a slot that holds no restored conversation first
+            idle.sort(key=lambda slot: slot in ws.in_slot)
+            if not idle or not await asyncio.to_thread(ws.claim_one, snap):
+                return None
+            slot = int(idle[0])
+            await client.action(slot, "restore", snap.path.name)
+            evicted = ws.in_slot.pop(slot, None)
+            if evicted is not None:  # its conversation is on disk again, for whoever it serves next
+                ws.release(evicted.path)
+                ws.pending.append(evicted)
+            ws.in_slot[slot] = snap
+            ws.reserved.add(slot)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        log.warning("warm swap: no restore for this request: %r", exc)
         return None
     log.info("warm swap: restored %s (%d tokens) into slot %s for a request it serves",
-             snap.path.name, len(snap.tokens), idle[0])
-    return int(idle[0])
+             snap.path.name, len(snap.tokens), slot)
+    return slot
 
 
 async def save(ws: WarmSwap, client: SlotClient) -> dict:
-    """Save every slot that served a request since the start; then drop what the fresh saves
-    supersede, and trim every model's snapshots to the disk budget."""
-    if ws.off_reason or ws.dir is None:
+    """Save every slot that served a request since the start (not one that only a restore and its
+    probe touched); then drop what the fresh saves supersede, and trim every model's snapshots to
+    the disk budget. A slot that fails is logged; the others are still saved."""
+    if ws.off_reason or ws.dir is None or await asyncio.to_thread(ws.off_written):
         return {"saved": 0}
     started = time.monotonic()
     stamp = time.time_ns()
     fresh = []
     for slot in await client.slots():
-        if slot.get("id_task") is None:  # idle since the start: nothing, or a restore still on disk
-            continue
-        name = f"{stamp}-{slot['id']}.bin"
+        task = slot.get("id_task")
+        if task in (None, -1) or ws.untouched.get(slot.get("id"), object()) == task:
+            continue  # nothing served since the start (a restore's file is still on disk)
+        part = ws.dir / f"{stamp}-{slot['id']}{PART}"
         try:
-            answer = await client.action(int(slot["id"]), "save", name)
-        except (BadSnapshot, httpx.HTTPError) as exc:
-            log.warning("warm swap: slot %s not saved: %s", slot.get("id"), exc)
-            continue
-        path = ws.dir / name
-        if int(answer.get("n_saved") or 0) < MIN_TOKENS:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-            continue
-        fresh.append(await asyncio.to_thread(ws.seal, path))
+            answer = await client.action(int(slot["id"]), "save", part.name)
+            if int(answer.get("n_saved") or 0) < MIN_TOKENS:
+                await asyncio.to_thread(part.unlink, True)
+                continue
+            fresh.append(await asyncio.to_thread(ws.seal, part))
+        except Unsupported as exc:
+            await asyncio.to_thread(ws.turn_off, str(exc))
+            return {"saved": 0}
+        except (BadSnapshot, httpx.HTTPError, OSError, ValueError) as exc:
+            log.warning("warm swap: slot %s not saved: %r", slot.get("id"), exc)
+            with contextlib.suppress(OSError):
+                part.unlink(missing_ok=True)
     await asyncio.to_thread(ws.supersede, fresh)
     await asyncio.to_thread(ws.trim)
     report = {"saved": len(fresh), "tokens": sum(len(s.tokens) for s in fresh),

@@ -263,5 +263,24 @@ def test_a_conversation_left_on_disk_is_restored_when_its_next_turn_comes(make_p
     print(f"a's next turn, restored on demand: {cached} of {prompt} prompt tokens cached")
     assert cached >= TAKEN * prompt, (cached, prompt)
     assert "for a request it serves" in worker_log(pool, "tiny")
-    prompt, cached = b.turn()  # b's slot was taken by a: b's snapshot is on disk, held by this worker
-    assert prompt > 500
+    # a's restore took b's slot: b's snapshot went back on disk, and b's next turn restores it
+    prompt, cached = b.turn()
+    assert cached >= TAKEN * prompt, (cached, prompt)
+
+
+def test_where_a_runtime_cannot_save_its_slots_the_load_goes_on_cold_and_says_why(
+        make_pool, tiny_gguf, llama_server_bin):
+    """--no-slots (no slot calls at all), and a state directory that refuses (a file where the
+    model's directory would be): warm swaps are off for that worker, with the reason; the model
+    loads and serves."""
+    pool = make_pool([tiny(tiny_gguf, llama_server_bin, "noslots", extra_args=["--no-slots"]),
+                      tiny(tiny_gguf, llama_server_bin, "refused", load_on_start=False)])
+    kv_dir(pool, "refused").parent.mkdir(parents=True, exist_ok=True)
+    kv_dir(pool, "refused").write_text("not a directory")
+    load(pool, "refused")
+    for model, why in (("noslots", "--no-slots"), ("refused", "the state directory refused")):
+        Conversation(pool, model).turn()
+        view = warm_swap(pool, model)
+        assert not view["on"] and why in view["off_reason"], (model, view)
+        unload(pool, model)  # and its stop saves nothing, quietly
+        assert "Traceback" not in worker_log(pool, model)

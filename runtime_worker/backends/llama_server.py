@@ -12,6 +12,7 @@ bound its start and its stop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import platform
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from runtime_worker.backends.base import BackendLoadError, Event
 from runtime_worker.native_server import NativeServer, OpenAIServerBackend, extra_body
-from runtime_worker.warm_swap import SlotClient, restore, restore_for, save
+from runtime_worker.warm_swap import NO_SLOT_FILES, SlotClient, restore, restore_for, save
 
 
 def cached_llama_server() -> str | None:
@@ -67,6 +68,24 @@ def cache_ram_mb(options: dict) -> int:
     return int(options.get("cache_ram_mb", DEFAULT_CACHE_RAM_MB))
 
 
+async def knows_flag(binary: str, flag: str) -> bool:
+    """Whether `binary --help` lists `flag` (an older build may not know a newer flag, and would
+    refuse to start); True when the help cannot be read (the start will say what is wrong)."""
+    try:
+        proc = await asyncio.create_subprocess_exec(binary, "--help", stdin=asyncio.subprocess.DEVNULL,
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    except OSError:
+        return True
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), 10)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        return True
+    return flag.encode() in out
+
+
 RERANK_FLAGS = ("--reranking", "--rerank")  # llama-server serves /v1/rerank only when started with one
 
 
@@ -106,13 +125,16 @@ class LlamaServerBackend(OpenAIServerBackend):
         if reranks(self.options) and not any(a in RERANK_FLAGS for a in flags):
             flags.append("--reranking")
         if not any(a in CACHE_RAM_FLAGS for a in flags):
-            flags += ["--cache-ram", str(cache_ram_mb(self.options))]  # explicit: the pool counts it
+            if await knows_flag(binary, "--cache-ram"):
+                flags += ["--cache-ram", str(cache_ram_mb(self.options))]  # explicit: the pool counts it
+            else:
+                self.log.warning("this llama-server has no --cache-ram (an older build): its prompt cache is "
+                                 "its own, and the pool's estimate counts %d MB for it", cache_ram_mb(self.options))
         argv = [binary, "-m", model, *flags, "--host", "127.0.0.1", "--port", str(self.server.port), "--no-webui"]
         if self.options.get("threads"):
             argv += ["-t", str(self.options["threads"])]
         if self.warm_swap is not None:
-            kv_dir = await asyncio.to_thread(self.warm_swap.prepare, binary, model, flags)
-            argv += ["--slot-save-path", str(kv_dir)]
+            argv += await self._slot_save_path(binary, model, flags)
         await self.server.launch(argv, key_env="LLAMA_API_KEY")
         # no deadline here: the supervisor stops a worker not ready within the model's load_timeout_s
         await self.server.wait_healthy(math.inf)
@@ -123,6 +145,21 @@ class LlamaServerBackend(OpenAIServerBackend):
         if self.warm_swap is not None:  # before the first request: the slots are idle
             info["warm_swap"] = await restore(self.warm_swap, self._slots(), capacity)
         return capacity, info
+
+    async def _slot_save_path(self, binary: str, model: str, flags: list[str]) -> list[str]:
+        """Where this runtime saves its slots (warm swaps), as flags; none when it cannot (its
+        flags, or a state directory that refuses: then warm swaps are off for this worker, and
+        its Ready info says why)."""
+        ws = self.warm_swap
+        cannot = next((why for flag, why in NO_SLOT_FILES.items() if flag in flags), None)
+        if cannot is None:
+            try:
+                return ["--slot-save-path", str(await asyncio.to_thread(ws.prepare, binary, model, flags))]
+            except OSError as exc:
+                cannot = f"the state directory refused: {exc}"
+        self.log.warning("warm swap: off for this worker: %s", cannot)
+        ws.off_reason = cannot
+        return []
 
     def run(self, job: str, request: dict) -> AsyncIterator[Event]:
         if self.warm_swap is not None and self.warm_swap.pending:  # snapshots wait on disk: one may serve it
@@ -138,6 +175,7 @@ class LlamaServerBackend(OpenAIServerBackend):
             async for event in stream:
                 yield event
         finally:
+            self.warm_swap.reserved.discard(slot)
             await stream.aclose()
 
     def _slots(self) -> SlotClient:

@@ -93,7 +93,9 @@ class InferenceSurface:
         envelope (it is counted where it was raised)."""
         # read as a stream, not request.body(), which would keep the bytes for the request's
         # life: decoded, they are dropped (the guard hands the body over whole: no copy here)
-        raw = b"".join([chunk async for chunk in request.stream()])
+        chunks = [chunk async for chunk in request.stream() if chunk]
+        raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        del chunks
         try:
             body, data = request_body(raw, request.headers.get("content-type"), body_type)
         except PoolError as err:  # logged with the model the body named, its code and message

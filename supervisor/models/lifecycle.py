@@ -406,6 +406,7 @@ class Lifecycle:
                 raise PoolError(ErrorCode.INVALID_REQUEST, f"model {name!r} has no replica {replica}")
             drain_s = None if now else entry.cfg.drain_timeout_s
             failed = []
+            real_failure = False  # a replica failed to restart while nothing stopped the model
             for r in targets:  # one at a time: the others keep serving
                 if entry.state not in RUNNING or self.shutting_down:  # an unload or a stop came: it wins
                     failed.append(f"{r.name}: not restarted: the model is {entry.state.public.value}")
@@ -416,6 +417,8 @@ class Lifecycle:
                     await r.restart(drain_s)
                 except Exception as exc:
                     failed.append(f"{r.name}: {exc}")
+                    stopped_it = entry.state not in RUNNING or self.shutting_down  # an unload or a stop
+                    real_failure = real_failure or not stopped_it
                     emit(EventKind.RESTART_FAILED, f"replica {r.name}: restart failed: {exc}", model=name,
                          replica=r.index, by=by, level=logging.ERROR)
                 else:
@@ -424,5 +427,6 @@ class Lifecycle:
         finally:
             entry.action.release()
         if failed:
-            raise PoolError(ErrorCode.MODEL_UNLOADING if stopped else ErrorCode.LOAD_FAILED, "; ".join(failed))
+            raise PoolError(ErrorCode.MODEL_UNLOADING if stopped and not real_failure else ErrorCode.LOAD_FAILED,
+                            "; ".join(failed))
         return entry

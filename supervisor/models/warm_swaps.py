@@ -22,16 +22,20 @@ OFF_FILE = "OFF"  # runtime_worker.warm_swap.OFF_FILE: why a config's warm swaps
 
 def scan(root: Path) -> dict[str, dict]:
     """Per model directory: its saved conversations, tokens and bytes, and why warm swaps are off
-    for its current config (the newest config directory), if they are."""
+    for its config, if they are. Workers change the files meanwhile: what vanishes is skipped."""
     found: dict[str, dict] = {}
-    if not root.is_dir():
+    try:
+        model_dirs = [d for d in root.iterdir() if d.is_dir()]
+    except OSError:  # not made yet, or unreadable: nothing saved that the pool can show
         return found
-    for model_dir in root.iterdir():
-        configs = sorted((d for d in model_dir.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime) \
-            if model_dir.is_dir() else []
+    for model_dir in model_dirs:
         saved = {"conversations": 0, "tokens": 0, "bytes": 0}
         off = None
-        for config in configs:
+        try:
+            configs = [d for d in model_dir.iterdir() if d.is_dir()]
+        except OSError:
+            continue
+        for config in configs:  # one, but for a moment after a config change
             for sidecar in config.glob("*.json"):
                 try:
                     meta = json.loads(sidecar.read_text())
@@ -40,8 +44,10 @@ def scan(root: Path) -> dict[str, dict]:
                     saved["conversations"] += 1
                 except (OSError, ValueError, KeyError, TypeError):
                     continue  # mid-write, or deleted meanwhile: the worker's checks judge it
-        if configs and (configs[-1] / OFF_FILE).is_file():
-            off = (configs[-1] / OFF_FILE).read_text()[:500]
+            try:
+                off = (config / OFF_FILE).read_text()[:500] or off
+            except OSError:
+                pass
         found[model_dir.name] = {"saved": saved, "off": off}
     return found
 
