@@ -24,6 +24,7 @@ from supervisor.shapes.anthropic import anthropic_model_page
 from supervisor.engine import ModelRouterEngine
 from supervisor.edge.guard import TENANT_KEY, HttpEdge, error_response, internal_error, tenant_name
 from supervisor.edge.inference import InferenceSurface
+from supervisor.edge.schemas import serve_document
 from supervisor.telemetry.live import Activity
 from supervisor.telemetry.loop_lag import LoopLag
 from supervisor.telemetry.metrics import Metrics
@@ -55,7 +56,8 @@ def create_app(config: PoolConfig) -> HttpEdge:
 
     # FastAPI's OpenTelemetry hooks off: unused here (metrics are Prometheus), and checking
     # whether a provider is configured costs on every request
-    app = FastAPI(title="llm-pool", version="0.1.0", lifespan=lifespan,
+    # openapi_url=None: the document and its pages are served by edge.schemas.serve_document
+    app = FastAPI(title="llm-pool", version="0.1.0", lifespan=lifespan, openapi_url=None,
                   telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False})
     app.state.engine = engine
     app.state.activity = activity = Activity(engine)  # the request log and the live samples
@@ -75,6 +77,7 @@ def create_app(config: PoolConfig) -> HttpEdge:
 
     _answer_errors(app, metrics)
     _serve_probes(app, engine, admission, metrics)
+    serve_document(app)
     return edge
 
 

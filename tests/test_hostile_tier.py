@@ -48,10 +48,9 @@ CHAT = "/v1/chat/completions"
 ATTACKS = {
     "slowloris": (["-H"], "/health"),
     "slow body": (["-B", "-s", "1000000"], CHAT),  # a 1 MB body announced, sent a few bytes a second
-    # the page (6 KB) ten times per connection, read 5 bytes a second. Not /openapi.json: the pool
-    # renders it anew each time (about 1 ms of its loop), so 5,000 pipelined in the first 3 s are a
-    # request flood, which nginx's limit_req bounds and the pool alone does not (docs/security.md)
-    "slow read": (["-X", "-k", "10"], "/ui"),
+    # the OpenAPI document (its largest answer) ten times per connection, read 5 bytes a second;
+    # 5,000 pipelined in the first 3 s are a flood too: the pool serves it from bytes rendered once
+    "slow read": (["-X", "-k", "10"], "/openapi.json"),
     "range": (["-R"], "/openapi.json"),  # 'Apache killer': a Range of 2,000 overlapping parts
 }
 

@@ -8,7 +8,9 @@ import json
 import re
 
 import msgspec
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import Response
 
 from protocol.errors import ErrorCode, PoolError
 
@@ -49,6 +51,28 @@ def document(app: FastAPI, routes: dict[str, tuple[str, type[msgspec.Struct]]]) 
         return app.openapi_schema
 
     app.openapi = openapi
+
+
+def serve_document(app: FastAPI) -> None:
+    """/openapi.json from bytes rendered once (FastAPI renders the document anew for every
+    request: about a millisecond of the event loop each, which a flood of them turns into a
+    stall), and /docs and /redoc on it, with FastAPI's own pages. For an app made with
+    openapi_url=None (FastAPI's documented way to serve these routes oneself)."""
+    rendered: list[bytes] = []
+
+    async def openapi_json(request: Request) -> Response:
+        if not rendered:
+            rendered.append(json.dumps(app.openapi()).encode())
+        return Response(rendered[0], media_type="application/json")
+
+    async def docs(request: Request) -> Response:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - Swagger UI")
+
+    async def redoc(request: Request) -> Response:
+        return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
+
+    for path, endpoint in (("/openapi.json", openapi_json), ("/docs", docs), ("/redoc", redoc)):
+        app.add_route(path, endpoint, include_in_schema=False)
 
 
 # -- the request body ---------------------------------------------------------------------------------
