@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import socket
 import tempfile
 import time
@@ -584,8 +585,12 @@ def test_a_long_tokenize_answer_is_parsed_off_the_event_loop():
             watch.cancel()
         return result, max(stalls)
 
-    (tokens, failures), stall = asyncio.run(run())
-    assert tokens == ids and failures == 0
+    # the best of three: a busy machine only adds to a stall (a parse on the loop stalls it every time)
+    stall = math.inf
+    for _ in range(3):
+        (tokens, failures), one = asyncio.run(run())
+        assert tokens == ids and failures == 0
+        stall = min(stall, one)
     work = min(as_before() for _ in range(2))
     assert stall < work / 3, f"the loop stalled {stall * 1000:.0f} ms; the whole parse takes {work * 1000:.0f} ms"
 
