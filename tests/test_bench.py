@@ -155,7 +155,7 @@ def check_profile(report: str, path: Path) -> None:
     doc = json.loads(path.read_text())  # speedscope: frames shared by one sampled profile a thread
     assert any(p["samples"] for p in doc["profiles"]), doc
     frames = doc["shared"]["frames"]
-    assert any(f["name"] == "serve" and f["file"].endswith(("supervisor/cli.py", "supervisor/cli_serve.py"))
+    assert any(f["name"] == "serve" and f["file"].endswith(("supervisor/cli/main.py", "supervisor/cli/serve.py"))
                for p in doc["profiles"] for s in p["samples"] for f in (frames[i] for i in s)), "not the supervisor"
 
 

@@ -13,8 +13,8 @@ import gguf
 import pytest
 
 from supervisor.config import parse_config
-from supervisor.gguf_header import GGUFError, read_header
-from supervisor.quickstart import MAX_DEFAULT_CONTEXT, init_toml, model_name, pool_config
+from supervisor.cli.gguf_header import GGUFError, read_header
+from supervisor.cli.quickstart import MAX_DEFAULT_CONTEXT, init_toml, model_name, pool_config
 from tests.pool import Pool
 from tests.test_cli import cli
 

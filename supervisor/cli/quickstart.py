@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from supervisor.config import NAME_MAX, NAME_PATTERN, ConfigError, PoolConfig, parse_config
-from supervisor.gguf_header import GGUFError, GGUFInfo, read_header
+from supervisor.cli.gguf_header import GGUFError, GGUFInfo, read_header
 
 # A trained context of 128K tokens would make llama-server reserve its KV cache for all of it
 # (gigabytes for a 7B model): per slot, the file's context up to this; --ctx-size for more.

@@ -56,7 +56,7 @@ def serve(files: GgufFiles = None,
         if config is not None:
             cfg = load_config(config)
         else:
-            from supervisor.quickstart import pool_config
+            from supervisor.cli.quickstart import pool_config
             cfg = pool_config(ggufs, slots=slots or 1, ctx_per_slot=ctx_size)
     except ConfigError as exc:
         typer.echo(f"llm-pool: config error: {exc}", err=True)
@@ -82,7 +82,7 @@ def init(files: Annotated[list[Path], typer.Argument(metavar="MODEL.gguf", help=
          slots: Slots = None, ctx_size: CtxSize = None) -> None:
     """Print a commented pool.toml serving these GGUF files: llm-pool init *.gguf > pool.toml"""
     from supervisor.config import ConfigError
-    from supervisor.quickstart import init_toml
+    from supervisor.cli.quickstart import init_toml
     try:
         typer.echo(init_toml(files, slots=slots or 1, ctx_per_slot=ctx_size), nl=False)
     except ConfigError as exc:

@@ -13,9 +13,9 @@ from urllib.parse import quote
 
 import typer
 
-from supervisor import cli_format as fmt
-from supervisor.cli_client import Failure, call, sse_events, until_ctrl_c
-from supervisor.cli_serve import init, serve
+from supervisor.cli import formatting as fmt
+from supervisor.cli.client import Failure, call, sse_events, until_ctrl_c
+from supervisor.cli.serve import init, serve
 from supervisor.printable import printable
 
 # The operator's commands answer in a fraction of a second: what only `serve` needs (the
@@ -30,7 +30,7 @@ def _main() -> None:
     """Serve several local LLMs behind one OpenAI-compatible API."""
 
 
-app.command()(serve)  # supervisor/cli_serve.py
+app.command()(serve)  # supervisor/cli/serve.py
 app.command()(init)
 
 
