@@ -274,7 +274,9 @@ def test_a_crash_loop_is_one_line_and_the_supervisors_start_and_stop_are_events(
 def test_a_crash_restart_backing_off_shows_its_countdown(make_pool):
     pool = make_pool([synthetic("syn", replicas=2)])
     for crash in range(4):  # crashes in a row back off longer each time: 0, 0.5, 1, then 2 s (base_s 0.5)
-        pid = pool.workers("syn")[0]["pid"]
+        # /ready needs one replica of two: replica 0 may still be starting at first
+        pid = wait_for(lambda: (w := pool.workers("syn")[0])["state"] == "ready" and w["pid"], 30,
+                       what="replica 0 ready")
         os.kill(pid, signal.SIGKILL)
         if crash < 3:
             wait_for(lambda: (w := pool.workers("syn")[0])["state"] == "ready" and w["pid"] != pid, 30,
