@@ -126,7 +126,8 @@ def test_failed_first_the_tab_says_so_errors_are_charted_and_empty_cells_are_emp
     wait_for(lambda: page.evaluate("state.samples.length") >= 2, 10, what="live samples")
     expect(page.locator("#now-errors")).to_have_text("4xx 0, 5xx 0")
     for model, content in (("nope", "x"), ("nope", "y"), ("boom", "boom"), ("aaa", "hi")):
-        pool.http.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": content}]})
+        pool.http.post("/v1/chat/completions",
+                       json={"model": model, "messages": [{"role": "user", "content": content}]})
     expect(page.locator("#now-errors")).to_have_text("4xx 2, 5xx 1", timeout=5000)
     wait_for(lambda: int(page.locator("#chart-errors").get_attribute("data-points") or 0) >= 2, 5,
              what="the errors chart drawn")

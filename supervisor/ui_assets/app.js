@@ -438,8 +438,9 @@ function speedCell(r, value) {
 
 function speedsText(r) {
   const from = r.speeds_from === "runtime" ? "timed by the runtime" : "derived from the pool's times";
-  return `prefill ${r.prefill_tokens_per_s ?? "-"} tok/s, decode ${r.decode_tokens_per_s ?? "-"} tok/s ` +
-    `(${r.speeds_from ? from : "no figures"}), overall ${r.tokens_per_s ?? "-"} tok/s`;
+  const speed = (name, v) => (v == null ? `${name}: none` : `${name} ${v} tok/s`);
+  return `${speed("prefill", r.prefill_tokens_per_s)}, ${speed("decode", r.decode_tokens_per_s)} ` +
+    `(${r.speeds_from ? from : "no figures"}), ${speed("overall", r.tokens_per_s)}`;
 }
 
 // The request log, newest first: the first fetch takes the newest ACTIVITY_PAGE rows, each later one
@@ -551,10 +552,10 @@ function showRequest(r) {
   if (String(window.getSelection())) return; // the click ended a text selection (copying an error code)
   const detail = $("#request-detail");
   state.selected = r.id;
-  const parts = [`#${r.id} ${r.model || "-"} ${r.endpoint}: HTTP ${r.status}` + (r.error_code ? ` ${r.error_code}` : "")];
+  const parts = [`#${r.id} ${r.model || "(no model)"} ${r.endpoint}: HTTP ${r.status}` + (r.error_code ? ` ${r.error_code}` : "")];
   if (r.error_message) parts.push(r.error_message);
   if (r.tenant) parts.push(`tenant: ${r.tenant}`);
-  if (r.tokens_out) parts.push(`tokens: ${r.tokens_in ?? "-"} in (cached: ` +
+  if (r.tokens_out) parts.push(`tokens: ${r.tokens_in ?? "none"} in (cached: ` +
     `${r.cached_tokens ?? "not reported by the runtime"}), ${r.tokens_out} out; ` + speedsText(r));
   if (r.prompt) parts.push("prompt: " + r.prompt);
   if (r.output) parts.push("output: " + r.output);
@@ -571,17 +572,17 @@ function showRequest(r) {
 function storyText(s) {
   const at = (t) => clock(t, {millis: true});
   const a = s.admission, lim = a.limits;
-  const lines = [`story of ${s.request_id ?? "-"}: started ${at(s.started)}, ended ${at(s.ended)}`,
-    `admission: tenant ${a.tenant ?? "-"}` +
+  const lines = [`story of ${s.request_id ?? "a request with no id"}: started ${at(s.started)}, ended ${at(s.ended)}`,
+    `admission: tenant ${a.tenant ?? "none"}` +
       (lim ? ` (${Object.entries(lim).map(([k, v]) => `${k} ${v}`).join(", ") || "no limits"})` : "") +
       (a.refused_by ? `; refused: ${a.refused_by}` : ""),
     `queue wait ${ms(s.queue_wait_ms) || "none"}, replica ${s.replica ?? "none"}, TTFT ${ms(s.ttft_ms) || "none"}, ` +
       `duration ${ms(s.duration_ms)}`,
     `end: HTTP ${s.end.status}` + (s.end.error_code ? ` ${s.end.error_code}: ${s.end.error_message ?? ""}` : ""),
     `events (±${s.around_s} s):` + (s.events.length ? "" : " none"),
-    ...s.events.map((e) => `  ${at(e.ts)} ${e.level} ${e.kind} ${e.model ?? "-"}` +
+    ...s.events.map((e) => `  ${at(e.ts)} ${e.level} ${e.kind} ${e.model ?? "pool"}` +
       (e.replica !== null && e.replica !== undefined ? `/${e.replica}` : "") + `: ${e.message}`),
-    `log of ${s.log.replica ?? "-"} (±${s.around_s} s)` + (s.log.note ? ` (${s.log.note})` : "") + ":" +
+    `log of ${s.log.replica ?? "no replica"} (±${s.around_s} s)` + (s.log.note ? ` (${s.log.note})` : "") + ":" +
       (s.log.lines.length ? "" : " none"),
     ...s.log.lines.map((line) => "  " + line)];
   return lines.join("\n");
