@@ -50,6 +50,9 @@ def test_a_crash_loop_folds_filters_and_opens_by_touch_at_a_phones_width(make_po
     expect(reloads).to_have_attribute("data-count", "3")
     expect(reloads.locator(".kind")).to_have_text("reloaded ×3")
     expect(reloads.locator("td").nth(2)).to_have_text("pool")
+    page.select_option("#events-model", "(pool)")  # the pool's own events: no model's
+    expect(reloads).to_have_count(1)
+    expect(page.locator('#events tbody tr[data-kind="loaded"]')).to_have_count(0)
 
     # the crash loop, by model and level: one red row, ×3 (its state events, warnings, filtered out)
     page.select_option("#events-model", "loop")
@@ -85,7 +88,10 @@ def test_a_crash_loop_folds_filters_and_opens_by_touch_at_a_phones_width(make_po
     assert box["x"] >= 0 and box["x"] + box["width"] <= 390, box
     assert_fits(page, "an event opened at 390 px")
     ui.shot("event-open-390")
-    page.wait_for_timeout(2500)  # two event refreshes: the row stays open (its state is the page's, not the row's)
+    # a new event remakes the rows: the open one stays open (which rows are open is the page's, not a row's)
+    assert pool.http.post("/admin/reload").status_code == 200
+    newest = pool.http.get("/admin/events", params={"limit": 1}).json()["events"][-1]["id"]
+    wait_for(lambda: page.evaluate("state.lastEvent") >= newest, 10, what="the page has the new event")
     expect(crashed).to_have_class(re.compile(r"\bopen\b"))
     crashed.tap()
     expect(crashed).not_to_have_class(re.compile(r"\bopen\b"))
@@ -131,6 +137,9 @@ def test_failed_first_the_tab_says_so_errors_are_charted_and_empty_cells_are_emp
     expect(page.locator("#now-errors")).to_have_text("4xx 2, 5xx 1", timeout=5000)
     wait_for(lambda: int(page.locator("#chart-errors").get_attribute("data-points") or 0) >= 2, 5,
              what="the errors chart drawn")
+    chart = page.locator("#chart-errors")
+    chart.hover(position={"x": chart.bounding_box()["width"] - 18, "y": 40})  # "now": the newest sample
+    expect(page.locator("#chart-tip")).to_have_text(re.compile(r"^\d\d:\d\d:\d\d: 4xx \d+, 5xx \d+$"))
     expect(page.locator("#activity tbody tr")).to_have_count(4)
     expect(page.locator('#workers tr[data-worker="ghost/0"]')).to_have_count(1)
 

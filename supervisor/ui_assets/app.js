@@ -302,7 +302,7 @@ async function refreshModels() {
   $("#health").className = health.some((m) => m.state === "failed") ? "health bad" : "health warn";
   markTab(health);
   fillFilter("#filter-model", state.models);
-  fillFilter("#events-model", ["pool", ...new Set([...state.models, ...state.events.map((e) => e.model)
+  fillFilter("#events-model", [POOL, ...new Set([...state.models, ...state.events.map((e) => e.model)
     .filter((n) => n != null)])]);
   fill("#models", models.map((m) => el("tr", {"data-model": m.name, class: `model-${m.state}`},
     cut("name", m.name), el("td", {}, m.backend), stateCell(m.state),
@@ -595,6 +595,7 @@ function storyText(s) {
 // (the newest EVENTS_KEEP) and the rows made from them at each change.
 const EVENTS_KEEP = 1000;
 const LEVELS = {info: 0, warning: 1, error: 2};
+const POOL = "(pool)"; // the model filter's choice for the pool's own events (no model name starts with "(")
 const where = (e) => (e.model ?? "pool") + (e.replica == null ? "" : `/${e.replica}`);
 const alike = (e) => `${e.kind}\n${where(e)}\n${e.message.replace(/\d+(\.\d+)?/g, "#")}`;
 
@@ -613,7 +614,7 @@ function foldEvents() {
   const model = $("#events-model").value, level = $("#events-level").value;
   const runs = [];
   for (const e of state.events) {
-    if (model && (e.model ?? "pool") !== model) continue;
+    if (model && (e.model ?? POOL) !== model) continue;
     if (level && (level === "warning" ? (LEVELS[e.level] ?? 0) < 1 : e.level !== level)) continue;
     const run = runs[runs.length - 1];
     if (run && alike(run.last) === alike(e)) { run.last = e; run.count += 1; } else runs.push({first: e, last: e, count: 1});
@@ -737,8 +738,13 @@ function draw() {
   }));
 }
 
-// Hover on a chart: the sample nearest the pointer, each model's value at that time.
-for (const [id, , label] of CHARTS.map(([i, v, l = v]) => [i, v, l])) {
+// Hover on a chart: the sample nearest the pointer, each model's value at that time (the errors
+// chart: what that sample added of each class)
+const HOVERS = [...CHARTS.map(([id, v, label = v]) => [id, (s) => Object.keys(s.models).sort()
+  .map((n) => `${short(n)} ${label(s.models[n])}`).join(", ")]),
+  ["errors", (s) => ERROR_SERIES.map(([kind]) => `${kind} ${errorsAdded(s, state.samples[state.samples.indexOf(s) - 1],
+                                                                             kind) ?? "no figure"}`).join(", ")]];
+for (const [id, describe] of HOVERS) {
   const canvas = $(`#chart-${id}`);
   canvas.addEventListener("mousemove", (e) => {
     const rect = canvas.getBoundingClientRect();
@@ -748,8 +754,7 @@ for (const [id, , label] of CHARTS.map(([i, v, l = v]) => [i, v, l])) {
     for (const s of state.samples) if (!best || Math.abs(s.t - t) < Math.abs(best.t - t)) best = s;
     const tip = $("#chart-tip");
     if (!best) { tip.hidden = true; return; }
-    tip.textContent = `${clock(best.t)}: ` +
-      Object.keys(best.models).sort().map((n) => `${short(n)} ${label(best.models[n])}`).join(", ");
+    tip.textContent = `${clock(best.t)}: ${describe(best)}`;
     tip.style.left = `${e.pageX + 12}px`; // CSSOM: the CSP allows no inline style attribute
     tip.style.top = `${e.pageY + 12}px`;
     tip.hidden = false;
@@ -777,13 +782,11 @@ function shares(names) {
 // The pool's errors a second, the clients' (4xx) apart from its own (5xx): each sample carries the
 // counts since the supervisor started (`errors`), a point is what one sample added to the one before
 const ERROR_SERIES = [["4xx", "#b7791f"], ["5xx", "#c53030"]];
+const errorsAdded = (s, prev, kind) => (s.errors && prev && prev.errors ? Math.max(0, s.errors[kind] - prev.errors[kind])
+  : null);
 function errorsChart() {
   const before = new Map(state.samples.map((s, i) => [s, state.samples[i - 1]]));
-  const added = (kind) => (s) => {
-    const prev = before.get(s);
-    return s.errors && prev && prev.errors ? Math.max(0, s.errors[kind] - prev.errors[kind]) : null;
-  };
-  chart("#chart-errors", ERROR_SERIES.map(([kind, c]) => [c, added(kind)]));
+  chart("#chart-errors", ERROR_SERIES.map(([kind, c]) => [c, (s) => errorsAdded(s, before.get(s), kind)]));
   const first = state.samples[0], last = state.samples[state.samples.length - 1];
   const total = (kind) => (first && first.errors && last.errors ? last.errors[kind] - first.errors[kind] : 0);
   const now = $("#now-errors");
