@@ -95,6 +95,15 @@ def test_a_crash_loop_folds_filters_and_opens_by_touch_at_a_phones_width(make_po
     expect(crashed).to_have_class(re.compile(r"\bopen\b"))
     crashed.tap()
     expect(crashed).not_to_have_class(re.compile(r"\bopen\b"))
+    crashed.press("Enter")  # the keyboard's way
+    expect(crashed).to_have_attribute("aria-expanded", "true")
+
+    # warnings and errors: the crashes (and any warning), not the loads (info)
+    page.select_option("#events-level", "warning")
+    expect(page.locator('#events tbody tr[data-kind="crashed"]')).to_have_count(1)
+    expect(page.locator('#events tbody tr[data-kind="loaded"]')).to_have_count(0)
+    page.select_option("#events-level", "info")
+    expect(page.locator('#events tbody tr[data-kind="loaded"]')).to_have_count(1)
     assert ui.errors == []
 
 
