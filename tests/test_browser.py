@@ -40,8 +40,8 @@ class Page:
     """A fresh browser context (its own sessionStorage) on one pool's page,
     collecting console errors and uncaught exceptions."""
 
-    def __init__(self, browser, pool: Pool, shots: Path) -> None:
-        self.context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    def __init__(self, browser, pool: Pool, shots: Path, **context) -> None:
+        self.context = browser.new_context(**{"viewport": {"width": 1400, "height": 1000}, **context})
         self.page = self.context.new_page()
         self.errors: list[str] = []
         self.requests: list = []
@@ -65,8 +65,8 @@ class Page:
 def open_page(browser, tmp_path):
     pages: list[Page] = []
 
-    def open_(pool: Pool) -> Page:
-        pages.append(Page(browser, pool, tmp_path))
+    def open_(pool: Pool, **context) -> Page:  # context: Playwright's new_context options (a phone's)
+        pages.append(Page(browser, pool, tmp_path, **context))
         return pages[-1]
 
     yield open_

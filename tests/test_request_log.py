@@ -172,6 +172,24 @@ def test_live_samples_over_sse(make_pool):
                 break
 
 
+def test_live_samples_count_errors_by_status_class(make_pool):
+    """Each sample carries the 4xx and the 5xx since start (the page's errors chart)."""
+    model = synthetic("s")
+    model["options"].update(chaos="lone_surrogate", chaos_prompt="boom")  # "boom": the worker fails it, 502
+    pool = make_pool([model])
+    assert chat(pool, "nope").status_code == 404
+    assert chat(pool, "s", "boom").status_code == 502
+    assert chat(pool, "s").status_code == 200
+    seen = []
+    with pool.http.stream("GET", "/admin/live", timeout=10) as stream:
+        for line in stream.iter_lines():  # a sample a second: the counts within a few
+            if line.startswith("data: {"):
+                seen.append(json.loads(line[6:])["errors"])
+                if seen[-1] == {"4xx": 1, "5xx": 1} or len(seen) > 10:
+                    break
+    assert seen[-1] == {"4xx": 1, "5xx": 1}, seen
+
+
 def test_log_tail_over_sse_follows_new_lines(make_pool):
     pool = make_pool([synthetic("t")])
     path = pool.config_path.parent / "state" / "llm-pool" / "logs" / "t-0.log"

@@ -78,6 +78,7 @@ class Activity:
         self._shown: dict[str, str] = {}  # per model: the state shown at the last sample (state events)
         # prompt + output tokens of finished requests per model and tenant, since start (the page's shares)
         self._tenant_tokens: dict[str, dict[str, int]] = {}
+        self._errors = {"4xx": 0, "5xx": 0}  # finished requests with an error status, since start (the page's chart)
         self.latency = LatencyWindow()  # TTFT, duration and queue wait p50/p95 per model, per sample
         self._watchers: set[asyncio.Queue] = set()
         self._task: asyncio.Task | None = None
@@ -112,6 +113,8 @@ class Activity:
                  fallback_chain: str | None = None) -> None:
         """One row for the request log (in COLUMNS order). On every request's path: kept cheap.
         `fallback_chain`: what a request tried that no model served (else the job's chain says)."""
+        if status >= 400:
+            self._errors["5xx" if status >= 500 else "4xx"] += 1
         queued = ttft = duration = tokens_in = tokens_out = prompt = output = cached = prefill = decode = None
         if done is not None:
             usage = done.usage
@@ -165,7 +168,7 @@ class Activity:
                             "tenants": dict(self._tenant_tokens.get(name, {})),
                             "latency": self.latency.figures(name)}
         self.latency.forget(set(self.engine.models))
-        return {"t": round(time.time(), 3), "models": models}
+        return {"t": round(time.time(), 3), "models": models, "errors": dict(self._errors)}
 
     def _state_event(self, name: str, entry, health: dict) -> None:
         """A move to degraded or failed (or back) goes to the timeline and the log."""

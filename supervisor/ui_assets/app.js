@@ -13,7 +13,7 @@ class Unauthorized extends Error {}
 
 const state = {running: false, samples: [], logTarget: null, logAbort: null, liveAbort: null,
                selected: null, timers: [], offlineSince: null, lastEvent: 0, models: [], logPaused: [],
-               hover: null};
+               hover: null, events: [], openEvents: new Set()};
 const CLIENT = {"X-LLM-Pool-Client": "page"}; // who asks, for the pool's event timeline
 
 // -- talking to the pool ------------------------------------------------------------------
@@ -116,6 +116,7 @@ function begin() {
   $("#main").hidden = false;
   $("#forget-key").hidden = sessionStorage.getItem(KEY) === null;
   state.lastEvent = 0;
+  state.events = [];
   $("#events tbody").replaceChildren();
   activity.filters = null; // the activity table starts over
   every(1000, refreshModels);
@@ -156,7 +157,7 @@ function every(ms, work) {
 // when; the next answer that comes brings it back.
 function offline(err) {
   if (state.offlineSince === null) state.offlineSince = new Date();
-  const since = state.offlineSince.toLocaleTimeString();
+  const since = clock(state.offlineSince.getTime() / 1000);
   $("#main").classList.add("is-offline");
   const banner = $("#offline");
   banner.textContent = `The pool is not answering since ${since} (${err.message}); what is shown below is from before. ` +
@@ -198,15 +199,16 @@ function el(tag, attrs = {}, ...children) {
     else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
     else node.setAttribute(k, v);
   }
-  for (const child of children) node.append(child instanceof Node ? child : printable(child ?? "-"));
+  for (const child of children) if (child != null) node.append(child instanceof Node ? child : printable(child));
   return node;
 }
 
-const num = (value) => el("td", {class: "num"}, value ?? "-");
+// nothing to say: an empty cell (never "-", "null" or "undefined")
+const num = (value) => el("td", {class: "num"}, value);
 const stateCell = (s) => el("td", {}, el("span", {class: `state state-${s}`}, s));
 
 function bytes(n) {
-  if (n == null) return "-";
+  if (n == null) return "";
   const units = ["B", "KiB", "MiB", "GiB", "TiB"];
   let i = 0;
   while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
@@ -214,7 +216,7 @@ function bytes(n) {
 }
 
 function duration(s) {
-  if (s == null) return "-";
+  if (s == null) return "";
   s = Math.round(s);
   if (s < 60) return `${s}s`;
   if (s < 3600) return `${Math.floor(s / 60)}m${String(s % 60).padStart(2, "0")}s`;
@@ -222,13 +224,29 @@ function duration(s) {
   return `${Math.floor(s / 86400)}d${Math.floor(s % 86400 / 3600)}h`;
 }
 
-const ms = (v) => (v == null ? "-" : v < 1000 ? `${Math.round(v)} ms` : `${(v / 1000).toFixed(2)} s`);
+const ms = (v) => (v == null ? "" : v < 1000 ? `${Math.round(v)} ms` : `${(v / 1000).toFixed(2)} s`);
 
-function ago(when) { // unix seconds or an ISO 8601 time
-  if (when == null) return "-";
-  const unix = typeof when === "string" ? Date.parse(when) / 1000 : when;
+const unixOf = (when) => (typeof when === "string" ? Date.parse(when) / 1000 : when); // unix seconds or ISO 8601
+
+function ago(when) {
+  if (when == null) return "";
+  const unix = unixOf(when);
   return Number.isFinite(unix) ? duration(Math.max(0, Date.now() / 1000 - unix)) + " ago" : String(when);
 }
+
+// One time format on the whole page: 24-hour local time, HH:MM:SS (milliseconds where they
+// matter), the date before it when it is not today's
+const pad2 = (n) => String(n).padStart(2, "0");
+function clock(unix, {millis = false} = {}) {
+  const d = new Date(unix * 1000);
+  let text = `${pad2(d.getHours())}:${pad2(d.getMinutes())}:${pad2(d.getSeconds())}`;
+  if (millis) text += "." + String(d.getMilliseconds()).padStart(3, "0");
+  if (d.toDateString() !== new Date().toDateString()) {
+    text = `${d.getFullYear()}-${pad2(d.getMonth() + 1)}-${pad2(d.getDate())} ${text}`;
+  }
+  return text;
+}
+const timeCell = (unix) => el("td", {class: "time"}, clock(unix));
 
 // A name, or a client's or runtime's text, in a cell: clipped to its column (by an inner span: a
 // table cell's own max-width does not hold), the whole of it on hover. `lines`: wrapped up to 3 lines.
@@ -275,23 +293,45 @@ function setContent(node, ...children) {
 
 // -- models ------------------------------------------------------------------------------------
 async function refreshModels() {
-  const {models} = await api("/admin/models");
-  state.models = models.map((m) => m.name);
-  const health = models.filter((m) => m.state === "degraded" || m.state === "failed");
+  const got = (await api("/admin/models")).models;
+  state.models = got.map((m) => m.name);
+  // what needs the operator first: failed, then degraded, then the rest as the pool lists them
+  const models = [...got].sort((a, b) => (TROUBLE[a.state] ?? 2) - (TROUBLE[b.state] ?? 2));
+  const health = models.filter((m) => m.state in TROUBLE);
   $("#health").textContent = health.length ? health.map((m) => `${m.name} ${m.state}`).join(", ") : "";
   $("#health").className = health.some((m) => m.state === "failed") ? "health bad" : "health warn";
-  fillFilter("#filter-model", models.map((m) => m.name));
+  markTab(health);
+  fillFilter("#filter-model", state.models);
+  fillFilter("#events-model", [POOL, ...new Set([...state.models, ...state.events.map((e) => e.model)
+    .filter((n) => n != null)])]);
   fill("#models", models.map((m) => el("tr", {"data-model": m.name, class: `model-${m.state}`},
     cut("name", m.name), el("td", {}, m.backend), stateCell(m.state),
     num(`${m.ready ?? m.replicas_ready}/${m.configured ?? m.replicas}`), num(m.queue_depth),
     num(`${m.runtime_inflight} / ${m.configured_target_inflight}/${m.effective_target_inflight}`),
-    el("td", {}, ago(m.last_used_at)),
-    el("td", {}, m.idle_unload_in_s == null ? "-" : duration(m.idle_unload_in_s)),
-    el("td", {class: "memory"}, m.memory_mb == null ? "-" : `${m.memory_mb} MB${m.memory_source ? " (" + m.memory_source + ")" : ""}`,
+    el("td", {class: "last-used", title: m.last_used_at == null ? "" : clock(unixOf(m.last_used_at))},
+       ago(m.last_used_at)),
+    el("td", {}, duration(m.idle_unload_in_s)),
+    el("td", {class: "memory"}, m.memory_mb == null ? "" : `${m.memory_mb} MB${m.memory_source ? " (" + m.memory_source + ")" : ""}`,
       ...warmSwap(m.warm_swap)),
     cut("reason", m.error || plannedWork(m), {lines: true}),
     el("td", {class: "actions"}, ...["load", "unload", "restart"].map((action) =>
       el("button", {class: action, "data-action": action, onclick: () => act(m.name, action)}, action))))));
+}
+
+const TROUBLE = {failed: 0, degraded: 1}; // the models table's order: these first
+
+// The tab says when a model is failed or degraded (its title, and a red or amber dot for its icon),
+// so a tab in the background tells the operator to look
+const DOT = (fill) => "data:image/svg+xml," + encodeURIComponent(
+  `<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 16 16"><circle cx="8" cy="8" r="7" fill="${fill}"/></svg>`);
+function markTab(health) {
+  const failed = health.filter((m) => m.state === "failed").length, degraded = health.length - failed;
+  const parts = [failed && `${failed} failed`, degraded && `${degraded} degraded`].filter(Boolean);
+  const title = parts.length ? `${failed ? "✖" : "▲"} ${parts.join(", ")} · llm-pool` : "llm-pool";
+  if (document.title !== title) document.title = title;
+  const icon = failed ? DOT("#c53030") : degraded ? DOT("#b7791f") : "data:,";
+  const link = $("#favicon");
+  if (link.getAttribute("href") !== icon) link.setAttribute("href", icon);
 }
 
 // A model's warm swaps under its memory: what KV it keeps on disk, or why they are off (none: its runtime cannot)
@@ -331,17 +371,18 @@ async function refreshWorkers() {
     cut("replica", `${w.model}/${w.replica}`),
     // a Ray node by its address (hosts may share a name), its id on hover
     el("td", {class: "node", title: w.node_id ? `Ray node ${w.node_id} (${w.node})` : "this host"},
-       (w.node_id ? w.node_address : w.node) ?? w.node ?? "-"),
-    el("td", {class: "pid num"}, w.pid ?? "-"), stateCell(w.state),
+       (w.node_id ? w.node_address : w.node) ?? w.node),
+    el("td", {class: "pid num"}, w.pid), stateCell(w.state),
     // crashes (unplanned exits) apart from restarts; who ended the last one, and why, on hover
     // (and in the last error column after a crash)
     num(duration(w.uptime_s)), num(w.restarts), num(w.crashes ?? 0),
     el("td", {class: "last-exit num", title: w.last_exit_why ? `${w.last_exit_by}: ${w.last_exit_why}` : ""},
-       w.last_exit ?? "-"),
+       w.last_exit),
     num(`${w.inflight}/${w.capacity}`),
-    num(bytes(w.rss_bytes)), num(w.cpu_percent == null ? "-" : w.cpu_percent.toFixed(1) + "%"),
-    num(w.gpu_memory_bytes == null ? "-" : bytes(w.gpu_memory_bytes)),
-    cut("children", w.children.map((c) => `${c.name}:${c.pid} (${bytes(c.rss_bytes)})`).join(", ") || "-"),
+    num(bytes(w.rss_bytes)), num(w.cpu_percent == null ? "" : w.cpu_percent.toFixed(1) + "%"),
+    num(bytes(w.gpu_memory_bytes)),
+    cut("children", w.children.map((c) => `${c.name}:${c.pid}` + (c.rss_bytes == null ? "" : ` (${bytes(c.rss_bytes)})`))
+      .join(", ")),
     cut("reason", w.last_error || "", {lines: true}))));
   const targets = ["supervisor", ...workers.map((w) => `${w.model}/${w.replica}`)];
   if (state.logTarget && !targets.includes(state.logTarget)) targets.push(state.logTarget); // stopped: still readable
@@ -366,7 +407,7 @@ async function refreshRouting() {
     ...DECISIONS.map((d) => el("td", {class: `decision-${d} num`}, w.routing.decisions[d] ?? 0)),
     num(`${w.routing.cached_tokens} / ${w.routing.prompt_tokens}`),
     el("td", {class: "hit-ratio num"},
-       w.routing.cache_hit_ratio == null ? "-" : `${(w.routing.cache_hit_ratio * 100).toFixed(1)}%`))));
+       w.routing.cache_hit_ratio == null ? "" : `${(w.routing.cache_hit_ratio * 100).toFixed(1)}%`))));
 }
 
 // -- activity -----------------------------------------------------------------------------------
@@ -392,7 +433,7 @@ async function refreshTenants() {
 
 // A phase speed: the runtime's own figure as is, one derived from the pool's times marked "~"
 function speedCell(r, value) {
-  if (value == null) return el("td", {class: "speed num"}, "-");
+  if (value == null) return el("td", {class: "speed num"});
   const derived = r.speeds_from !== "runtime";
   return el("td", {class: "speed num" + (derived ? " derived" : ""),
                    title: derived ? "derived from the pool's own times" : "timed by the runtime"},
@@ -401,8 +442,9 @@ function speedCell(r, value) {
 
 function speedsText(r) {
   const from = r.speeds_from === "runtime" ? "timed by the runtime" : "derived from the pool's times";
-  return `prefill ${r.prefill_tokens_per_s ?? "-"} tok/s, decode ${r.decode_tokens_per_s ?? "-"} tok/s ` +
-    `(${r.speeds_from ? from : "no figures"}), overall ${r.tokens_per_s ?? "-"} tok/s`;
+  const speed = (name, v) => (v == null ? `${name}: none` : `${name} ${v} tok/s`);
+  return `${speed("prefill", r.prefill_tokens_per_s)}, ${speed("decode", r.decode_tokens_per_s)} ` +
+    `(${r.speeds_from ? from : "no figures"}), ${speed("overall", r.tokens_per_s)}`;
 }
 
 // The request log, newest first: the first fetch takes the newest ACTIVITY_PAGE rows, each later one
@@ -422,15 +464,15 @@ function activityParams(extra) {
 
 function activityRow(r) {
   return el("tr", {"data-id": r.id, class: r.status >= 400 ? "err" : "", onclick: () => showRequest(r)},
-    el("td", {}, new Date(r.ts * 1000).toLocaleTimeString()),
-    cut("model", r.model || "-", {title: r.model || ""}), cut("tenant", r.tenant || "-", {title: r.tenant || ""}),
+    timeCell(r.ts),
+    cut("model", r.model || "", {title: r.model || ""}), cut("tenant", r.tenant || "", {title: r.tenant || ""}),
     el("td", {}, r.endpoint), el("td", {class: "status num"}, r.status),
     cut("code", r.error_code || "", {title: r.error_message || ""}),
     num(ms(r.queued_ms)), num(ms(r.ttft_ms)), num(ms(r.duration_ms)),
-    el("td", {class: "tokens-in num"}, r.tokens_in ?? "-"),
+    el("td", {class: "tokens-in num"}, r.tokens_in),
     el("td", {class: "cached num"}, r.cached_tokens ?? ""),
-    el("td", {class: "tokens-out num"}, r.tokens_out ?? "-"),
-    el("td", {class: "num", title: speedsText(r)}, r.tokens_per_s ?? "-"),
+    el("td", {class: "tokens-out num"}, r.tokens_out),
+    el("td", {class: "num", title: speedsText(r)}, r.tokens_per_s),
     speedCell(r, r.prefill_tokens_per_s), speedCell(r, r.decode_tokens_per_s));
 }
 
@@ -471,8 +513,8 @@ const refreshActivity = inTurn(async () => {
   showErrorRate(summary);
   // its request id, as `llm-pool requests --id` and the request log know it (cut: the whole in its title)
   fill("#inflight", summary.in_flight.map((j) => el("tr", {"data-job": j.id, "data-request-id": j.request_id ?? ""},
-    cut("request-id", j.request_id ?? "-"), cut("tenant", j.tenant), cut("model", j.model), el("td", {}, j.endpoint),
-    cut("replica", j.replica ?? "-"), el("td", {}, j.state + (j.streaming ? " (streaming)" : "")),
+    cut("request-id", j.request_id ?? ""), cut("tenant", j.tenant), cut("model", j.model), el("td", {}, j.endpoint),
+    cut("replica", j.replica ?? ""), el("td", {}, j.state + (j.streaming ? " (streaming)" : "")),
     el("td", {class: "age num"}, duration(j.age_s)))));
   $("#inflight").hidden = summary.in_flight.length === 0;
   if (state.selected !== null && !$(`#activity tbody tr[data-id="${state.selected}"]`)) $("#request-detail").hidden = true;
@@ -514,10 +556,10 @@ function showRequest(r) {
   if (String(window.getSelection())) return; // the click ended a text selection (copying an error code)
   const detail = $("#request-detail");
   state.selected = r.id;
-  const parts = [`#${r.id} ${r.model || "-"} ${r.endpoint}: HTTP ${r.status}` + (r.error_code ? ` ${r.error_code}` : "")];
+  const parts = [`#${r.id} ${r.model || "(no model)"} ${r.endpoint}: HTTP ${r.status}` + (r.error_code ? ` ${r.error_code}` : "")];
   if (r.error_message) parts.push(r.error_message);
   if (r.tenant) parts.push(`tenant: ${r.tenant}`);
-  if (r.tokens_out) parts.push(`tokens: ${r.tokens_in ?? "-"} in (cached: ` +
+  if (r.tokens_out) parts.push(`tokens: ${r.tokens_in ?? "none"} in (cached: ` +
     `${r.cached_tokens ?? "not reported by the runtime"}), ${r.tokens_out} out; ` + speedsText(r));
   if (r.prompt) parts.push("prompt: " + r.prompt);
   if (r.output) parts.push("output: " + r.output);
@@ -532,42 +574,83 @@ function showRequest(r) {
 // One request's story (GET /admin/requests/story): admission, its way through the pool, the
 // events and its replica's log lines from around its time.
 function storyText(s) {
-  const at = (t) => new Date(t * 1000).toLocaleTimeString() + `.${String(Math.floor(t * 1000) % 1000).padStart(3, "0")}`;
+  const at = (t) => clock(t, {millis: true});
   const a = s.admission, lim = a.limits;
-  const lines = [`story of ${s.request_id ?? "-"}: started ${at(s.started)}, ended ${at(s.ended)}`,
-    `admission: tenant ${a.tenant ?? "-"}` +
+  const lines = [`story of ${s.request_id ?? "a request with no id"}: started ${at(s.started)}, ended ${at(s.ended)}`,
+    `admission: tenant ${a.tenant ?? "none"}` +
       (lim ? ` (${Object.entries(lim).map(([k, v]) => `${k} ${v}`).join(", ") || "no limits"})` : "") +
       (a.refused_by ? `; refused: ${a.refused_by}` : ""),
-    `queue wait ${ms(s.queue_wait_ms)}, replica ${s.replica ?? "-"}, TTFT ${ms(s.ttft_ms)}, ` +
+    `queue wait ${ms(s.queue_wait_ms) || "none"}, replica ${s.replica ?? "none"}, TTFT ${ms(s.ttft_ms) || "none"}, ` +
       `duration ${ms(s.duration_ms)}`,
     `end: HTTP ${s.end.status}` + (s.end.error_code ? ` ${s.end.error_code}: ${s.end.error_message ?? ""}` : ""),
     `events (±${s.around_s} s):` + (s.events.length ? "" : " none"),
-    ...s.events.map((e) => `  ${at(e.ts)} ${e.level} ${e.kind} ${e.model ?? "-"}` +
+    ...s.events.map((e) => `  ${at(e.ts)} ${e.level} ${e.kind} ${e.model ?? "pool"}` +
       (e.replica !== null && e.replica !== undefined ? `/${e.replica}` : "") + `: ${e.message}`),
-    `log of ${s.log.replica ?? "-"} (±${s.around_s} s)` + (s.log.note ? ` (${s.log.note})` : "") + ":" +
+    `log of ${s.log.replica ?? "no replica"} (±${s.around_s} s)` + (s.log.note ? ` (${s.log.note})` : "") + ":" +
       (s.log.lines.length ? "" : " none"),
     ...s.log.lines.map((line) => "  " + line)];
   return lines.join("\n");
 }
 
 // -- events -------------------------------------------------------------------------------------
+// The timeline, newest first, folded: a run of events alike (the same kind, model/replica and text
+// once its numbers are masked: a crash loop, a reload after reload) is one row with its count; filtered
+// by model and level; a row opens (click, tap or Enter) to its whole text. The events are kept here
+// (the newest EVENTS_KEEP) and the rows made from them at each change.
+const EVENTS_KEEP = 1000;
+const LEVELS = {info: 0, warning: 1, error: 2};
+const POOL = "(pool)"; // the model filter's choice for the pool's own events (no model name starts with "(")
+const where = (e) => (e.model ?? "pool") + (e.replica == null ? "" : `/${e.replica}`);
+const alike = (e) => `${e.kind}\n${where(e)}\n${e.message.replace(/\d+(\.\d+)?/g, "#")}`;
+
 async function refreshEvents() {
   const path = state.lastEvent ? `/admin/events?after_id=${state.lastEvent}&limit=500` : "/admin/events?limit=200";
   const {events} = await api(path);
   if (!events.length) return;
   state.lastEvent = events[events.length - 1].id;
-  const body = $("#events tbody");
-  const labels = [...$("#events").querySelectorAll("thead th")].map((th) => th.textContent);
-  for (const e of events) { // new rows on top: the rows shown are never rebuilt
-    const where = (e.model ?? "pool") + (e.replica == null ? "" : `/${e.replica}`);
-    const row = el("tr", {"data-event": e.id, "data-kind": e.kind, class: `level-${e.level}`},
-      el("td", {}, new Date(e.ts * 1000).toLocaleTimeString()), el("td", {class: "kind"}, e.kind),
-      cut("where", where), cut("what", e.message), el("td", {}, e.by ?? ""));
-    [...row.cells].forEach((cell, i) => { cell.dataset.label = labels[i] ?? ""; });
-    body.prepend(row);
-  }
-  while (body.childNodes.length > 500) body.lastChild.remove();
+  state.events.push(...events);
+  state.events.splice(0, state.events.length - EVENTS_KEEP);
+  showEvents();
 }
+
+// The shown events (filtered) folded into runs, newest first: [{first, last, count}]
+function foldEvents() {
+  const model = $("#events-model").value, level = $("#events-level").value;
+  const runs = [];
+  for (const e of state.events) {
+    if (model && (e.model ?? POOL) !== model) continue;
+    if (level && (level === "warning" ? (LEVELS[e.level] ?? 0) < 1 : e.level !== level)) continue;
+    const run = runs[runs.length - 1];
+    if (run && alike(run.last) === alike(e)) { run.last = e; run.count += 1; } else runs.push({first: e, last: e, count: 1});
+  }
+  return runs.reverse();
+}
+
+function showEvents() {
+  fill("#events", foldEvents().map(({first, last, count}) => {
+    const key = String(first.id), open = state.openEvents.has(key);
+    const text = last.message + (count > 1 ? ` (×${count} since ${clock(first.ts)}` +
+      (first.message === last.message ? ")" : `; the first: ${first.message})`) : "");
+    return el("tr", {"data-key": key, "data-event": last.id, "data-kind": last.kind, "data-count": count,
+                     class: `level-${last.level}` + (open ? " open" : ""), tabindex: "0", "aria-expanded": String(open)},
+      timeCell(last.ts),
+      el("td", {class: "kind"}, last.kind, count > 1 ? el("span", {class: "count", title: `${count} alike in a row`},
+                                                           ` ×${count}`) : null),
+      cut("where", where(last)), cut("what", open ? text : last.message, {title: text}), el("td", {}, last.by));
+  }));
+}
+
+// open or close an event row (one listener for the table: its rows are remade at each change)
+function toggleEvent(e) {
+  const row = e.target.closest("#events tbody tr");
+  if (!row || String(window.getSelection())) return; // a click that ended a selection opens nothing
+  const key = row.dataset.key;
+  if (!state.openEvents.delete(key)) state.openEvents.add(key);
+  showEvents();
+}
+$("#events").addEventListener("click", toggleEvent);
+$("#events").addEventListener("keydown", (e) => { if (e.key === "Enter") toggleEvent(e); });
+for (const id of ["#events-model", "#events-level"]) $(id).addEventListener("change", showEvents);
 
 // -- the log tail --------------------------------------------------------------------------------
 $("#log-target").addEventListener("change", (e) => tailLog(e.target.value));
@@ -635,7 +718,7 @@ function color(name) {
 // their captions and hover say p50 / p95. A sample with no request in its window: no point.
 const p95 = (stem) => (m) => (m.latency ? m.latency[`${stem}_p95_ms`] : null);
 const p50p95 = (stem) => (m) => (m.latency && m.latency[`${stem}_p95_ms`] != null
-  ? `${ms(m.latency[`${stem}_p50_ms`])} / ${ms(m.latency[`${stem}_p95_ms`])}` : "-");
+  ? `${ms(m.latency[`${stem}_p50_ms`])} / ${ms(m.latency[`${stem}_p95_ms`])}` : "");
 const CHARTS = [["queue", (m) => m.queue], ["inflight", (m) => m.inflight], ["tps", (m) => m.tps || 0],
                 ["ttft", p95("ttft"), p50p95("ttft")], ["duration", p95("duration"), p50p95("duration")],
                 ["queued", p95("queued"), p50p95("queued")]];
@@ -644,12 +727,13 @@ function draw() {
   const names = [...new Set(state.samples.flatMap((s) => Object.keys(s.models)))].sort();
   const last = state.samples[state.samples.length - 1];
   for (const [id, value, label = value] of CHARTS) {
-    chart(`#chart-${id}`, names, color, value);
-    const shown = last ? names.filter((n) => last.models[n]) : [];
+    chart(`#chart-${id}`, names.map((n) => [color(n), (s) => (s.models[n] ? value(s.models[n]) : null)]));
+    const shown = last ? names.filter((n) => last.models[n] && label(last.models[n]) !== "") : [];
     const caption = $(`#now-${id}`);
     caption.textContent = shown.length ? "now: " + shown.map((n) => `${short(n)} ${label(last.models[n])}`).join(", ") : "";
     caption.title = shown.map((n) => `${n} ${label(last.models[n])}`).join(", ");
   }
+  errorsChart();
   shares(names);
   setContent($("#legend"), ...names.map((n) => {
     const swatch = el("i");
@@ -658,8 +742,13 @@ function draw() {
   }));
 }
 
-// Hover on a chart: the sample nearest the pointer, each model's value at that time.
-for (const [id, , label] of CHARTS.map(([i, v, l = v]) => [i, v, l])) {
+// Hover on a chart: the sample nearest the pointer, each model's value at that time (the errors
+// chart: what that sample added of each class)
+const HOVERS = [...CHARTS.map(([id, v, label = v]) => [id, (s) => Object.keys(s.models).sort()
+  .map((n) => `${short(n)} ${label(s.models[n])}`).join(", ")]),
+  ["errors", (s) => ERROR_SERIES.map(([kind]) => `${kind} ${errorsAdded(s, state.samples[state.samples.indexOf(s) - 1],
+                                                                             kind) ?? "no figure"}`).join(", ")]];
+for (const [id, describe] of HOVERS) {
   const canvas = $(`#chart-${id}`);
   canvas.addEventListener("mousemove", (e) => {
     const rect = canvas.getBoundingClientRect();
@@ -669,8 +758,7 @@ for (const [id, , label] of CHARTS.map(([i, v, l = v]) => [i, v, l])) {
     for (const s of state.samples) if (!best || Math.abs(s.t - t) < Math.abs(best.t - t)) best = s;
     const tip = $("#chart-tip");
     if (!best) { tip.hidden = true; return; }
-    tip.textContent = `${new Date(best.t * 1000).toLocaleTimeString()}: ` +
-      Object.keys(best.models).sort().map((n) => `${short(n)} ${label(best.models[n])}`).join(", ");
+    tip.textContent = `${clock(best.t)}: ${describe(best)}`;
     tip.style.left = `${e.pageX + 12}px`; // CSSOM: the CSP allows no inline style attribute
     tip.style.top = `${e.pageY + 12}px`;
     tip.hidden = false;
@@ -695,14 +783,33 @@ function shares(names) {
   fill("#shares", rows);
 }
 
-function chart(sel, names, color, value) {
+// The pool's errors a second, the clients' (4xx) apart from its own (5xx): each sample carries the
+// counts since the supervisor started (`errors`), a point is what one sample added to the one before
+const ERROR_SERIES = [["4xx", "#b7791f"], ["5xx", "#c53030"]];
+const errorsAdded = (s, prev, kind) => (s.errors && prev && prev.errors ? Math.max(0, s.errors[kind] - prev.errors[kind])
+  : null);
+function errorsChart() {
+  const before = new Map(state.samples.map((s, i) => [s, state.samples[i - 1]]));
+  chart("#chart-errors", ERROR_SERIES.map(([kind, c]) => [c, (s) => errorsAdded(s, before.get(s), kind)]));
+  const first = state.samples[0], last = state.samples[state.samples.length - 1];
+  const total = (kind) => (first && first.errors && last.errors ? last.errors[kind] - first.errors[kind] : 0);
+  const now = $("#now-errors");
+  setContent(now, ...ERROR_SERIES.flatMap(([kind, c], i) => {
+    const swatch = el("i");
+    swatch.style.background = c; // CSSOM: the CSP allows no inline style attribute
+    return [i ? ", " : "", el("span", {class: `errors-${kind}`}, swatch, `${kind} ${total(kind)}`)];
+  }));
+}
+
+// a line a series ([colour, value of a sample]) over the window
+function chart(sel, series) {
   const canvas = $(sel);
   const g = canvas.getContext("2d");
   const w = canvas.width, h = canvas.height, pad = 18;
   g.clearRect(0, 0, w, h);
   const now = Date.now() / 1000;
   let max = 1;
-  for (const s of state.samples) for (const n of names) if (s.models[n]) max = Math.max(max, value(s.models[n]) ?? 0);
+  for (const s of state.samples) for (const [, value] of series) max = Math.max(max, value(s) ?? 0);
   const x = (t) => pad + (w - 2 * pad) * (1 - (now - t) / WINDOW_S);
   const y = (v) => h - pad - (h - 2 * pad) * (v / max);
   g.fillStyle = "#6b7385";
@@ -713,13 +820,13 @@ function chart(sel, names, color, value) {
   g.strokeStyle = "#dde1ea";
   g.beginPath(); g.moveTo(pad, h - pad); g.lineTo(w - pad, h - pad); g.stroke();
   let points = 0; // drawn, for the browser tests: the canvas says it holds data (data-points)
-  for (const n of names) {
-    g.strokeStyle = color(n);
+  for (const [stroke, value] of series) {
+    g.strokeStyle = stroke;
     g.lineWidth = 1.5;
     g.beginPath();
     let started = false;
     for (const s of state.samples) {
-      const v = s.models[n] ? value(s.models[n]) : null;
+      const v = value(s);
       if (v == null) { started = false; continue; }
       if (started) g.lineTo(x(s.t), y(v)); else g.moveTo(x(s.t), y(v));
       started = true;
