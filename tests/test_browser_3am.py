@@ -22,6 +22,11 @@ TIME = re.compile(r"^(\d{4}-\d{2}-\d{2} )?\d{2}:\d{2}:\d{2}$")
 EMPTY_WORDS = """() => [...document.querySelectorAll("main td")].map((td) => td.textContent.trim())
   .filter((text) => ["-", "null", "undefined", "NaN", "None"].includes(text) || /\\b(undefined|NaN)\\b/.test(text))"""
 
+# the favicon's colour: its middle pixel
+DOT_COLOUR = """async (src) => { const img = new Image(); img.src = src; await img.decode();
+  const c = document.createElement("canvas"); c.width = c.height = 32; const g = c.getContext("2d");
+  g.drawImage(img, 0, 0); return [...g.getImageData(16, 16, 1, 1).data].slice(0, 3); }"""
+
 
 def _crash(pool, model: str, times: int) -> None:
     """Kill a model's replica `times` times, each once it is back (a crash loop the restart
@@ -50,6 +55,10 @@ def test_a_crash_loop_folds_filters_and_opens_by_touch_at_a_phones_width(make_po
     expect(reloads).to_have_attribute("data-count", "3")
     expect(reloads.locator(".kind")).to_have_text("reloaded ×3")
     expect(reloads.locator("td").nth(2)).to_have_text("pool")
+    # the crash loop too, unfiltered: its model's state changes between the crashes do not cut the run
+    loop = page.locator('#events tbody tr[data-kind="crashed"]')
+    expect(loop).to_have_count(1)
+    expect(loop).to_have_attribute("data-count", "3")
     page.select_option("#events-model", "(pool)")  # the pool's own events: no model's
     expect(reloads).to_have_count(1)
     expect(page.locator('#events tbody tr[data-kind="loaded"]')).to_have_count(0)
@@ -97,6 +106,8 @@ def test_a_crash_loop_folds_filters_and_opens_by_touch_at_a_phones_width(make_po
     expect(crashed).not_to_have_class(re.compile(r"\bopen\b"))
     crashed.press("Enter")  # the keyboard's way
     expect(crashed).to_have_attribute("aria-expanded", "true")
+    page.set_viewport_size({"width": 1280, "height": 800})  # open on a laptop: wrapped there too
+    assert_fits(page, "an event opened at 1280 px")
 
     # warnings and errors: the crashes (and any warning), not the loads (info)
     page.select_option("#events-level", "warning")
@@ -135,7 +146,8 @@ def test_failed_first_the_tab_says_so_errors_are_charted_and_empty_cells_are_emp
     # the tab: its title and a red dot for its icon
     expect(page).to_have_title("✖ 1 failed, 1 degraded · llm-pool")
     icon = page.locator("#favicon").get_attribute("href")
-    assert icon.startswith("data:image/svg+xml,") and "c53030" in icon, icon
+    assert icon.startswith("data:image/png;base64,"), icon
+    assert page.evaluate(DOT_COLOUR, icon) == [0xc5, 0x30, 0x30]  # --bad
 
     # the errors chart: the clients' 4xx apart from the pool's 5xx
     wait_for(lambda: page.evaluate("state.samples.length") >= 2, 10, what="live samples")

@@ -319,17 +319,28 @@ async function refreshModels() {
 }
 
 const TROUBLE = {failed: 0, degraded: 1}; // the models table's order: these first
+const RED = "#c53030", AMBER = "#b7791f"; // style.css's --bad and --warn
 
 // The tab says when a model is failed or degraded (its title, and a red or amber dot for its icon),
-// so a tab in the background tells the operator to look
-const DOT = (fill) => "data:image/svg+xml," + encodeURIComponent(
-  `<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 16 16"><circle cx="8" cy="8" r="7" fill="${fill}"/></svg>`);
+// so a tab in the background tells the operator to look. The dot is drawn once on a canvas: a data: URL
+const dots = new Map();
+function dot(fill) {
+  if (!dots.has(fill)) {
+    const canvas = document.createElement("canvas");
+    canvas.width = canvas.height = 32;
+    const g = canvas.getContext("2d");
+    g.fillStyle = fill;
+    g.beginPath(); g.arc(16, 16, 14, 0, 2 * Math.PI); g.fill();
+    dots.set(fill, canvas.toDataURL("image/png"));
+  }
+  return dots.get(fill);
+}
 function markTab(health) {
   const failed = health.filter((m) => m.state === "failed").length, degraded = health.length - failed;
   const parts = [failed && `${failed} failed`, degraded && `${degraded} degraded`].filter(Boolean);
   const title = parts.length ? `${failed ? "✖" : "▲"} ${parts.join(", ")} · llm-pool` : "llm-pool";
   if (document.title !== title) document.title = title;
-  const icon = failed ? DOT("#c53030") : degraded ? DOT("#b7791f") : "data:,";
+  const icon = failed ? dot(RED) : degraded ? dot(AMBER) : "data:,";
   const link = $("#favicon");
   if (link.getAttribute("href") !== icon) link.setAttribute("href", icon);
 }
@@ -594,9 +605,12 @@ function storyText(s) {
 
 // -- events -------------------------------------------------------------------------------------
 // The timeline, newest first, folded: a run of events alike (the same kind, model/replica and text
-// once its numbers are masked: a crash loop, a reload after reload) is one row with its count; filtered
-// by model and level; a row opens (click, tap or Enter) to its whole text. The events are kept here
-// (the newest EVENTS_KEEP) and the rows made from them at each change.
+// once its numbers are masked: a crash loop, a reload after reload) is one row with its count, in the
+// place of its newest. A run is consecutive among the events of its model/replica (or the pool's own):
+// another replica's events, or its model's state changes, come between a crash loop's crashes and do
+// not cut it; one of its own (an operator's restart) does. Filtered by model and level (before folding);
+// a row opens (click, tap or Enter) to its whole text. The events are kept here (the newest
+// EVENTS_KEEP) and the rows made from them at each change.
 const EVENTS_KEEP = 1000;
 const LEVELS = {info: 0, warning: 1, error: 2};
 const POOL = "(pool)"; // the model filter's choice for the pool's own events (no model name starts with "(")
@@ -616,14 +630,16 @@ async function refreshEvents() {
 // The shown events (filtered) folded into runs, newest first: [{first, last, count}]
 function foldEvents() {
   const model = $("#events-model").value, level = $("#events-level").value;
-  const runs = [];
+  const runs = [], newest = new Map(); // per model/replica: its newest run
   for (const e of state.events) {
     if (model && (e.model ?? POOL) !== model) continue;
     if (level && (level === "warning" ? (LEVELS[e.level] ?? 0) < 1 : e.level !== level)) continue;
-    const run = runs[runs.length - 1];
-    if (run && alike(run.last) === alike(e)) { run.last = e; run.count += 1; } else runs.push({first: e, last: e, count: 1});
+    const run = newest.get(where(e));
+    if (run && alike(run.last) === alike(e)) { run.last = e; run.count += 1; continue; }
+    runs.push({first: e, last: e, count: 1});
+    newest.set(where(e), runs[runs.length - 1]);
   }
-  return runs.reverse();
+  return runs.sort((a, b) => b.last.id - a.last.id);
 }
 
 function showEvents() {
@@ -785,7 +801,7 @@ function shares(names) {
 
 // The pool's errors a second, the clients' (4xx) apart from its own (5xx): each sample carries the
 // counts since the supervisor started (`errors`), a point is what one sample added to the one before
-const ERROR_SERIES = [["4xx", "#b7791f"], ["5xx", "#c53030"]];
+const ERROR_SERIES = [["4xx", AMBER], ["5xx", RED]];
 const errorsAdded = (s, prev, kind) => (s.errors && prev && prev.errors ? Math.max(0, s.errors[kind] - prev.errors[kind])
   : null);
 function errorsChart() {
