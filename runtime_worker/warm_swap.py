@@ -162,8 +162,8 @@ class WarmSwap:
         self.save_timeout_s = save_timeout_s
         self.dir: Path | None = None  # root/<config>, once the runtime's config is known
         self.held: dict[Path, int] = {}  # restored snapshot -> its locked fd
-        # snapshots not restored at the start (more than slots): a request that continues one
-        # restores it then (restore_for), newest first, at most MAX_PENDING
+        # snapshots not restored at the start (more than slots): a chat request that one serves (SERVES)
+        # has it restored then (restore_for), newest first, at most MAX_PENDING
         self.pending: list[Snapshot] = []
         self.misses = 0  # chat requests in a row that no pending snapshot served
         self.in_slot: dict[int, Snapshot] = {}  # slot -> the snapshot restored into it (held)
