@@ -309,7 +309,10 @@ def test_a_restart_an_unload_overtakes_answers_model_unloading(make_pool):
     with ThreadPoolExecutor(2) as ex, stream_responses(pool, "r") as s:
         first_delta(sse(s))
         restart = ex.submit(admin, pool, "r", "restart")
-        wait_for(lambda: pool.workers("r")[0]["state"] == "restarting", 10, what="the restart draining")
+        # the restart answering first (a refusal) ends the wait with its answer, not a bare timeout
+        wait_for(lambda: restart.done() or pool.workers("r")[0]["state"] == "restarting", 30,
+                 what="the restart draining")
+        assert not restart.done(), f"the restart answered before the unload: {restart.result().text}"
         unload = ex.submit(admin, pool, "r", "unload")
         answer = restart.result(timeout=30)
     assert answer.status_code == 503, answer.text
