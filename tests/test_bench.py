@@ -241,6 +241,46 @@ def test_bench_against_head(tmp_path):
     assert (results / f"against-{sha[:9]}.md").read_text() == out.stdout
 
 
+@pytest.mark.timeout(300)
+def test_bench_price_against_head(tmp_path):
+    """--price --against HEAD, one run a side: every step of a request is priced on both sides
+    (the same code: each step's functions are found on both), and the table is the file."""
+    checkouts, results = tmp_path / "checkouts", tmp_path / "results"
+    out = run_bench(["--against", "HEAD", "--price", "--quick", "--rounds", "1", "--out", "results"],
+                    tmp_path, {"LLM_POOL_BENCH_CHECKOUTS": str(checkouts)}, 240)
+    assert out.returncode == 0, f"stdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-5000:]}"
+    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert (results / f"price-{sha[:9]}.md").read_text() == out.stdout
+    rows = {row[0]: row[1:] for row in (
+        [c.strip() for c in line.strip("|").split("|")] for line in out.stdout.splitlines()
+        if line.startswith("| ") and not line.startswith("| step"))}
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from pool_bench.price import STEPS
+    assert list(rows) == [step for step, _ in STEPS] + ["all, measured (psutil)", "all, sampled (py-spy)"]
+    for step in ("admission, whole", "admission: of it, queue, hand-over, ZeroMQ send", "all, measured (psutil)"):
+        a, b, _ = (float(v) for v in rows[step])
+        assert a > 0 and b > 0, (step, rows[step])  # found, and sampled, on both sides
+    runs = json.loads((results / f"price-{sha[:9]}.json").read_text())
+    assert len(runs["A"]) == len(runs["B"]) == 1 and all(r["done"] == 3000 for r in runs["A"] + runs["B"]), runs
+
+
+def test_price_reads_raw_stacks(tmp_path):
+    """A step's price: inclusive samples of its functions, once per stack, per request."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from pool_bench.price import RATE, price, read_raw, step_price
+    raw = tmp_path / "x.raw"
+    raw.write_text("run (a.py:1);Admission.admit (admit.py:3);predict (d.py:9) 5\n"
+                   "run (a.py:1);Admission.admit (admit.py:3) 3\n"
+                   "run (a.py:1);f (a.py:2);f (a.py:4) 2\n")
+    inclusive, total = read_raw(raw)
+    assert total == 10 and inclusive["Admission.admit"] == 8 and inclusive["f"] == 2 and inclusive["run"] == 10
+    prices, measured, sampled = price([{"done": 2, "cpu_s": 1.0, "samples": total, "inclusive": inclusive}])
+    per = 1e6 / RATE / 2
+    assert prices["predict"] == 5 * per and sampled == 10 * per and measured == 5e5
+    assert step_price(prices, ["Admission.admit", "-predict"]) == 3 * per
+
+
 def test_against_verdicts():
     """--against's verdict per figure: the means apart by more than a 95% bound from the runs'
     spread (Student's t times the standard error, at least 5% of A's mean) is a regression or

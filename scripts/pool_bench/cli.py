@@ -13,7 +13,7 @@ import time
 import traceback
 from pathlib import Path
 
-from pool_bench import against, compare
+from pool_bench import against, compare, price
 from pool_bench.bench import Bench
 from pool_bench.children import Proc
 from pool_bench.plot import plot
@@ -36,6 +36,9 @@ def main(doc: str) -> int:
                          "(against-SHA.md and .json in --out)")
     ap.add_argument("--rounds", type=int, default=2,
                     help="with --against: runs a side, in the order A B B A A B ... (default 2)")
+    ap.add_argument("--price", action="store_true",
+                    help="with --against: instead of the sections, price each step of a request (µs of the "
+                         "supervisor's CPU, py-spy) under section 2's load at c = 16, both sides (price-SHA.md)")
     args = ap.parse_args()
 
     def on_signal(signum, frame):
@@ -43,6 +46,8 @@ def main(doc: str) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGHUP, on_signal)
+    if args.price and not args.against:
+        ap.error("--price prices this checkout against a ref: name it with --against REF")
     if args.against:
         return run_against(ap, args)
     sections = {s.strip() for s in args.sections.split(",") if s.strip()}
@@ -102,7 +107,7 @@ def run_against(ap: argparse.ArgumentParser, args) -> int:
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     try:
-        return against.run(args)
+        return price.run(args) if args.price else against.run(args)
     except KeyboardInterrupt:
         say("interrupted: stopping everything")
         return 130
