@@ -215,14 +215,15 @@ class Lab:
 
 
 
-PICK_RANGE = 16
+INDEX = st.integers(0, 15)  # a worker or job of those at a step (pick)
 
 
-def pick(data, items: list):
-    """One of `items` (never empty), by an index drawn from a fixed range: what is alive or running
-    at a step may differ between hypothesis's replays of a history (the loop's timing), and a draw
-    whose range changed is refused as inconsistent data; a fixed range keeps histories replayable."""
-    return items[data.draw(st.integers(0, PICK_RANGE - 1)) % len(items)]
+def pick(items: list, index: int):
+    """One of `items` (never empty) by `index`, a rule's argument drawn from a fixed range
+    whether or not anything is alive or running at that step: what is may differ between
+    hypothesis's replays of a history (the loop's timing), and a draw that one replay makes
+    and another skips, or whose range changed, is refused as inconsistent data."""
+    return items[index % len(items)]
 
 
 class Interleavings(RuleBasedStateMachine):
@@ -252,30 +253,30 @@ class Interleavings(RuleBasedStateMachine):
         self.lab.start(self.lab.reload(model))
         self.lab.turns(turns)
 
-    @rule(data=st.data())
-    def worker_ready(self, data) -> None:
+    @rule(index=INDEX)
+    def worker_ready(self, index: int) -> None:
         unready = self.lab.unready()
         if unready:
-            proc = pick(data, unready)
+            proc = pick(unready, index)
             self.lab.transport.deliver(proc.identity, p.Ready(capacity=2, info={}))
 
-    @rule(data=st.data())
-    def worker_answers(self, data) -> None:
+    @rule(index=INDEX)
+    def worker_answers(self, index: int) -> None:
         jobs = self.lab.running_jobs()
         if jobs:
-            self.lab.answer(pick(data, jobs))
+            self.lab.answer(pick(jobs, index))
 
-    @rule(data=st.data())
-    def worker_crashes(self, data) -> None:
+    @rule(index=INDEX)
+    def worker_crashes(self, index: int) -> None:
         alive = self.lab.launcher.alive()
         if alive:
-            pick(data, alive).exit(-9)
+            pick(alive, index).exit(-9)
 
-    @rule(data=st.data())
-    def worker_slow_to_stop(self, data) -> None:
+    @rule(index=INDEX)
+    def worker_slow_to_stop(self, index: int) -> None:
         alive = self.lab.launcher.alive()
         if alive:
-            self.lab.slow_stop.add(pick(data, alive).identity)
+            self.lab.slow_stop.add(pick(alive, index).identity)
 
     @rule(turns=st.integers(1, 8))
     def turns(self, turns: int) -> None:
