@@ -307,7 +307,8 @@ def test_a_restart_an_unload_overtakes_answers_model_unloading(make_pool):
     and the restart's answer says the model is unloading (503 model_unloading), not a failed load."""
     pool = make_pool([synthetic("r", tps=10, tokens=400, drain_timeout_s=60)])
     with ThreadPoolExecutor(2) as ex, stream_responses(pool, "r") as s:
-        first_delta(sse(s))
+        events = sse(s)  # held: a generator dropped unfinished closes the stream, and the job goes with it
+        first_delta(events)
         restart = ex.submit(admin, pool, "r", "restart")
         # the restart answering first (a refusal) ends the wait with its answer, not a bare timeout
         wait_for(lambda: restart.done() or pool.workers("r")[0]["state"] == "restarting", 30,
