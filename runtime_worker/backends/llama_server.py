@@ -12,7 +12,6 @@ bound its start and its stop."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import os
 import platform
