@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -438,6 +439,25 @@ class NativeServer:
             self.log.warning("%s ignored SIGTERM for %.0fs; SIGKILL", self.name, timeout_s)
         if self._relay:
             await asyncio.wait([self._relay], timeout=2)
+
+
+async def help_lists(argv: list[str], flag: str, timeout_s: float) -> bool:
+    """Whether the help that `argv` prints lists `flag` (an older runtime may not know a newer
+    flag, and would refuse to start); True when the help cannot be read (the start will say
+    what is wrong)."""
+    try:
+        proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL,
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    except OSError:
+        return True
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        return True
+    return flag.encode() in out
 
 
 def extra_body(options: dict) -> dict:

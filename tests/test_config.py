@@ -56,6 +56,18 @@ GOOD_MODEL = '[[models]]\nname = "a"\nbackend = "synthetic"\n'
      'stop_timeout_s = 5\n', ["model 'l'", "'options.stop_timeout_s'", "a model key"]),
     ('[[models]]\nname = "v"\nbackend = "vllm_serve"\n[models.options]\nbinary = "vllm"\n',
      ["model 'v'", "'options.model'", "Field required"]),
+    # vLLM's KV offloading: MiB of host memory, a whole number, set in one place
+    ('[[models]]\nname = "v"\nbackend = "vllm_serve"\n[models.options]\nmodel = "m"\nkv_offload_mb = -1\n',
+     ["model 'v'", "'options.kv_offload_mb'", "greater than or equal to 0"]),
+    ('[[models]]\nname = "v"\nbackend = "vllm_serve"\n[models.options]\nmodel = "m"\nkv_offload_mb = "4G"\n',
+     ["model 'v'", "'options.kv_offload_mb'", "valid integer"]),
+    ('[[models]]\nname = "v"\nbackend = "vllm_serve"\n[models.options]\nmodel = "m"\nkv_offload_mb = 1.5\n',
+     ["model 'v'", "'options.kv_offload_mb'", "valid integer"]),
+    ('[[models]]\nname = "v"\nbackend = "vllm_serve"\n[models.options]\nmodel = "m"\nkv_offload_mb = 512\n'
+     'extra_args = ["--kv_offloading_size=2"]\n',
+     ["model 'v'", "'options'", "kv_offload_mb and --kv-offloading-size in extra_args", "set one"]),
+    ('[[models]]\nname = "l"\nbackend = "llama_server"\n[models.options]\nmodel = "m.gguf"\nkv_offload_mb = 5\n',
+     ["model 'l'", "'options.kv_offload_mb'", "Extra inputs"]),
     ('[[models]]\nname = "r"\nbackend = "openai_remote"\n[models.options]\nbase_url = "http://h/v1"\n'
      'model = "m"\nextra_body = ["top_k"]\n', ["model 'r'", "'options.extra_body'", "dictionary"]),
     ('[[models]]\nname = "x"\nbackend = "exllamav3"\n[models.options]\nmodel = "/m"\ncache_tokens = 0\n',

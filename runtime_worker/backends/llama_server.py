@@ -12,7 +12,6 @@ bound its start and its stop."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import os
 import platform
@@ -21,7 +20,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from runtime_worker.backends.base import BackendLoadError, Event
-from runtime_worker.native_server import NativeServer, OpenAIServerBackend, extra_body
+from runtime_worker.native_server import NativeServer, OpenAIServerBackend, extra_body, help_lists
 from runtime_worker.warm_swap import NO_SLOT_FILES, SlotClient, restore, restore_for, save
 
 
@@ -60,30 +59,13 @@ def find_llama_server(option: str | None) -> str:
 
 
 CACHE_RAM_FLAGS = ("--cache-ram", "-cram")
+HELP_TIMEOUT_S = 10.0
 DEFAULT_CACHE_RAM_MB = 1024  # llama-server's own default is 8192: host RAM no budget would see
 
 
 def cache_ram_mb(options: dict) -> int:
     """The host prompt cache llama-server may fill (options.cache_ram_mb; 0: none), in the model's memory."""
     return int(options.get("cache_ram_mb", DEFAULT_CACHE_RAM_MB))
-
-
-async def knows_flag(binary: str, flag: str) -> bool:
-    """Whether `binary --help` lists `flag` (an older build may not know a newer flag, and would
-    refuse to start); True when the help cannot be read (the start will say what is wrong)."""
-    try:
-        proc = await asyncio.create_subprocess_exec(binary, "--help", stdin=asyncio.subprocess.DEVNULL,
-                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-    except OSError:
-        return True
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), 10)
-    except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await proc.wait()
-        return True
-    return flag.encode() in out
 
 
 RERANK_FLAGS = ("--reranking", "--rerank")  # llama-server serves /v1/rerank only when started with one
@@ -125,7 +107,7 @@ class LlamaServerBackend(OpenAIServerBackend):
         if reranks(self.options) and not any(a in RERANK_FLAGS for a in flags):
             flags.append("--reranking")
         if not any(a in CACHE_RAM_FLAGS for a in flags):
-            if await knows_flag(binary, "--cache-ram"):
+            if await help_lists([binary, "--help"], "--cache-ram", HELP_TIMEOUT_S):
                 flags += ["--cache-ram", str(cache_ram_mb(self.options))]  # explicit: the pool counts it
             else:
                 self.log.warning("this llama-server has no --cache-ram (an older build): its prompt cache is "

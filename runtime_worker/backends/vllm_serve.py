@@ -7,7 +7,7 @@ binary (the `vllm` CLI, default from PATH: `vllm serve MODEL`), extra_args,
 extra_body (fields added to every chat and completion request, e.g.
 {top_k = 20}; the client's own win), env (extra environment, e.g.
 VLLM_CPU_KVCACHE_SPACE), reranking (true: a scoring model, served at /v1/rerank), kv_events (the supervisor sets it: on for routing
-"prefix" on local replicas).
+"prefix" on local replicas), kv_offload_mb (host memory for vLLM's native KV offloading).
 Capacity: --max-num-seqs = target_inflight, which vLLM honours exactly.
 
 With kv_events, vLLM runs with prefix caching and publishes its KV-cache
@@ -28,22 +28,43 @@ import zmq
 
 from runtime_worker.backends.base import BackendLoadError
 from runtime_worker.kv_events import KvEventRelay
-from runtime_worker.native_server import NativeServer, OpenAIServerBackend, extra_body
+from runtime_worker.native_server import NativeServer, OpenAIServerBackend, extra_body, help_lists
 
 SERVED_NAME = "llm-pool-model"
+HELP_TIMEOUT_S = 120.0  # `--help` imports vLLM: ~8 s on 2 busy CPU cores
 REPLAY_STEPS = 1024  # KV-event messages vLLM keeps for the relay to fill a gap from
 
 
-def vllm_command(options: dict) -> list[str]:
-    """The launch command prefix, before the model argument's flags."""
+def vllm_entry(options: dict) -> list[str]:
+    """The program that serves: `python -m vllm.entrypoints.openai.api_server` or `vllm serve`."""
     python = options.get("python") or os.environ.get("LLM_POOL_VLLM_PYTHON")
     if python:
-        return [os.path.expanduser(python), "-m", "vllm.entrypoints.openai.api_server", "--model"]
+        return [os.path.expanduser(python), "-m", "vllm.entrypoints.openai.api_server"]
     binary = options.get("binary") or shutil.which("vllm")
     if not binary:
         raise BackendLoadError("vLLM not found: set options.python (an interpreter with vllm installed), "
                                "options.binary, or put `vllm` on PATH")
     return [binary, "serve"]
+
+
+def vllm_command(options: dict) -> list[str]:
+    """The launch command prefix, before the model argument's flags."""
+    entry = vllm_entry(options)
+    return [*entry, "--model"] if entry[1] == "-m" else entry
+
+
+async def kv_offload_flags(options: dict) -> list[str]:
+    """vLLM's native KV offloading into options.kv_offload_mb of host memory, as flags (none for 0).
+    --kv-offloading-size takes GiB; the backend is named (older vLLM had no default for it).
+    A vLLM without the flag fails the load: its connector then took a count of blocks, which
+    the pool cannot size in bytes, so no other spelling would hold what the budget counts."""
+    mb = int(options.get("kv_offload_mb") or 0)
+    if mb <= 0:
+        return []
+    if not await help_lists([*vllm_entry(options), "--help"], "--kv-offloading-size", HELP_TIMEOUT_S):
+        raise BackendLoadError("options.kv_offload_mb: this vLLM has no --kv-offloading-size (its native KV "
+                               "offloading by size); use a newer vLLM or set kv_offload_mb = 0")
+    return ["--kv-offloading-size", str(mb / 1024), "--kv-offloading-backend", "native"]
 
 
 class VllmServeBackend(OpenAIServerBackend):
@@ -70,7 +91,7 @@ class VllmServeBackend(OpenAIServerBackend):
         argv = [*vllm_command(self.options), os.path.expanduser(str(model)),
                 "--host", "127.0.0.1", "--port", str(self.server.port),
                 "--served-model-name", SERVED_NAME, "--max-num-seqs", str(max_num_seqs),
-                *[str(a) for a in self.options.get("extra_args", [])]]
+                *[str(a) for a in self.options.get("extra_args", [])], *await kv_offload_flags(self.options)]
         if self.options.get("kv_events"):
             argv += self._start_relay()
         # unbuffered: its access and engine lines reach the replica log as they happen, in order

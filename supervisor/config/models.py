@@ -6,7 +6,7 @@ Each field's `description` is its line in docs/configuration-reference.md
 from __future__ import annotations
 
 import contextlib
-
+import json
 import re
 from typing import Any, Literal
 
@@ -64,6 +64,89 @@ class VllmServeOptions(Options):
                             "extra_args).")
     kv_events: bool | None = Field(None, description="Relay vLLM's KV-cache events for the exact prefix index; "
                                    "default: on with routing \"prefix\" on local replicas.")
+    kv_offload_mb: int = Field(0, ge=0, description="Host memory for vLLM's native KV offloading "
+                               "(--kv-offloading-size; 0: none), counted in the model's memory. Needs a vLLM "
+                               "that lists the flag, on a CUDA or XPU GPU; lost when the replica stops.")
+
+    @model_validator(mode="after")
+    def _one_offload_setting(self) -> VllmServeOptions:
+        if self.kv_offload_mb and (given := offload_flags_in(self.extra_args)):
+            raise ValueError(f"kv_offload_mb and {given[0]} in extra_args both set vLLM's KV connector: "
+                             f"set one of them")
+        return self
+
+
+# vLLM's flags that choose its KV connector; it reads a flag's underscores as dashes
+VLLM_OFFLOAD_FLAGS = ("--kv-offloading-size", "--kv-offloading-backend", "--kv-transfer-config")
+# connectors that keep offloaded KV in the vLLM process's own memory, and what they take unset
+HOST_OFFLOAD_CONNECTORS = {"OffloadingConnector": 0, "SimpleCPUOffloadConnector": 8 * 2**30}
+
+
+def _vllm_flag(arg: str) -> tuple[str, str | None]:
+    """`--a_b=v` as ("--a-b", "v"); `--a-b` as ("--a-b", None)."""
+    name, eq, value = arg.partition("=")
+    return (name.replace("_", "-") if name.startswith("--") else name), (value if eq else None)
+
+
+def _vllm_flags(args: list[str]) -> dict[str, str]:
+    """The values of vLLM's offload flags in `args` (the last of each wins, as in argparse)."""
+    found: dict[str, str] = {}
+    for i, arg in enumerate(args):
+        name, value = _vllm_flag(arg)
+        if name in VLLM_OFFLOAD_FLAGS and (value is not None or i + 1 < len(args)):
+            found[name] = value if value is not None else args[i + 1]
+    return found
+
+
+def offload_flags_in(args: list[str]) -> list[str]:
+    return [name for name in (_vllm_flag(str(a))[0] for a in args) if name in VLLM_OFFLOAD_FLAGS]
+
+
+# vLLM's JSON flags take bare numbers with these units (vllm.utils.argparse_utils.human_readable_int)
+JSON_UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _human_json(text: str) -> Any:
+    """A vLLM JSON flag's value, its bare numbers' units (`80m`, `8G`) expanded as vLLM does."""
+    parts = re.split(r'("(?:[^"\\]|\\.)*")', text)  # the odd parts are strings: left as they are
+    for i in range(0, len(parts), 2):
+        parts[i] = re.sub(r"\b(\d+(?:\.\d+)?)([kmgtKMGT])\b",
+                          lambda m: str(int(float(m.group(1)) * JSON_UNITS[m.group(2)])), parts[i])
+    return json.loads("".join(parts))
+
+
+def _connector_bytes(config: Any) -> float:
+    """Host bytes a --kv-transfer-config's connector (a MultiConnector's too) offloads into."""
+    if not isinstance(config, dict):
+        return 0.0
+    extra = config.get("kv_connector_extra_config") or {}
+    if config.get("kv_connector") == "MultiConnector":
+        return sum(_connector_bytes(c) for c in extra.get("connectors") or [])
+    if config.get("kv_connector") not in HOST_OFFLOAD_CONNECTORS:
+        return 0.0
+    value = extra.get("cpu_bytes_to_use", HOST_OFFLOAD_CONNECTORS[config["kv_connector"]])
+    try:
+        return max(float(value), 0.0)
+    except (TypeError, ValueError):  # vLLM refuses it too: the load fails
+        return 0.0
+
+
+def vllm_kv_offload_mb(options: dict) -> float:
+    """The host memory a vllm_serve replica's KV offloading takes, in MiB: extra_args'
+    --kv-offloading-size (GiB, backend native) or --kv-transfer-config's cpu_bytes_to_use,
+    else options.kv_offload_mb. LMCache's store is its own process, not counted here."""
+    flags = _vllm_flags([str(a) for a in options.get("extra_args", [])])
+    if "--kv-transfer-config" in flags and "--kv-offloading-size" not in flags:
+        with contextlib.suppress(ValueError):
+            return _connector_bytes(_human_json(flags["--kv-transfer-config"])) / 2**20
+        return 0.0
+    if "--kv-offloading-size" in flags:
+        if flags.get("--kv-offloading-backend", "native") != "native":
+            return 0.0
+        with contextlib.suppress(ValueError):
+            return max(float(flags["--kv-offloading-size"]), 0.0) * 1024
+        return 0.0
+    return float(options.get("kv_offload_mb", 0))
 
 
 class ExLlamaV3Options(Options):
@@ -157,7 +240,8 @@ class ModelConfig(Strict):
     pinned: bool = Field(False, description="Never unloaded or evicted automatically.")
     aliases: list[str] = Field(default_factory=list, description="Other names that route here.")
     memory_mb: float | None = Field(None, gt=0, description="Declared host-RAM footprint; else estimated "
-                                    "(llama_server: file size plus context), then measured.")
+                                    "(llama_server: file size, context and cache_ram_mb; vllm_serve: its KV "
+                                    "offloading only), then measured.")
     gpu_memory_mb: float | None = Field(None, gt=0, description="GPU memory per replica, split over its "
                                         "replica_devices entry.")
     load_timeout_s: float = Field(gt=0, json_schema_extra={"shown_default": "120 (vllm_serve: 600)"},

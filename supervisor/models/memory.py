@@ -14,7 +14,7 @@ from pathlib import Path
 
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ModelConfig, ServerConfig
-from supervisor.config.models import llama_cache_ram_mb
+from supervisor.config.models import llama_cache_ram_mb, vllm_kv_offload_mb
 from supervisor.models.registry import ModelEntry, Registry
 from supervisor.replicas.observe import ProcessSampler, replica_view
 from supervisor.states import RUNNING, ModelState
@@ -28,7 +28,10 @@ Evict = Callable[[ModelEntry, str], Awaitable[bool]]
 
 def estimate_mb(cfg: ModelConfig) -> float | None:
     """Before the first load: the model file, its context and its host prompt cache (llama_server);
+    the host buffer of its KV offloading (vllm_serve: the rest of it is unknown until measured);
     else unknown."""
+    if cfg.backend == "vllm_serve":
+        return kv_offload_floor_mb(cfg) or None
     if cfg.backend != "llama_server":
         return None
     try:
@@ -37,6 +40,12 @@ def estimate_mb(cfg: ModelConfig) -> float | None:
         return None
     ctx = cfg.options.get("ctx_size") or 2048 * (cfg.target_inflight + cfg.newcomer_slots)  # llama-server's default
     return cfg.replicas * (size / 2**20 + ctx * KV_MB_PER_TOKEN + llama_cache_ram_mb(cfg.options))
+
+
+def kv_offload_floor_mb(cfg: ModelConfig) -> float:
+    """The host buffer a vllm_serve model's KV offloading allocates at its start, all replicas: its
+    footprint is never counted below it (a process's RSS need not show pinned memory)."""
+    return cfg.replicas * vllm_kv_offload_mb(cfg.options) if cfg.backend == "vllm_serve" else 0.0
 
 
 class Memory:
@@ -61,7 +70,7 @@ class Memory:
         if entry.cfg.memory_mb is not None:
             return entry.cfg.memory_mb, "declared"
         if entry.measured_mb is not None:
-            return entry.measured_mb, "measured"
+            return max(entry.measured_mb, kv_offload_floor_mb(entry.cfg)), "measured"
         estimate = estimate_mb(entry.cfg)
         return (estimate, "estimated") if estimate is not None else (None, None)
 
