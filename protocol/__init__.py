@@ -16,7 +16,8 @@ array of them; see below):
                                             submit    job, request{...}, endpoint,
                                                       headers{}
     ready   capacity, info{}                cancel    job
-    delta   job, text, parts[], tokens      heartbeat
+    delta   job, text, parts[], tokens,     heartbeat
+            tasks[]
     done    job, finish_reason, usage{},    shutdown
             finish_reasons[], result{},
             timings{}, extra{},
@@ -34,6 +35,9 @@ array of them; see below):
   An optional field at its default is left off the wire (a plain text delta
   of one token carries only job and text); see messages.Delta for the typed
   parts and `tokens` (the output tokens a delta carries, 0..MAX_DELTA_TOKENS).
+  `tasks` (on a delta of its own, with no output): the runtime's [slot,
+  task id] pairs that serve the job, where the worker learned them
+  (llama-server); see messages.tasks_error.
   kv_events (a vLLM worker with routing "prefix") relays the engine's
   KV-cache events, in order, MAX_KV_EVENTS at most a message; see messages.KvEvents.
 
@@ -60,6 +64,7 @@ from protocol.messages import (
     KvEvents,
     MAX_DELTA_TOKENS,
     MAX_KV_EVENTS,
+    MAX_RUNTIME_TASKS,
     Message,
     Ready,
     Setup,
@@ -69,12 +74,13 @@ from protocol.messages import (
     delta_size,
     merge_deltas,
     runtime_timings,
+    tasks_error,
 )
 
 __all__ = [
     "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "ProtocolError", "decode", "decode_many", "encode", "encode_batch",
     "find_unencodable",
-    "Cancel", "Delta", "Done", "Error", "Heartbeat", "Hello", "KvEvents", "MAX_DELTA_TOKENS", "MAX_KV_EVENTS", "Message", "Ready", "Setup",
+    "Cancel", "Delta", "Done", "Error", "Heartbeat", "Hello", "KvEvents", "MAX_DELTA_TOKENS", "MAX_KV_EVENTS", "MAX_RUNTIME_TASKS", "Message", "Ready", "Setup",
     "Shutdown", "Submit", "ENDPOINTS", "LIGHT_ENDPOINTS", "LIGHT_CALLS_PER_WORKER", "delta_parts", "delta_size", "merge_deltas",
-    "runtime_timings",
+    "runtime_timings", "tasks_error",
 ]

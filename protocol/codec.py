@@ -9,13 +9,13 @@ from dataclasses import dataclass
 import msgpack
 
 from protocol.messages import (
-    FIELD_TYPES, MAX_DELTA_TOKENS, MAX_KV_EVENTS, MESSAGE_TYPES, Delta, KvEvents, Message, part_error)
+    FIELD_TYPES, MAX_DELTA_TOKENS, MAX_KV_EVENTS, MESSAGE_TYPES, Delta, KvEvents, Message, part_error, tasks_error)
 
 # 2: Submit.endpoint, Delta.parts, Done.finish_reasons and result; 3: batches (encode_batch);
 # 4: Setup (the model's options over the socket, not in argv); 5: Done.timings (the runtime's own);
 # 6: KvEvents (a runtime's KV-cache events); 7: Delta.tokens; "open" and "extra" delta parts,
 # Done.extra and Done.usage_on_finish (a runtime's answer relayed to the letter); 8: Submit.headers;
-# 9: Setup.warm_swap
+# 9: Setup.warm_swap. Not bumped since: an optional field a reader of 9 skips (Delta.tasks)
 PROTOCOL_VERSION = 9
 # Twice the largest request body a pool may accept (supervisor config caps
 # max_body_bytes at MAX_FRAME_BYTES // 2): msgpack never makes a JSON request
@@ -58,7 +58,7 @@ _unpackb = functools.partial(msgpack.unpackb, raw=False, strict_map_key=True)
 
 
 def encode(msg: Message) -> bytes:
-    if type(msg) is Delta and not msg.parts and msg.tokens == 1:  # the token path: one map, no loops
+    if type(msg) is Delta and not msg.parts and msg.tokens == 1 and not msg.tasks:  # the token path: one map, no loops
         return _packb({"v": PROTOCOL_VERSION, "t": "delta", "job": msg.job, "text": msg.text})
     payload = {"v": PROTOCOL_VERSION, "t": msg.TYPE}
     required, optional = _ENCODE[type(msg)]
@@ -174,6 +174,8 @@ def _message(data, what: str = "frame") -> Message | ProtocolError:
         return ProtocolError(f"kv_events: {len(kwargs['events'])} events, more than {MAX_KV_EVENTS}")
     if cls is Delta and not 0 <= kwargs.get("tokens", 1) <= MAX_DELTA_TOKENS:
         return ProtocolError(f"delta: tokens {kwargs['tokens']} is not between 0 and {MAX_DELTA_TOKENS}", job)
+    if cls is Delta and kwargs.get("tasks") and (reason := tasks_error(kwargs["tasks"])):
+        return ProtocolError(f"{cls.TYPE}: {reason}", job)
     if cls is Delta and kwargs.get("parts"):
         for part in kwargs["parts"]:
             if reason := part_error(part):

@@ -84,12 +84,13 @@ class Delta:
     return_progress), or, "alone", of a chunk that held nothing else: see EXTRA_OWNED
     and MAX_EXTRA_BYTES. `tokens`: the output tokens it carries (as the runtime
     counted them, else one per runtime event; a merged delta carries their sum), so
-    the live tokens/s counts tokens, not messages."""
+    the live tokens/s counts tokens, not messages. `tasks`: see tasks_error."""
     TYPE: ClassVar[str] = "delta"
     job: str
     text: str = ""
     parts: list = field(default_factory=list)
     tokens: int = 1
+    tasks: list = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +106,26 @@ class Done:
     # `timings`, `__verbose`), relayed as they came: see EXTRA_OWNED and MAX_EXTRA_BYTES
     extra: dict = field(default_factory=dict)
     usage_on_finish: bool = False  # the runtime sent usage on its finish chunk, unasked (llama-server's legacy stream)
+
+
+# Delta.tasks: the runtime's own tasks that serve the job, as [slot, task id] pairs (llama-server's
+# `id N | task T` of its log lines), said once, as soon as the worker learned them, on a delta of
+# their own (no text, no parts, 0 tokens: no output); left off otherwise. An optional field, so a
+# frame without it (an older worker, a runtime that names no tasks) reads as before, and a
+# reader that knows no `tasks` reads that delta as an empty one. At most MAX_RUNTIME_TASKS.
+MAX_RUNTIME_TASKS = 64
+RUNTIME_TASK_MAX = 2**31 - 1  # a slot or task id past this is no llama-server's (int32)
+
+
+def tasks_error(tasks: list) -> str | None:
+    """What is wrong with a Delta's `tasks`, or None."""
+    if len(tasks) > MAX_RUNTIME_TASKS:
+        return f"{len(tasks)} runtime tasks, more than {MAX_RUNTIME_TASKS}"
+    for pair in tasks:
+        if not (isinstance(pair, list) and len(pair) == 2
+                and all(type(v) is int and 0 <= v <= RUNTIME_TASK_MAX for v in pair)):
+            return "a runtime task is not a [slot, task id] pair of non-negative ints"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +189,7 @@ FIELD_TYPES: dict[type, dict[str, Any]] = {
     Ready: {"capacity": int, "info": dict},
     Submit: {"job": str, "request": dict, "endpoint": str, "headers": dict},
     Cancel: {"job": str},
-    Delta: {"job": str, "text": str, "parts": list, "tokens": int},
+    Delta: {"job": str, "text": str, "parts": list, "tokens": int, "tasks": list},
     Done: {"job": str, "finish_reason": str, "usage": dict, "finish_reasons": list, "result": dict, "timings": dict,
            "extra": dict, "usage_on_finish": bool},
     Error: {"job": (str, type(None)), "code": str, "message": str, "param": (str, type(None)),

@@ -21,7 +21,7 @@ from protocol.errors import ErrorCode, WorkerExit
 from protocol.loop_socket import LoopSocket
 from runtime_worker.backends import backend_class
 from runtime_worker.backends.base import (
-    Backend, BackendLoadError, Finished, JobError, OutputLimits, PartsDelta, RawFrame, TextDelta)
+    Backend, BackendLoadError, Finished, JobError, OutputLimits, PartsDelta, RawFrame, RuntimeTasks, TextDelta)
 from runtime_worker.cancel_watch import CancelWatch
 from runtime_worker.lifeline import die_with_parent
 from runtime_worker.outbox import Outbox
@@ -225,6 +225,8 @@ class Worker:
                             budget -= p.delta_size(delta)
                             self._over_budget(budget)
                             self.send(delta)
+                    elif isinstance(event, RuntimeTasks):  # said at once: the job may yet die with its runtime
+                        self.send(p.Delta(job=job, tokens=0, tasks=[list(pair) for pair in event.tasks]))
                     elif isinstance(event, RawFrame):
                         self.outbox.put(event.data)
                     elif isinstance(event, Finished):

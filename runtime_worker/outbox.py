@@ -36,7 +36,7 @@ def coalesce(batch: list[p.Message | bytes]) -> list[p.Message | bytes]:
     texts: dict[int, list[str]] = {}  # index in `out` -> its plain-text run, joined at the end
     counts: dict[int, int] = {}  # index in `out` -> the tokens its plain-text run carries
     for item in batch:
-        if isinstance(item, p.Delta):
+        if isinstance(item, p.Delta) and not item.tasks:  # one that says the job's tasks goes as it is
             at = open_delta.get(item.job)
             if at is not None and sizes[at] + (size := p.delta_size(item)) <= MERGE_LIMIT_CHARS:
                 run = texts.get(at)

@@ -30,6 +30,7 @@ MESSAGES = [
                             {"k": "extra", "x": {"timings": {"predicted_n": 1}}}]),
     p.Done(job="j", finish_reason="length", usage={"input_tokens": 1, "output_tokens": 2, "cached_tokens": 0},
            extra={"timings": {"predicted_n": 2}, "__verbose": {"prompt": "x"}}, usage_on_finish=True),
+    p.Delta(job="j", tokens=0, tasks=[[1, 7], [0, 8]]),
 ]
 
 
@@ -60,6 +61,11 @@ def test_malformed_frames_become_typed_errors():
         frame(t="delta", job="j", text=5): "field 'text' has type int",
         frame(t="heartbeat", inflight=True): "field 'inflight' has type bool",
         frame(t="ready", capacity="4"): "field 'capacity' has type str",
+        frame(t="delta", job="j", tasks=[[0, 1]] * 65): "65 runtime tasks, more than 64",
+        frame(t="delta", job="j", tasks=[[0, -1]]): "not a [slot, task id] pair",
+        frame(t="delta", job="j", tasks=[[0, 1, 2]]): "not a [slot, task id] pair",
+        frame(t="delta", job="j", tasks=[[0, True]]): "not a [slot, task id] pair",
+        frame(t="delta", job="j", tasks={"0": 1}): "field 'tasks' has type dict",
         msgpack.packb({"v": 99, "t": "delta", "job": "j", "text": "x"}): "protocol version 99",
         msgpack.packb({"t": "delta"}): "protocol version None",
     }
@@ -116,6 +122,16 @@ def test_outbox_merges_a_jobs_pending_deltas_but_never_across_its_end():
         p.Delta(job="a", text="late"), p.Heartbeat(inflight=1), p.Error(job="b", code="runtime_error",
                                                                          message="boom"),
         p.Delta(job="b", text="z")]
+
+
+def test_a_delta_that_says_the_jobs_runtime_tasks_goes_apart_and_frames_without_it_read_as_before():
+    told = p.Delta(job="a", tokens=0, tasks=[[1, 7]])
+    batch = [p.Delta(job="a", text="1"), told, p.Delta(job="a", text="2"), p.Delta(job="a", text="3")]
+    assert coalesce(batch) == [p.Delta(job="a", text="1"), told, p.Delta(job="a", text="23", tokens=2)]
+    assert p.decode(p.encode(told)) == told
+    # a worker that never says tasks (an older one, another runtime): its frames are as they were
+    assert p.decode(frame(t="delta", job="a", text="x")) == p.Delta(job="a", text="x")
+    assert "tasks" not in msgpack.unpackb(p.encode(p.Delta(job="a", text="x", tokens=2)))
 
 
 def test_a_delta_says_how_many_tokens_it_carries_through_the_outbox():

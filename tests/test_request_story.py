@@ -1,10 +1,13 @@
 """One request's whole story (GET /admin/requests/story, `llm-pool requests --id`): a real
 llama-server killed under a request, and the 502 row's story holds the crash event and the
-replica's log lines from its time. Latency over time per model: the live samples' TTFT,
-duration and queue wait p50/p95, against the request log's own rows."""
+replica's log lines of its task; requests at once on one llama-server, each story with its
+own task's lines and none of the other's; a runtime that names no tasks (synthetic), whose
+story's lines are its time window's and say so. Latency over time per model: the live
+samples' TTFT, duration and queue wait p50/p95, against the request log's own rows."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -14,8 +17,10 @@ from datetime import datetime
 
 import httpx
 
+from runtime_worker.llama_tasks import TaskTies
 from supervisor.telemetry.latency_window import percentile
-from supervisor.telemetry.request_story import line_times
+from supervisor.telemetry.request_log import parse_tasks, tasks_text
+from supervisor.telemetry.request_story import line_times, task_lines
 from tests.conftest import IGNORE_EOS, llama, synthetic
 from tests.pool import wait_for
 from tests.test_cli import cli
@@ -36,20 +41,100 @@ def test_log_line_times_come_from_the_worker_stamp_and_llama_servers_clock():
     assert abs(times[4] - (start + 0.25 + 62)) < 1e-6 and abs(times[5] - (start + 1.0)) < 1e-6
 
 
+def test_a_requests_own_lines_are_its_tasks_in_the_run_of_llama_server_that_served_it(tmp_path):
+    """Task ids begin again at each start of llama-server: the lines of task 0 are those of the
+    run that was up when the request was handed over; another slot's task in the same seconds,
+    and the worker's info lines, are not its; the worker's errors of its time are."""
+    at = datetime(2026, 12, 5, 10, 0, 0).timestamp()
+    log = tmp_path / "m-0.log"
+    log.write_bytes(b"\n".join([
+        b"2026-12-05 09:59:00,000 m/0#1 INFO starting llama-server: /bin/llama-server -m x",
+        b"[llama-server] 0.00.100.000 I slot get_availabl: id  0 | task -1 | selected slot by LRU, t_last = -1",
+        b"[llama-server] 0.00.100.100 I slot launch_slot_: id  0 | task 0 | processing task, is_child = 0",
+        b"[llama-server] 0.00.200.000 I slot      release: id  0 | task 0 | stop processing: n_tokens = 9",
+        b"2026-12-05 09:59:58,000 m/0#1 ERROR runtime died: llama-server was killed by SIGKILL",
+        b"2026-12-05 09:59:59,000 m/0#2 INFO starting llama-server: /bin/llama-server -m x",
+        b"[llama-server] 0.00.900.000 I slot get_availabl: id  1 | task -1 | selected slot by LRU, t_last = -1",
+        b"[llama-server] 0.00.900.100 I slot launch_slot_: id  1 | task 0 | processing task, is_child = 0",
+        b"[llama-server] 0.01.100.000 I slot get_availabl: id  0 | task -1 | selected slot by LRU, t_last = -1",
+        b"[llama-server] 0.01.100.100 I slot launch_slot_: id  0 | task 2 | processing task, is_child = 0",
+        b"2026-12-05 10:00:00,500 m/0#2 INFO cancelling job 0123",
+        b"[llama-server] 0.01.800.000 I slot print_timing: id  1 | task 0 | prompt eval time = 1 ms / 5 tokens",
+        b"[llama-server] 0.01.800.100 I slot      release: id  1 | task 0 | stop processing: n_tokens = 9",
+        b"[llama-server] 0.01.900.000 I slot      release: id  0 | task 2 | stop processing: n_tokens = 9",
+        b"2026-12-05 10:00:01,500 m/0#2 WARNING no word from the supervisor for 3.0s (stalled?)",
+        b"2026-12-05 10:00:09,000 m/0#3 INFO starting llama-server: /bin/llama-server -m x",
+        b"[llama-server] 0.00.100.100 I slot launch_slot_: id  1 | task 0 | processing task, is_child = 0",
+    ]) + b"\n")
+    found = task_lines(log, [(1, 0)], at - 0.1, at - 5, at + 2 + 5)
+    assert [line.split(" I slot ")[-1] if " I slot " in line else line[24:] for line in found["lines"]] == [
+        "get_availabl: id  1 | task -1 | selected slot by LRU, t_last = -1",
+        "launch_slot_: id  1 | task 0 | processing task, is_child = 0",
+        "print_timing: id  1 | task 0 | prompt eval time = 1 ms / 5 tokens",
+        "     release: id  1 | task 0 | stop processing: n_tokens = 9",
+        "m/0#2 WARNING no word from the supervisor for 3.0s (stalled?)"], found
+    assert found["note"] is None
+    assert task_lines(log, [(1, 5)], at - 0.1, at - 5, at + 7)["note"] == "nothing of task 5 in the log"
+    assert parse_tasks(tasks_text([[1, 7], [0, 8]])) == [(1, 7), (0, 8)] and tasks_text(None) is None
+    assert parse_tasks(None) == [] and parse_tasks("1:x") == []
+
+
+def test_a_seed_tells_a_job_in_slots_only_where_no_other_live_job_could_hold_it():
+    """llama_tasks.TaskTies on /slots answers as llama-server gives them (only_metrics): a drawn
+    seed ties in a busy or an idle slot; a client's seed only in a busy one, and not when
+    another live job asked with the same seed; more slots than tasks tie nothing."""
+    answer: list = []
+
+    async def slots() -> list:
+        return answer
+
+    def slot(index: int, task: int, seed: int, busy: bool = True) -> dict:
+        return {"id": index, "id_task": task, "is_processing": busy, "params": {"seed": seed}}
+
+    async def scenario() -> None:
+        ties = TaskTies({}, slots)
+        drawn = ties.mark("a", {"messages": []}, "chat")["seed"]
+        own = ties.mark("b", {"messages": [], "seed": 42}, "chat")
+        assert own["seed"] == 42 and ties.mark("c", {"seed": -1}, "chat") == {"seed": -1}
+        assert "c" not in ties.live  # -1: llama-server draws a seed of its own for each task, unknown here
+        answer[:] = [slot(0, 9, drawn, busy=False), slot(1, 10, 42)]
+        assert await ties.lookup("a") == ((0, 9),) and await ties.lookup("b") == ((1, 10),)
+        answer[:] = [slot(0, 9, drawn), slot(1, 3, 42, busy=False)]
+        assert await ties.lookup("b") is None  # its seed only in an idle slot: maybe an older job's task
+        ties.mark("d", {"messages": [], "seed": 42}, "chat")
+        answer[:] = [slot(1, 10, 42)]
+        assert await ties.lookup("b") is None and await ties.lookup("d") is None  # two live jobs, one seed
+        ties.forget("d")
+        answer[:] = [slot(1, 10, 42), slot(0, 11, 42)]
+        assert await ties.lookup("b") is None  # two tasks for a job of one
+        many = ties.mark("e", {"messages": [], "n": 2}, "chat")["seed"]
+        answer[:] = [slot(1, 12, many + 1), slot(0, 11, many)]
+        assert await ties.lookup("e") == ((0, 11), (1, 12))  # n = 2: the child's seed is the next one
+        assert TaskTies({"extra_args": ["--seed", "7"]}, slots).mark("f", {}, "chat") == {}  # the operator's
+        assert TaskTies({"extra_body": {"seed": 7}}, slots).fixed == 7
+
+    asyncio.run(scenario())
+
+
 def test_a_crashed_requests_story_holds_the_crash_event_and_the_log_lines(make_pool, tiny_gguf, llama_server_bin):
     pool = make_pool([llama("tiny", tiny_gguf, llama_server_bin, extra_args=IGNORE_EOS)])
     [runtime] = pool.workers("tiny")[0]["children"]
     result: dict = {}
+    generating = threading.Event()
 
     def ask() -> None:
-        result["r"] = httpx.post(pool.url + "/v1/chat/completions", headers={"x-request-id": "doomed-1"},
-                                 timeout=120, json={"model": "tiny", "max_tokens": 100_000, "stream": True,
-                                                    "messages": [{"role": "user", "content": "hi"}]})
+        with httpx.stream("POST", pool.url + "/v1/chat/completions", headers={"x-request-id": "doomed-1"},
+                          timeout=120, json={"model": "tiny", "max_tokens": 100_000, "stream": True,
+                                             "messages": [{"role": "user", "content": "hi"}]}) as r:
+            result["r"] = r
+            for line in r.iter_lines():
+                if '"content":"' in line and '"content":""' not in line:
+                    generating.set()  # its tokens come: its runtime task is known by now, or soon
 
     asker = threading.Thread(target=ask)
     asker.start()
-    wait_for(lambda: pool.model("tiny")["runtime_inflight"] == 1, 60, what="the request reached llama-server")
-    time.sleep(0.5)  # it is generating
+    assert generating.wait(60), "no token of the request within 60 s"
+    time.sleep(0.2)  # a few more tokens: the tie to its task rides on one of them (llama_tasks.py)
     os.kill(runtime["pid"], signal.SIGKILL)
     asker.join(60)
     assert result["r"].headers["x-request-id"] == "doomed-1"
@@ -70,14 +155,73 @@ def test_a_crashed_requests_story_holds_the_crash_event_and_the_log_lines(make_p
     assert any("runtime died: llama-server was killed by SIGKILL" in line for line in lines), story["log"]
     assert any("launch_slot" in line for line in lines), story["log"]  # llama-server's own, on its clock
     assert len(lines) <= 200
+    # its own lines: those of the llama-server task that served it (and the worker's errors), not a window
+    [(slot, task)] = story["log"]["tasks"]
+    assert story["log"]["by"] == "task" and row["runtime_tasks"] == f"{slot}:{task}", story["log"]
+    assert all(f"| task {task} |" in line or "| task -1 |" in line for line in lines if "[llama-server]" in line)
 
     done = cli("requests", "--id", "doomed-1", url=pool.url)
     assert done.returncode == 0, done.stderr
     assert "request doomed-1" in done.stdout and "replica tiny/0" in done.stdout
-    assert "crashed tiny/0" in done.stdout and "log of tiny/0" in done.stdout, done.stdout
+    assert "crashed tiny/0" in done.stdout and f"log of tiny/0, its task {task} (slot {slot})" in done.stdout, \
+        done.stdout
     missing = cli("requests", "--id", "nobody-here", url=pool.url)
     assert missing.returncode == 1 and "no request with id" in missing.stderr
     assert pool.http.get("/admin/requests/story").status_code == 400
+
+
+def test_requests_at_once_each_have_their_own_llama_server_tasks_lines(make_pool, tiny_gguf, llama_server_bin):
+    """Identical requests on one llama-server with two slots, at once: each row names its own
+    task (its seed, drawn by the worker, told them apart in /slots), and each story shows the
+    lines of that task only, though the other's ran in the same seconds on the other slot."""
+    pool = make_pool([llama("tiny", tiny_gguf, llama_server_bin, slots=2, extra_args=IGNORE_EOS)])
+    ids = ["twin-a", "twin-b", "twin-c"]
+    started = threading.Barrier(len(ids))
+    statuses: dict = {}
+
+    def ask(rid: str) -> None:
+        started.wait(30)
+        r = httpx.post(pool.url + "/v1/chat/completions", headers={"x-request-id": rid}, timeout=120,
+                       json={"model": "tiny", "max_tokens": 24, "stream": rid != "twin-c",
+                             "messages": [{"role": "user", "content": "the same words"}]})
+        statuses[rid] = r.status_code
+
+    askers = [threading.Thread(target=ask, args=(rid,)) for rid in ids]
+    for asker in askers:
+        asker.start()
+    for asker in askers:
+        asker.join(120)
+    assert statuses == {rid: 200 for rid in ids}
+
+    def stories() -> dict | None:
+        found = {rid: pool.http.get("/admin/requests/story", params={"id": rid}).json()["stories"] for rid in ids}
+        return found if all(found.values()) else None
+
+    told = {rid: entry for rid, [entry] in wait_for(stories, 15, what="the three rows").items()}
+    tasks = {rid: told[rid]["story"]["log"]["tasks"] for rid in ids}
+    assert all(len(pairs) == 1 for pairs in tasks.values()), tasks
+    assert len({pair[0][1] for pair in tasks.values()}) == len(ids), tasks  # three tasks, one each
+    for rid in ids:
+        row, log = told[rid]["row"], told[rid]["story"]["log"]
+        [(slot, task)] = tasks[rid]
+        assert log["by"] == "task" and parse_tasks(row["runtime_tasks"]) == [(slot, task)], log
+        mine = [line for line in log["lines"] if "[llama-server]" in line]
+        for part in ("selected slot", "processing task", "print_timing", "stop processing"):
+            assert any(part in line for line in mine), (part, log)
+        assert all(f"id  {slot} | task {task} |" in line or f"id  {slot} | task -1 |" in line for line in mine), log
+        others = [t for other, [(_, t)] in tasks.items() if other != rid]
+        assert not any(f"| task {t} |" in line for t in others for line in log["lines"]), log
+    # the seed the worker gave each takes nothing from llama-server's own slot choice: the one that
+    # waited for a slot got the slot whose cache held its prompt (by prompt similarity), and used it
+    [last] = [rid for rid in ids if any("selected slot by LCP similarity" in line
+                                         for line in told[rid]["story"]["log"]["lines"])]
+    assert told[last]["row"]["cached_tokens"] > 0, told[last]["row"]
+    # two of them ran at once (two slots, three asked together): a time window would have mixed them
+    spans = sorted((told[rid]["story"]["started"], told[rid]["story"]["ended"]) for rid in ids)
+    assert any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:])), spans
+    done = cli("requests", "--id", "twin-a", url=pool.url)
+    [(slot, task)] = tasks["twin-a"]
+    assert done.returncode == 0 and f"log of tiny/0, its task {task} (slot {slot}):" in done.stdout, done.stdout
 
 
 def test_a_refused_requests_story_names_its_tenant_and_the_limit_it_hit(make_pool):
@@ -98,6 +242,14 @@ def test_a_refused_requests_story_names_its_tenant_and_the_limit_it_hit(make_poo
     [again] = pool.http.get("/admin/requests/story", params={"row": served["id"]}).json()["stories"]
     assert again["row"]["request_id"] == "rl-1" and again["story"]["admission"]["refused_by"] is None
     assert again["story"]["replica"] == "syn/0" and again["story"]["end"]["status"] == 200
+    # a runtime that names no task of a request: its lines are its time window's, and say so
+    log = again["story"]["log"]
+    assert log["by"] == "window" and log["tasks"] == [] and again["row"]["runtime_tasks"] is None
+    assert log["note"].startswith("lines by time window, other requests' among them: the synthetic runtime "
+                                  "names no task of a request"), log
+    assert any("log of syn/0 (±5 s) (lines by time window" in line
+               for line in cli("requests", "--id", "rl-1", url=pool.url,
+                                   env={"LLM_POOL_ADMIN_KEY": "admin-secret"}).stdout.splitlines())
 
 
 def test_the_live_samples_carry_each_models_latency_percentiles(make_pool):

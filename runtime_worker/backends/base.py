@@ -73,7 +73,15 @@ class RawFrame:
     data: bytes
 
 
-Event = TextDelta | PartsDelta | Finished | RawFrame
+@dataclass(frozen=True, slots=True)
+class RuntimeTasks:
+    """The runtime's own tasks that serve this job, as (slot, task id) pairs (llama-server's
+    `id N | task T` in its log lines), once the backend knows them for sure: the worker
+    sends them at once, on a Delta of their own (protocol Delta.tasks)."""
+    tasks: tuple
+
+
+Event = TextDelta | PartsDelta | Finished | RawFrame | RuntimeTasks
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from runtime_worker.backends.base import BackendLoadError, Event
+from runtime_worker.llama_tasks import TaskTies
 from runtime_worker.native_server import NativeServer, OpenAIServerBackend, extra_body, help_lists
 from runtime_worker.warm_swap import NO_SLOT_FILES, SlotClient, restore, restore_for, save
 
@@ -126,7 +127,14 @@ class LlamaServerBackend(OpenAIServerBackend):
         info = {"child_pid": self.server.proc.pid, "port": self.server.port, "n_ctx_per_slot": n_ctx}
         if self.warm_swap is not None:  # before the first request: the slots are idle
             info["warm_swap"] = await restore(self.warm_swap, self._slots(), capacity)
+        self.ties = TaskTies(self.options, self._slot_states)
         return capacity, info
+
+    async def _slot_states(self) -> list:
+        """GET /slots: each slot's task and its sampling settings (llama_tasks.TaskTies)."""
+        r = await self.server.get("/slots")
+        r.raise_for_status()
+        return r.json()
 
     async def _slot_save_path(self, binary: str, model: str, flags: list[str]) -> list[str]:
         """Where this runtime saves its slots (warm swaps), as flags; none when it cannot (its
@@ -143,7 +151,15 @@ class LlamaServerBackend(OpenAIServerBackend):
         ws.off_reason = cannot
         return []
 
+    # chat and legacy completions say their llama-server tasks (llama_tasks.py); the rest does not
     def run(self, job: str, request: dict) -> AsyncIterator[Event]:
+        return self.ties.events(job, request, "chat", lambda marked: self._chat(job, marked))
+
+    def complete(self, job: str, request: dict) -> AsyncIterator[Event]:
+        return self.ties.events(job, request, "completions", lambda marked: super(LlamaServerBackend, self).complete(
+            job, marked))
+
+    def _chat(self, job: str, request: dict) -> AsyncIterator[Event]:
         if self.warm_swap is not None and self.warm_swap.pending:  # snapshots wait on disk: one may serve it
             return self._run_restoring(job, request)
         return super().run(job, request)

@@ -163,7 +163,9 @@ def story_lines(row: dict, story: dict) -> list[str]:
         out.append(f"    {at(e['ts'])} {e['level']} {e['kind']} {clip(where)}: {one_line(e['message'], 300)}")
     log = story["log"]
     note = f" ({printable(log['note'])})" if log.get("note") else ""
-    out.append(f"  log of {clip(log['replica'])} (±{story['around_s']:g} s){note}:"
-               + ("" if log["lines"] else " none"))
+    # its own lines (those of its runtime's tasks), or its time window's (the note says why)
+    whose = (", its " + ", ".join(f"task {task} (slot {slot})" for slot, task in log["tasks"])
+             if log.get("by") == "task" else f" (±{story['around_s']:g} s)")
+    out.append(f"  log of {clip(log['replica'])}{whose}{note}:" + ("" if log["lines"] else " none"))
     out.extend("    " + printable(line) for line in log["lines"])
     return out

@@ -43,6 +43,7 @@ class WorkerLink:
         worker must not fail a whole queue."""
         job.move_to(JobState.SUBMITTED)
         job.replica = self
+        job.runtime_tasks = None  # this worker's runtime says them, if at all
         job.submitted_at = job.submitted_at or time.monotonic()
         job.attempts += 1
         self.inflight[job.id] = job
@@ -155,6 +156,10 @@ class WorkerLink:
         match msg:
             case p.Delta(job=job_id):
                 if job := self.inflight.get(job_id):
+                    if msg.tasks:  # the runtime's tasks of the job (its story shows their log lines)
+                        job.runtime_tasks = msg.tasks
+                        if not msg.text and not msg.parts:
+                            return  # said on a delta of its own: no output
                     self.streamed_tokens += msg.tokens  # within 0..MAX_DELTA_TOKENS (the codec checked)
                     self._job_deltas[job_id] = self._job_deltas.get(job_id, 0) + msg.tokens
                     job.push(msg)

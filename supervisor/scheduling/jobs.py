@@ -102,7 +102,7 @@ class Job:
                  "_waiter", "submitted_at", "transcript", "queue_reason", "_timer", "_timer_at", "counted",
                  "max_choices", "max_output_bytes", "output_bytes", "max_unsent_bytes", "unsent_bytes", "tenant",
                  "meter", "on_end", "prompt_tokens", "session", "slo_deadline", "slo_ttft_ms", "prediction",
-                 "chain", "light", "request_id")
+                 "chain", "light", "request_id", "runtime_tasks")
 
     def __init__(self, model: str, request: dict, timeout_s: float, queue_timeout_s: float | None = None,
                  endpoint: str = "chat", max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
@@ -156,6 +156,7 @@ class Job:
         self.prediction = None  # deadlines.Prediction made at admission, when made
         self.chain = None  # fallback_chains.Chain: the models its request tried before this one
         self.light = False  # handed over past the queue as a light call: it takes no generation slot
+        self.runtime_tasks: list | None = None  # [slot, task id] pairs its runtime said serve it (Delta.tasks)
 
     def set_slo(self, ttft_ms: float) -> None:
         """Its TTFT deadline: a queued job leaves the queue when it passes (`next_event`, and

@@ -19,7 +19,7 @@ from supervisor.state_dir import make_private_dir
 from supervisor.scheduling.jobs import Job
 from supervisor.telemetry.latency_window import LatencyWindow
 from supervisor.models.health import UNHEALTHY, model_health, reason_text
-from supervisor.telemetry.request_log import RequestLog, truncate
+from supervisor.telemetry.request_log import RequestLog, tasks_text, truncate
 from supervisor.tasks import spawn
 
 log = logging.getLogger("llm_pool.live")
@@ -149,7 +149,8 @@ class Activity:
                               job.tenant if job is not None else tenant, cached, prefill, decode,
                               REQUEST_ID.get(), job.replica.name if job is not None and job.replica else None,
                               job.chain.text() if job is not None and job.chain and job.chain.fell_back
-                              else fallback_chain, SKIPPED_TOOLS.get()))
+                              else fallback_chain, SKIPPED_TOOLS.get(),
+                              tasks_text(job.runtime_tasks) if job is not None else None))
 
     # -- live samples ----------------------------------------------------------------------------
     def sample(self) -> dict:

@@ -35,7 +35,8 @@ REFUSED_ROWS_PER_S = 10
 
 COLUMNS = ("ts", "model", "endpoint", "status", "error_code", "error_message", "queued_ms", "ttft_ms",
            "duration_ms", "tokens_in", "tokens_out", "prompt", "output", "tenant", "cached_tokens",
-           "runtime_prefill_tps", "runtime_decode_tps", "request_id", "replica", "fallback_chain", "skipped_tools")
+           "runtime_prefill_tps", "runtime_decode_tps", "request_id", "replica", "fallback_chain", "skipped_tools",
+           "runtime_tasks")
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -59,7 +60,9 @@ CREATE TABLE IF NOT EXISTS requests (
     request_id TEXT,             -- the answer's x-request-id (the client's own when it sent a safe one)
     replica TEXT,                -- the replica that served it (model/index); NULL: it never reached one
     fallback_chain TEXT,         -- the models tried when another served it: "a (queue_full) -> b"
-    skipped_tools TEXT           -- a Responses body's tools the pool left out (no local meaning): "web_search, ..."
+    skipped_tools TEXT,          -- a Responses body's tools the pool left out (no local meaning): "web_search, ..."
+    runtime_tasks TEXT           -- the runtime's tasks that served it, "slot:task" ("1:7,0:8"; llama-server's
+                                 -- `id 1 | task 7`); NULL: its runtime did not say which
 );
 CREATE INDEX IF NOT EXISTS requests_ts ON requests (ts);
 """
@@ -68,6 +71,7 @@ INDEXES = "CREATE INDEX IF NOT EXISTS requests_request_id ON requests (request_i
 # Each stored text column is cut to this many characters (what runs past says how much more)
 TEXT_LIMITS = {"model": 200, "endpoint": 64, "error_code": 64, "error_message": 1024, "tenant": 200,
                "request_id": 128, "replica": 220, "fallback_chain": 1024, "skipped_tools": 400,
+               "runtime_tasks": 1500,
                "prompt": BODY_CHARS + 64, "output": BODY_CHARS + 64}  # room for truncate()'s note
 _LIMITS = tuple(TEXT_LIMITS.get(name) for name in COLUMNS)  # None: not a text column
 _KEEP = tuple("\n\t" if name in ("prompt", "output") else "" for name in COLUMNS)
@@ -76,7 +80,23 @@ _TEXT = tuple((i, limit, keep) for i, (limit, keep) in enumerate(zip(_LIMITS, _K
 # tenant: also "(unknown key)" (tenants.UNKNOWN_KEY) for a 401 whose key no tenant holds; NULL with no key
 ADDED_COLUMNS = {"tenant": "TEXT", "cached_tokens": "INTEGER", "runtime_prefill_tps": "REAL",
                  "runtime_decode_tps": "REAL", "request_id": "TEXT", "replica": "TEXT", "fallback_chain": "TEXT",
-                 "skipped_tools": "TEXT"}
+                 "skipped_tools": "TEXT", "runtime_tasks": "TEXT"}
+
+
+def tasks_text(tasks: list | None) -> str | None:
+    """A job's runtime tasks ([slot, task id] pairs) as the runtime_tasks column holds them."""
+    return ",".join(f"{slot}:{task}" for slot, task in tasks) if tasks else None
+
+
+def parse_tasks(text: str | None) -> list[tuple[int, int]]:
+    """The runtime_tasks column back as (slot, task id) pairs; [] for NULL or anything else."""
+    pairs = []
+    for item in (text or "").split(","):
+        slot, _, task = item.partition(":")
+        if not (slot.isdigit() and task.isdigit()):
+            return []
+        pairs.append((int(slot), int(task)))
+    return pairs
 
 
 def truncate(text: str | None, limit: int = BODY_CHARS) -> str | None:

@@ -2,8 +2,15 @@
 and that tenant's limits, the limit it hit when refused), its queue wait, the replica
 that served it, its TTFT and tokens, its end, and what happened around it: the
 timeline's events of its model from a little before its start to a little after its
-end, and the serving replica's log lines from that time. Everything is bounded; `story`
-reads files and SQLite, so it runs in a thread (asyncio.to_thread), never on the loop."""
+end, and the serving replica's log lines of it. Everything is bounded; `story` reads files
+and SQLite, so it runs in a thread (asyncio.to_thread), never on the loop.
+
+Its log lines: where its runtime said which of its tasks served it (the row's
+runtime_tasks: llama-server's `id N | task T`, runtime_worker/llama_tasks.py), the lines
+of those tasks in that runtime's run (from the worker's `starting llama-server` line that
+started it), the line before each task's start that chose its slot, and the worker's
+warnings and errors from the request's time (a crash); else, the lines of its time window,
+which say so, for they hold other requests' lines too."""
 
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ from datetime import datetime
 from pathlib import Path
 
 from protocol.errors import ErrorCode
+from supervisor.telemetry.request_log import parse_tasks
 
 AROUND_S = 5.0  # events and log lines this long before the request's start and after its end
 EVENTS_MAX = 50
@@ -29,6 +37,10 @@ _WORKER_STAMP = re.compile(rb"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ")
 # llama-server's: "[llama-server] 0.01.372.141 I ..." (minutes.seconds.ms.us since it started)
 _LLAMA_STAMP = re.compile(rb"^\[llama-server\] (\d+)\.(\d\d)\.(\d{3})\.(\d{3}) ")
 _LLAMA_START = b"starting llama-server"
+# llama-server's slot lines: "slot launch_slot_: id  1 | task 7 | processing task" (task -1: none yet)
+_SLOT_TASK = re.compile(rb"^\[llama-server\] \S+ \S+ slot +\S+: id +(\d+) \| task (-?\d+) \| ")
+# the worker's own warnings and errors (a crash, a stall): the replica's, not another request's
+_WORKER_TROUBLE = re.compile(rb"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} \S+ (WARNING|ERROR|CRITICAL) ")
 
 
 def line_times(lines: list[bytes]) -> list[float | None]:
@@ -55,9 +67,9 @@ def line_times(lines: list[bytes]) -> list[float | None]:
     return times
 
 
-def log_lines_between(path: Path, since: float, until: float) -> dict:
-    """The replica log's lines from `since` to `until` (unix times), the last LOG_LINES_MAX
-    of them and LOG_BYTES_MAX at most, read from the last LOG_READ_MAX bytes of the file."""
+def _log_tail(path: Path) -> tuple[list[bytes], bool] | str:
+    """The whole lines of the last LOG_READ_MAX bytes of the log, and whether that is not
+    all of it; or why there are none."""
     try:
         with open(path, "rb") as f:
             size = f.seek(0, os.SEEK_END)
@@ -65,12 +77,74 @@ def log_lines_between(path: Path, since: float, until: float) -> dict:
             f.seek(start)
             data = f.read(size - start)
     except OSError as exc:
-        return {"lines": [], "note": f"no log: {exc.strerror or exc}"}
+        return f"no log: {exc.strerror or exc}"
     lines = data.split(b"\n")
-    if start > 0:
-        lines = lines[1:]  # begin at a whole line
+    return (lines[1:] if start > 0 else lines), start > 0  # begin at a whole line
+
+
+def log_lines_between(path: Path, since: float, until: float) -> dict:
+    """The replica log's lines from `since` to `until` (unix times), the last LOG_LINES_MAX
+    of them and LOG_BYTES_MAX at most, read from the last LOG_READ_MAX bytes of the file."""
+    tail = _log_tail(path)
+    if isinstance(tail, str):
+        return {"lines": [], "note": tail}
+    lines, partial = tail
     times = line_times(lines)
     picked = [line for line, t in zip(lines, times) if t is not None and since <= t <= until and line.strip()]
+    return _bounded(picked, f"nothing from that time in the log's last {LOG_READ_MAX // 2**20} MiB"
+                    if partial else None)
+
+
+def _starts(line: bytes) -> bool:
+    """The worker's line that starts a llama-server: a new run, whose task ids begin at 0."""
+    return _LLAMA_START in line and _WORKER_STAMP.match(line) is not None
+
+
+def task_lines(path: Path, tasks: list[tuple[int, int]], served_at: float, since: float, until: float) -> dict:
+    """The replica log's lines of the runtime's `tasks` ((slot, task id) pairs) in the run of
+    the runtime that was up when the request was handed to it (`served_at`; task ids begin
+    again at each start), each task's slot choice (its slot's line with no task yet, right
+    before the task's start), and the worker's warnings and errors from `since` to `until`
+    (a crash); bounded as log_lines_between."""
+    tail = _log_tail(path)
+    if isinstance(tail, str):
+        return {"lines": [], "note": tail}
+    lines, partial = tail
+    times = line_times(lines)
+    run = 0  # where the run that served it begins: after its start line (else the tail's start)
+    for i, (line, t) in enumerate(zip(lines, times)):
+        if t is not None and t > served_at:
+            break
+        if _starts(line):
+            run = i + 1
+    wanted = set(tasks)
+    picked: list[bytes] = []
+    choice: dict[int, bytes] = {}  # slot -> its last line with no task, until a task of it starts
+    for line, t in zip(lines[run:], times[run:]):
+        if _starts(line):
+            break  # the next run: its task ids are others'
+        slot_line = _SLOT_TASK.search(line)
+        if slot_line is not None:
+            slot, task = int(slot_line[1]), int(slot_line[2])
+            if task < 0:
+                choice[slot] = line
+            else:
+                if (slot, task) in wanted:
+                    if slot in choice:
+                        picked.append(choice[slot])
+                    picked.append(line)
+                choice.pop(slot, None)
+        elif _WORKER_TROUBLE.match(line) and t is not None and since <= t <= until:
+            picked.append(line)
+    found = {(int(m[1]), int(m[2])) for m in map(_SLOT_TASK.search, picked) if m is not None}
+    missing = wanted - found
+    return _bounded(picked, None if not missing else "nothing of task " + ", ".join(
+        str(task) for _, task in sorted(missing)) + (f" in the log's last {LOG_READ_MAX // 2**20} MiB"
+                                                     if partial else " in the log"))
+
+
+def _bounded(picked: list[bytes], empty_note: str | None) -> dict:
+    """The last LOG_LINES_MAX of `picked`, LOG_BYTES_MAX at most, as text; with a note."""
     cut = len(picked) > LOG_LINES_MAX
     picked = picked[-LOG_LINES_MAX:]
     out: list[str] = []
@@ -83,12 +157,26 @@ def log_lines_between(path: Path, since: float, until: float) -> dict:
             break
         out.append(text)
     out.reverse()
-    note = None
+    note = empty_note
     if cut:
-        note = f"the last {len(out)} lines of that time"
-    elif not out and start > 0:
-        note = f"nothing from that time in the log's last {LOG_READ_MAX // 2**20} MiB"
+        note = f"its last {len(out)} lines"
     return {"lines": out, "note": note}
+
+
+def replica_lines(path: Path, backend: str, tasks: list[tuple[int, int]], begin: float, served_at: float,
+                  end: float) -> dict:
+    """The request's lines of its replica's log: `by` "task" (those of its runtime's tasks)
+    where the runtime said which they were, else "window" (all lines of its time, and why).
+    `served_at`: when it was handed to the replica."""
+    if tasks:
+        return {"by": "task", "tasks": [list(pair) for pair in tasks],
+                **task_lines(path, tasks, served_at, begin - AROUND_S, end + AROUND_S)}
+    found = log_lines_between(path, begin - AROUND_S, end + AROUND_S)
+    why = ("llama-server did not say which of its tasks was this request's" if backend == "llama_server"
+           else f"the {backend} runtime names no task of a request")
+    return {"by": "window", "tasks": [], "lines": found["lines"],
+            "note": f"lines by time window, other requests' among them: {why}"
+                    + (f"; {found['note']}" if found["note"] else "")}
 
 
 def story(row: dict, engine, events) -> dict:
@@ -104,11 +192,13 @@ def story(row: dict, engine, events) -> dict:
     served_by = replica.rsplit("/", 1)[0] if replica else None
     models = sorted({m for m in (row.get("model"), served_by) if m})
     around = events.between(models, begin - AROUND_S, end + AROUND_S, EVENTS_MAX)
-    logs = {"replica": replica, "lines": [], "note": "it never reached a replica"}
+    logs = {"replica": replica, "by": None, "tasks": [], "lines": [], "note": "it never reached a replica"}
     index = replica.rsplit("/", 1)[1] if replica else ""
     if served_by in engine.models and index.isdigit():  # the log file of a configured model's replica
-        path = engine.log_dir / f"{engine.models[served_by].cfg.name}-{int(index)}.log"
-        logs = {"replica": replica, **log_lines_between(path, begin - AROUND_S, end + AROUND_S)}
+        cfg = engine.models[served_by].cfg
+        logs = {**logs, **replica_lines(engine.log_dir / f"{cfg.name}-{int(index)}.log", cfg.backend,
+                                        parse_tasks(row.get("runtime_tasks")), begin,
+                                        begin + (row.get("queued_ms") or 0) / 1000, end)}
     elif replica:
         logs["note"] = f"model {served_by} is no longer configured"
     return {

@@ -583,7 +583,8 @@ function showRequest(r) {
 }
 
 // One request's story (GET /admin/requests/story): admission, its way through the pool, the
-// events and its replica's log lines from around its time.
+// events from around its time and its replica's log lines: its runtime tasks' own where the
+// runtime said which they were, else its time window's (the note says so).
 function storyText(s) {
   const at = (t) => clock(t, {millis: true});
   const a = s.admission, lim = a.limits;
@@ -597,7 +598,9 @@ function storyText(s) {
     `events (±${s.around_s} s):` + (s.events.length ? "" : " none"),
     ...s.events.map((e) => `  ${at(e.ts)} ${e.level} ${e.kind} ${e.model ?? "pool"}` +
       (e.replica !== null && e.replica !== undefined ? `/${e.replica}` : "") + `: ${e.message}`),
-    `log of ${s.log.replica ?? "no replica"} (±${s.around_s} s)` + (s.log.note ? ` (${s.log.note})` : "") + ":" +
+    `log of ${s.log.replica ?? "no replica"}` + (s.log.by === "task"
+      ? ", its " + s.log.tasks.map(([slot, task]) => `task ${task} (slot ${slot})`).join(", ")
+      : ` (±${s.around_s} s)`) + (s.log.note ? ` (${s.log.note})` : "") + ":" +
       (s.log.lines.length ? "" : " none"),
     ...s.log.lines.map((line) => "  " + line)];
   return lines.join("\n");
