@@ -24,11 +24,10 @@ from supervisor.models.memory import Memory
 from supervisor.models.registry import ModelEntry, Registry
 from supervisor.models.views import Views
 from supervisor.replicas.observe import ProcessSampler
-from supervisor.replicas.process import spawn_worker, sweep_stale_workers
+from supervisor.replicas.process import Launcher, spawn_worker, sweep_stale_workers
 from supervisor.admission.prompt_bounds import check_prompt_bounds
 from supervisor.admission.prompt_tokens import PromptTokenizer
 from supervisor.request_bounds import check_request_bounds
-from supervisor.replicas.replica import Launcher
 from supervisor.state_dir import make_private_dir, pool_state_dir
 from supervisor.models.warm_swaps import SavedKv
 from supervisor.states import ReplicaState

@@ -435,7 +435,7 @@ async def test_stop_in_backoff_cancels_the_restart():
     await _in_backoff(rig)
     await rig.replica.stop()
     assert rig.replica.state is ReplicaState.STOPPED
-    assert rig.replica._restart_task is None or rig.replica._restart_task.done()
+    assert not rig.replica.restart_pending
     assert len(rig.launcher.procs) == 1
 
 

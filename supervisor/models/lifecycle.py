@@ -30,9 +30,9 @@ from supervisor.scheduling.jobs import Job
 from supervisor.models.memory import Memory
 from supervisor.models.registry import ModelEntry, Registry
 from supervisor.replicas import exits
-from supervisor.replicas.process import spawn_worker
+from supervisor.replicas.process import Launcher, spawn_worker
 from supervisor.replicas.ray_placement import RayCluster
-from supervisor.replicas.replica import Launcher, Replica
+from supervisor.replicas.replica import Replica
 from supervisor.scheduling.executor import Executor
 from supervisor.states import RUNNING, JobState, ModelState
 from supervisor.replicas.transport import Transport

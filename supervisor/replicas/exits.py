@@ -10,13 +10,14 @@ killer, another process), "self" (it exited on its own with a code)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocol.errors import exit_text
+from protocol.errors import ErrorCode, PoolError, exit_text
 from supervisor.states import ReplicaState
 
 BY_POOL, BY_OPERATOR, BY_PLANNED, BY_OUTSIDE, BY_SELF = "pool", "operator", "planned", "outside", "self"
@@ -78,6 +79,24 @@ def describe_exit(facts: ExitFacts, kernel_note: str | None = None, last_line: s
                             f"({kernel_note or OUTSIDE_GUESS})")
     why = facts.message or last_line
     return BY_SELF, f"exited with {exit_text(facts.worker_code)}" + (f": {why}" if why else "")
+
+
+async def explain(facts: ExitFacts, pid: int, log_path: Path) -> tuple[str, str]:
+    """describe_exit, with what the disk tells of it: the kernel's log (an OOM kill) or the
+    worker's last line, read off the loop, bounded."""
+    disk = await asyncio.to_thread(read_disk, facts, pid, log_path) if needs_disk(facts) else (None, None)
+    return describe_exit(facts, *disk)
+
+
+def lost_job_error(state: ReplicaState, name: str, exit_why: str) -> PoolError:
+    """What a job still running when its worker exited (`exit_why`) is told, by its replica's state."""
+    if state is ReplicaState.RESTARTING:
+        return PoolError(ErrorCode.RUNTIME_RESTARTED, f"replica {name} was restarted by the operator "
+                         "before the request finished")
+    if state is ReplicaState.STOPPING:  # what a drain's grace did not let finish (unload, shutdown)
+        return PoolError(ErrorCode.MODEL_UNLOADING, f"replica {name} was stopped (unload or shutdown) "
+                         "before the request finished")
+    return PoolError(ErrorCode.RUNTIME_CRASHED, f"the runtime of replica {name} exited ({exit_why}) during the request")
 
 
 def needs_disk(facts: ExitFacts) -> bool:

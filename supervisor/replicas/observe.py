@@ -171,9 +171,9 @@ async def worker_views(replicas: list[Replica], sampler: ProcessSampler) -> list
             "newcomer_slots": r.newcomer_slots,
             "rss_bytes": None, "cpu_percent": None, "children": [], "gpu_memory_bytes": None,
             "log_path": str(r.log_path), "last_error": r.last_error, "runtime_info": r.info,
-            "protocol_errors": r.protocol_errors, "unknown_job_replies": r.unknown_job_replies,
+            "protocol_errors": r.link.protocol_errors, "unknown_job_replies": r.link.unknown_job_replies,
             # output tokens counted as they streamed, and of those, the ones only a job's end counted
-            "output_tokens": r.streamed_tokens, "output_tokens_at_end": r.settled_tokens,
+            "output_tokens": r.link.streamed_tokens, "output_tokens_at_end": r.link.settled_tokens,
             "routing": r.owner.choice.replica_view(r),  # replica choice: decisions, prompt cache hits
         }
         if r.cfg.remote:  # on a Ray node (the last one it ran on, while it is down)

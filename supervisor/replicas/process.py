@@ -9,12 +9,16 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Protocol
 
 import psutil
+
+import protocol as p
 
 from procutil.tree import ChildTree, kill_tree
 from protocol.owner import OWNER_ENV
 from protocol.redact import POOL_SECRET_ENV, worker_env
+from supervisor.config import ModelConfig, ServerConfig
 
 log = logging.getLogger("llm_pool.process")
 
@@ -38,6 +42,44 @@ def withheld_env(model_key_env=frozenset(), own_key: str | None = None) -> froze
     """The variables a worker must not see: the pool's own secrets, and every model's
     api_key_env (`model_key_env`) but its own model's (`own_key`)."""
     return frozenset(_pool_secret_env) | (frozenset(model_key_env) - {own_key})
+
+
+class Launcher(Protocol):
+    """Starts a worker (process.spawn_worker; ray_placement.RayLauncher, which also
+    has the `endpoint` its workers dial; a fake in the state-machine tests).
+    Raises OSError when it cannot."""
+
+    async def __call__(self, args: list[str], log_path: Path, env: dict[str, str]) -> WorkerProcess: ...
+
+
+def replica_env(cfg: ModelConfig, index: int, model_key_env: frozenset[str]) -> dict[str, str | None]:
+    """What replica `index` of `cfg` puts in its worker's environment: None leaves a name out
+    (protocol.redact.worker_env): every withheld_env."""
+    env: dict[str, str | None] = dict.fromkeys(withheld_env(model_key_env, cfg.options.get("api_key_env")))
+    if cfg.replica_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cfg.replica_devices[index]
+    return env
+
+
+def worker_args(cfg: ModelConfig, server: ServerConfig, endpoint: str, identity: str) -> list[str]:
+    """A replica's worker's command line (its options, secrets among them, follow Hello, in Setup)."""
+    return [
+        "--endpoint", endpoint, "--replica", identity, "--backend", cfg.backend,
+        # the runtime is sized for the regular slots and the newcomer slots above them
+        "--target-inflight", str(cfg.target_inflight + cfg.newcomer_slots),
+        "--heartbeat-s", str(server.heartbeat_s), "--liveness-s", str(server.liveness_s),
+        "--stop-timeout-s", str(cfg.stop_timeout_s), "--cancel-grace-s", str(cfg.cancel_grace_s),
+        "--supervisor-patience-s", str(server.supervisor_patience_s),
+        "--max-job-output-bytes", str(server.max_job_output_bytes),
+        "--max-upstream-line-bytes", str(server.max_upstream_line_bytes),
+    ]
+
+
+def worker_setup(cfg: ModelConfig, server: ServerConfig, kv_dir: Path | None) -> p.Setup:
+    """The answer to a replica's worker's Hello: the model's options, and where its KV is saved."""
+    warm_swap = {"dir": str(kv_dir), "budget_mb": server.kv_disk_budget_mb,
+                 "save_timeout_s": server.kv_save_timeout_s} if kv_dir else {}
+    return p.Setup(options=cfg.worker_options, warm_swap=warm_swap)
 
 
 async def spawn_worker(args: list[str], log_path: Path, extra_env: dict[str, str | None]) -> WorkerProcess:

@@ -1,7 +1,8 @@
 """One replica: the supervisor-side handle of one runtime worker subprocess.
 
 Owns that worker's lifecycle (spawn, ready, heartbeats, stop, restart after a
-crash) and its in-flight table. Scheduling decisions are the executor's."""
+crash) and its state; its `link` (worker_link.WorkerLink) owns the conversation
+with the worker and the in-flight table. Scheduling decisions are the executor's."""
 
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import protocol as p
 from protocol.errors import ErrorCode, PoolError, exit_text
+from protocol.redact import mask_values
 from supervisor.config import ModelConfig, ServerConfig
 from supervisor.events import EventKind, emit
 from supervisor.replicas import exits
-from supervisor.replicas.process import WorkerProcess, spawn_worker, withheld_env
-from supervisor.replicas.restart_policy import CrashHistory, RestartPolicy, restart_delay
+from supervisor.replicas.process import Launcher, WorkerProcess, spawn_worker, replica_env, worker_args, worker_setup
+from supervisor.replicas.restart_policy import CrashHistory, PendingRestart, RestartPolicy, restart_delay
 from supervisor.states import REPLICA_TRANSITIONS, ReplicaState, transition
 from supervisor.tasks import spawn
 from supervisor.replicas.transport import Transport
@@ -40,27 +42,16 @@ class ReplicaOwner(Protocol):
     """What a replica tells its executor."""
 
     def replica_changed(self) -> None: ...  # a slot freed or the state changed
-
     def requeue(self, job: Job) -> None: ...  # run this job again, ahead of the queue
-
     def job_finished(self, replica: Replica, job: Job) -> None: ...  # it ended on that replica (any outcome)
-
     def replica_restarted(self, replica: Replica) -> None: ...  # a new worker starts: its cache is empty
-
     def replica_kv_events(self, replica: Replica, events: list, reset: bool) -> None: ...  # its engine's cache
-
     def wants_workers(self) -> bool: ...  # its model takes work: a worker may start (else a stop was asked)
 
 
-class Launcher(Protocol):
-    """Starts a worker (process.spawn_worker; ray_placement.RayLauncher, which also
-    has the `endpoint` its workers dial; a fake in the state-machine tests).
-    Raises OSError when it cannot."""
+class Replica:
+    """Implements worker_link.LinkHost for its link."""
 
-    async def __call__(self, args: list[str], log_path: Path, env: dict[str, str]) -> WorkerProcess: ...
-
-
-class Replica(WorkerLink):
     def __init__(self, cfg: ModelConfig, server: ServerConfig, index: int, transport: Transport,
                  log_dir: Path, owner: ReplicaOwner, policy: RestartPolicy | None = None,
                  launcher: Launcher = spawn_worker, clock: Callable[[], float] = time.monotonic,
@@ -86,12 +77,10 @@ class Replica(WorkerLink):
         self.newcomer_slots = 0  # effective: at most the runtime's room above `capacity`
         self.runtime_capacity: int | None = None
         self.info: dict = {}
-        self.inflight: dict[str, Job] = {}
-        self.light_inflight = 0  # of them, light calls handed past the queue (Job.light): in no generation slot
+        # its jobs in flight, its workers' messages
+        self.link = WorkerLink(self, cfg.name, transport, clock, worker_setup(cfg, server, self.kv_dir))
         self.started_at: float | None = None  # wall clock of the current process
         self.ready_at: float | None = None  # monotonic
-        self.last_heard = 0.0
-        self.connected = False  # the current worker has spoken: it can be sent to
         self.restarts = 0
         self.planned_restarts = 0  # of them, an operator's (the rest: after a crash)
         # the last exit shown: the runtime's own when its worker reported it died (SIGKILL), else
@@ -109,27 +98,16 @@ class Replica(WorkerLink):
         self.runtime_killed_by_worker = False  # its worker killed its runtime (a cancel not honoured)
         self.stop_by, self.stop_why = exits.BY_PLANNED, None  # who asked a planned stop of it, and why
         self.history = CrashHistory()
-        self.unknown_job_replies = 0  # late or bogus replies, dropped by job id
-        # output tokens as they stream (the live tokens/s): what each delta says it carries; a
-        # job's Done adds what its runtime's usage counts beyond that (settled_tokens, of these)
-        self.streamed_tokens = 0
-        self.settled_tokens = 0
-        self._job_deltas: dict[str, int] = {}
-        self.protocol_errors = 0
-        self.submits_sent = 0  # Submits sent to the current worker; its heartbeats say how many it got
-        # an operator's restart of this replica while it served, from its drain to its new worker's
-        # start (planned work: its model is not degraded by it): the monotonic time its drain ends,
-        # a countdown shown to operators; None when none is under way. Whether the restart goes
-        # on is the state's alone (RESTARTING; a stop moves it to STOPPING).
+        # an operator's restart of this replica while it served, from its drain to its new worker's start (planned work:
+        # its model is not degraded by it): the monotonic time its drain ends, a countdown shown to operators; None when
+        # none is under way. Whether the restart goes on is the state's alone (RESTARTING; a stop moves it to STOPPING).
         self.operator_restart_until: float | None = None
-        self._drained: asyncio.Future | None = None  # a restart's drain: resolved when it may end
         # One lifecycle action at a time (start, stop, operator or crash restart), so a
         # replica never has two workers and a stop never races a start.
         self._lock = asyncio.Lock()
         self._ready: asyncio.Future | None = None
         self._watcher: asyncio.Task | None = None
-        self._restart_task: asyncio.Task | None = None
-        self._restart_due = 0.0  # monotonic: when the pending crash restart (_restart_task) starts
+        self._backoff = PendingRestart()  # a crash restart backing off (BACKOFF)
 
     # -- state ---------------------------------------------------------------
     def _set(self, new: ReplicaState) -> None:
@@ -162,28 +140,94 @@ class Replica(WorkerLink):
         """Seconds until a crash restart backing off starts (its countdown); None when none is pending."""
         if self.state is not ReplicaState.BACKOFF or not self.restart_pending:
             return None
-        return max(0.0, self._restart_due - self.clock())
-
-    @property
-    def generating(self) -> int:
-        """Jobs in flight in generation slots (a light call handed past the queue takes none)."""
-        return len(self.inflight) - self.light_inflight
+        return max(0.0, self._backoff.due - self.clock())
 
     @property
     def free_slots(self) -> int:
-        return self.capacity - self.generating if self.state is ReplicaState.READY else 0
+        return self.capacity - self.link.generating if self.state is ReplicaState.READY else 0
 
     @property
     def free_newcomer_slots(self) -> int:
         """Free slots above `capacity`, for a tenant with nothing running on the model."""
         if self.state is not ReplicaState.READY or not self.newcomer_slots:
             return 0
-        return min(self.newcomer_slots, self.capacity + self.newcomer_slots - self.generating)
+        return min(self.newcomer_slots, self.capacity + self.newcomer_slots - self.link.generating)
 
     @property
     def restart_pending(self) -> bool:
         """A restart of this replica is scheduled (backing off after a crash)."""
-        return self._restart_task is not None and not self._restart_task.done()
+        return self._backoff.pending
+
+    # -- its jobs, through its link ----------------------------------------------
+    @property
+    def inflight(self) -> dict[str, Job]:
+        """Its jobs in flight, by id: the link's table (read here, written there)."""
+        return self.link.inflight
+
+    @property
+    def light_inflight(self) -> int:
+        return self.link.light_inflight
+
+    def submit(self, job: Job) -> None:
+        self.link.submit(job, self)
+
+    def cancel(self, job: Job, malformed: bool = False) -> None:
+        self.link.cancel(job, malformed)
+
+    def forget(self, job_id: str) -> Job | None:
+        return self.link.forget(job_id)
+
+    # -- what its link tells it (worker_link.LinkHost) -----------------------------
+    def worker_ready(self, capacity: int, info: dict) -> None:
+        self.runtime_capacity = capacity
+        self.capacity = max(0, min(self.cfg.target_inflight, capacity))
+        self.newcomer_slots = max(0, min(self.cfg.newcomer_slots, capacity - self.capacity))
+        if self.newcomer_slots < self.cfg.newcomer_slots:
+            log.warning("replica %s: %d of %d newcomer_slots (the runtime runs %d at once, target_inflight "
+                        "%d)", self.name, self.newcomer_slots, self.cfg.newcomer_slots, capacity, self.capacity)
+        self.info = mask_values(info)  # shown in /admin/workers: no credentials in a URL
+        self.ready_at = self.clock()
+        if self.proc:
+            self.proc.snapshot()  # the runtime's processes exist by now
+        # only the start that waits for it makes the replica ready: not one aborted, timed out or killed
+        if self._ready and not self._ready.done() and self.state is ReplicaState.STARTING:
+            self._ready.set_result(None)
+            self._set(ReplicaState.READY)
+
+    def runtime_failed(self, code: str, message: str, exit_code: int | None) -> None:
+        self.last_error = message
+        self.runtime_exit_code = exit_code  # its runtime died: that exit is the one to show
+        # runtime_timeout: its worker killed it (busy after a cancel left it no job)
+        self.runtime_killed_by_worker = code == ErrorCode.RUNTIME_TIMEOUT
+        if self._ready and not self._ready.done():
+            self._ready.set_exception(LoadFailed(message))
+
+    def send_failed(self, job: Job) -> None:
+        """A Submit could not be sent (the worker is gone or not reading): the job goes back
+        to the head of the queue and this replica takes no more work until its worker is
+        replaced: one unreachable worker must not fail a whole queue."""
+        if job.cancel_requested:  # its client left meanwhile: nothing to run again
+            job.finish(PoolError(ErrorCode.INVALID_REQUEST, "cancelled by the client"))
+        else:
+            self.owner.requeue(job)
+        self.owner.replica_changed()  # the driver looks again: another replica may take it
+        if self.state not in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING):
+            return  # already on its way out
+        log.error("replica %s is unreachable (gone, or not reading its socket): restarting it", self.name)
+        self._kill_worker("unreachable: its socket took no frames")  # its jobs end or run again at its exit
+
+    def worker_corrupt(self, reason: str) -> None:
+        """Which job's stream is corrupt is unknown: fail them all, restart the worker."""
+        if self.proc and self.proc.returncode is None:
+            self._crash_kill(ErrorCode.PROTOCOL_ERROR, f"malformed reply from the runtime: {reason}",
+                             f"malformed frames from its worker ({reason})")
+
+    def job_ended(self, job: Job) -> None:
+        self.owner.job_finished(self, job)
+        self.owner.replica_changed()
+
+    def kv_events(self, events: list, reset: bool) -> None:
+        self.owner.replica_kv_events(self, events, reset)
 
     # -- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
@@ -196,17 +240,16 @@ class Replica(WorkerLink):
         Whatever start is under way (a load, a crash restart, any phase of an operator
         restart) ends without a new worker (wind_down)."""
         self.wind_down(why, by)
-        await self._cancel_restart()
+        await self._backoff.cancel_and_wait()
         async with self._lock:
             await self._stop()
 
     def wind_down(self, why: str | None = None, by: str = exits.BY_PLANNED) -> None:
-        """A stop is wanted (unload, shutdown, a reload's change), in this loop turn: no worker
-        of this replica starts from now on. A start under way is abandoned (its worker killed),
-        an operator restart ends in any phase (STOPPING: it starts nothing after its drain or
-        its stop), a pending crash restart is cancelled, a crash kill's exit becomes final; a
-        serving worker drains (its running jobs finish, its exit is final). `why`, `by`: who
-        asked the stop and why (exits.py), shown with its exit."""
+        """A stop is wanted (unload, shutdown, a reload's change), in this loop turn: no worker of this replica starts
+        from now on. A start under way is abandoned (its worker killed), an operator restart ends in any phase
+        (STOPPING: it starts nothing after its drain or its stop), a pending crash restart is cancelled, a crash kill's
+        exit becomes final; a serving worker drains (its running jobs finish, its exit is final). `why`, `by`: who asked
+        the stop and why (exits.py), shown with its exit."""
         if why is not None:
             self.stop_by, self.stop_why = by, why
         if self.state is ReplicaState.READY:
@@ -214,11 +257,9 @@ class Replica(WorkerLink):
         elif self.state in (ReplicaState.RESTARTING, ReplicaState.KILLING):
             self._set(ReplicaState.STOPPING)
         elif self.state is ReplicaState.BACKOFF:
-            if self._restart_task is not None:
-                self._restart_task.cancel()
-                self._restart_task = None
+            self._backoff.cancel(forget=True)
             self._set(ReplicaState.STOPPED)
-        self._drain_over()
+        self.link.end_drain()
         if self._ready and not self._ready.done():
             self._ready.set_exception(LoadFailed("stopped before it was ready"))
 
@@ -228,7 +269,7 @@ class Replica(WorkerLink):
         start afresh. A replica draining for an unload is left alone."""
         if self.state is ReplicaState.DRAINING:
             raise LoadFailed(f"replica {self.name} is draining; not restarted")
-        await self._cancel_restart()
+        await self._backoff.cancel_and_wait()
         async with self._lock:
             if self.state is ReplicaState.DRAINING:
                 raise LoadFailed(f"replica {self.name} is draining; not restarted")
@@ -246,21 +287,17 @@ class Replica(WorkerLink):
             # out of rotation, its model's queue kept for it; its exit from now on is planned
             self._set(ReplicaState.RESTARTING)
         if self.state is ReplicaState.RESTARTING and drain_timeout_s and self.inflight:
-            self._drained = drained = asyncio.get_running_loop().create_future()
-            try:
-                await asyncio.wait_for(asyncio.shield(drained), drain_timeout_s)
-            except TimeoutError:
+            if not await self.link.drain(drain_timeout_s):
                 log.warning("replica %s: %d jobs still running after drain_timeout_s=%g; cutting them",
                             self.name, len(self.inflight), drain_timeout_s)
-            finally:
-                self._drained = None
             if self.state is not ReplicaState.RESTARTING:
                 # stopped (shutdown, unload) meanwhile; a crash meanwhile leaves it RESTARTING: restarted
                 raise LoadFailed(f"replica {self.name} was stopped while it drained; not restarted")
             if self.inflight:
-                self._fail_all(ErrorCode.RUNTIME_RESTARTED, f"replica {self.name} was restarted by the "
-                               f"operator; the request did not finish within drain_timeout_s "
-                               f"({drain_timeout_s:g}s)")
+                self.link.fail_all(ErrorCode.RUNTIME_RESTARTED, f"replica {self.name} was restarted by the "
+                                   f"operator; the request did not finish within drain_timeout_s "
+                                   f"({drain_timeout_s:g}s)")
+                self.owner.replica_changed()
         restarting = self.state is ReplicaState.RESTARTING
         await self._stop()  # RESTARTING stays so through the old worker's exit (_watch)
         if restarting and self.state is not ReplicaState.RESTARTING:
@@ -272,8 +309,7 @@ class Replica(WorkerLink):
         await self._start()
 
     def drain(self) -> None:
-        """No new jobs (the executor stops sending them); running ones finish.
-        From now on an exit is final."""
+        """No new jobs (the executor stops sending them); running ones finish. From now on an exit is final."""
         if self.state is ReplicaState.READY:
             self._set(ReplicaState.DRAINING)
 
@@ -290,30 +326,16 @@ class Replica(WorkerLink):
         self.runtime_exit_code = None
         self.kill_why, self.runtime_killed_by_worker, self.load_failure = None, False, None
         self.stop_by, self.stop_why = exits.BY_PLANNED, None
-        self.submits_sent = 0
-        self.connected = False
         self._ready = ready = asyncio.get_running_loop().create_future()
-        self.transport.register(self.identity, self._on_message)
-        # None: left out (protocol.redact.worker_env); read at each start (a reload may add a tenant's key_env)
-        env: dict[str, str | None] = dict.fromkeys(withheld_env(self.secret_env, self.cfg.options.get("api_key_env")))
-        if self.cfg.replica_devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = self.cfg.replica_devices[self.index]
+        self.link.open(self.identity)
+        env = replica_env(self.cfg, self.index, self.secret_env)  # at each start: a reload may add a tenant's key_env
         try:
             # a remote replica's workers dial the ROUTER's CURVE TCP endpoint (ray_placement.py)
             endpoint = self.launcher.endpoint if self.cfg.remote else self.transport.endpoint
-            self.proc = await self.launcher([
-                "--endpoint", endpoint, "--replica", self.identity,
-                "--backend", self.cfg.backend,  # its options (secrets among them) follow Hello, in Setup
-                # the runtime is sized for the regular slots and the newcomer slots above them
-                "--target-inflight", str(self.cfg.target_inflight + self.cfg.newcomer_slots),
-                "--heartbeat-s", str(self.server.heartbeat_s), "--liveness-s", str(self.server.liveness_s),
-                "--stop-timeout-s", str(self.cfg.stop_timeout_s), "--cancel-grace-s", str(self.cfg.cancel_grace_s),
-                "--supervisor-patience-s", str(self.server.supervisor_patience_s),
-                "--max-job-output-bytes", str(self.server.max_job_output_bytes),
-                "--max-upstream-line-bytes", str(self.server.max_upstream_line_bytes),
-            ], self.log_path, env)
+            self.proc = await self.launcher(worker_args(self.cfg, self.server, endpoint, self.identity),
+                                            self.log_path, env)
         except OSError as exc:  # nothing to wait for or restart: fatal until an operator acts
-            self.transport.unregister(self.identity)
+            self.link.close()
             self.proc = None
             self.last_error = f"cannot spawn the worker: {exc}"
             self._set(ReplicaState.FATAL)
@@ -321,7 +343,7 @@ class Replica(WorkerLink):
                  replica=self.index, level=logging.ERROR)
             raise LoadFailed(self.last_error) from None
         self.started_at = time.time()
-        self.last_heard = self.clock()
+        self.link.heard_now()
         self._watcher = spawn(self._watch(self.proc), f"watch-{self.identity}")
         try:
             await asyncio.wait_for(asyncio.shield(ready), self.cfg.load_timeout_s)
@@ -341,8 +363,7 @@ class Replica(WorkerLink):
         self._ready = None
 
     async def _stop(self) -> None:  # holds self._lock
-        if self._restart_task:
-            self._restart_task.cancel()
+        self._backoff.cancel()
         if self.state is ReplicaState.STOPPED:
             return
         if self.state in (ReplicaState.BACKOFF, ReplicaState.FATAL):
@@ -352,7 +373,7 @@ class Replica(WorkerLink):
             self._set(ReplicaState.STOPPING)
         proc = self.proc
         if proc and proc.returncode is None:
-            self.transport.send(self.identity, p.Shutdown())
+            self.link.send(p.Shutdown())
             # a worker saving its KV (warm swaps) first gets kv_save_timeout_s more
             wait_s = self.cfg.stop_timeout_s + (self.server.kv_save_timeout_s if self.kv_dir else 0.0)
             try:
@@ -361,12 +382,6 @@ class Replica(WorkerLink):
                 await proc.stop(2.0)
         if self._watcher:
             await asyncio.gather(self._watcher, return_exceptions=True)
-
-    def setup(self) -> p.Setup:
-        """The answer to its worker's Hello: the model's options, and where its KV is saved."""
-        warm_swap = {"dir": str(self.kv_dir), "budget_mb": self.server.kv_disk_budget_mb,
-                     "save_timeout_s": self.server.kv_save_timeout_s} if self.kv_dir else {}
-        return p.Setup(options=self.cfg.worker_options, warm_swap=warm_swap)
 
     async def _kill(self) -> None:
         """Stop a worker that failed to start: no restart follows."""
@@ -377,41 +392,30 @@ class Replica(WorkerLink):
         if self._watcher:
             await asyncio.gather(self._watcher, return_exceptions=True)
 
-    async def _cancel_restart(self) -> None:
-        """Cancel a pending crash restart, and wait until a start it began has
-        killed its worker."""
-        task, self._restart_task = self._restart_task, None
-        if task and task is not asyncio.current_task():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-
     def _crash_kill(self, code: ErrorCode, message: str, why: str) -> None:
-        """The worker is hung or corrupt: fail its jobs, take it out of rotation,
-        kill its whole tree. Its exit then takes the crash path (a restart), except in
-        an unload's drain (final) or an operator's restart (which goes on). `why`: the
-        pool's reason, which its exit is reported with (not a mysterious SIGKILL)."""
-        self.kill_why = self.kill_why or why
-        self._fail_all(code, message)
-        self._out_of_rotation()
-        if self.proc:
-            self.proc.kill_tree()
+        """The worker is hung or corrupt: fail its jobs, take it out of rotation, kill its whole tree. Its exit then
+        takes the crash path (a restart), except in an unload's drain (final) or an operator's restart (which goes on).
+        `why`: the pool's reason, which its exit is reported with (not a mysterious SIGKILL)."""
+        self.link.fail_all(code, message)
+        self.owner.replica_changed()
+        self._kill_worker(why)
 
-    def _out_of_rotation(self) -> None:
-        """Before a kill: KILLING (its exit a crash), or STOPPING for a draining one."""
+    def _kill_worker(self, why: str) -> None:
+        """Out of rotation (KILLING: its exit a crash; STOPPING for a draining one), then its whole
+        tree killed. Its exit takes the crash path (a restart), and is reported with `why`."""
+        self.kill_why = self.kill_why or why
         if self.state in (ReplicaState.STARTING, ReplicaState.READY):
             self._set(ReplicaState.KILLING)
         elif self.state is ReplicaState.DRAINING:
             self._set(ReplicaState.STOPPING)
+        if self.proc:
+            self.proc.kill_tree()
 
     async def _watch(self, proc: WorkerProcess) -> None:
         code = await proc.wait()
         proc.kill_tree()  # whatever it left behind (a native child, vLLM's engine processes)
-        self.transport.unregister(self.identity)
-        facts = exits.facts_of(self, code)
-        # the kernel's log (an OOM kill) or the worker's last line: read off the loop, bounded
-        disk = await asyncio.to_thread(exits.read_disk, facts, proc.pid, self.log_path) \
-            if exits.needs_disk(facts) else (None, None)
-        self.last_exit_by, self.last_exit_why = exits.describe_exit(facts, *disk)
+        self.link.close()
+        self.last_exit_by, self.last_exit_why = await exits.explain(exits.facts_of(self, code), proc.pid, self.log_path)
         self.worker_exit_code = code
         self.last_exit_code = code if self.runtime_exit_code is None else self.runtime_exit_code
         up_since = self.ready_at
@@ -422,14 +426,12 @@ class Replica(WorkerLink):
                 self.last_error or f"worker {self.last_exit_why} before it was ready; see {self.log_path}"))
         # what the exit means is the state's alone (states.ReplicaState)
         planned = self.state in (ReplicaState.STOPPING, ReplicaState.RESTARTING)
-        lost = self._forget_all()
-        self._job_deltas.clear()
-        for job in lost:
+        for job in self.link.take_all():
             if self.cfg.retry_unstarted_on_crash and job.first_token_at is None and job.attempts < 2 \
                     and not job.cancel_requested:
                 self.owner.requeue(job)  # nothing reached the client: safe to run once more
             else:
-                job.finish(self._lost_job_error(code))
+                job.finish(exits.lost_job_error(self.state, self.name, self.last_exit_why or exit_text(code)))
         if not planned or self.kill_why:  # a kill in a drain is a fault too
             self.crashes[self.last_exit_by] = self.crashes.get(self.last_exit_by, 0) + 1
             rest = self.last_error.splitlines()[1:] if self.last_error else []  # a runtime's further lines
@@ -439,12 +441,11 @@ class Replica(WorkerLink):
         if self.state in (ReplicaState.READY, ReplicaState.KILLING) and up_since is not None:
             self._crashed(up_since)  # it served, and nobody stopped it: back off and restart
             return
-        # stopped on purpose, drained (an unload: never restarted), or crashed while loading
-        # (start() reports that; no restart loop); an operator's restart stays RESTARTING: it
-        # starts the next worker itself
+        # stopped on purpose, drained (an unload: never restarted), or crashed while loading (start() reports that; no
+        # restart loop); an operator's restart stays RESTARTING: it starts the next worker itself
         if self.state is not ReplicaState.RESTARTING:
             self._set(ReplicaState.STOPPED)
-        self._drain_over()
+        self.link.end_drain()
 
     def _crashed(self, up_since: float | None) -> None:
         """A crash of a wanted replica: back off and restart, or give up (fatal)."""
@@ -457,27 +458,25 @@ class Replica(WorkerLink):
                  "until an operator restarts it", model=self.cfg.name, replica=self.index, level=logging.ERROR)
             return
         self._set(ReplicaState.BACKOFF)
-        self._restart_due = self.clock() + delay
-        self._restart_task = spawn(self._restart_after(delay), f"restart-{self.name}")
+        self._backoff.start(self._restart_after(delay), self.clock() + delay, f"restart-{self.name}")
 
     async def _restart_after(self, delay: float) -> None:
         await asyncio.sleep(delay)
         async with self._lock:
-            if self.state is not ReplicaState.BACKOFF or self._restart_task is not asyncio.current_task():
+            if self.state is not ReplicaState.BACKOFF or not self._backoff.is_current():
                 return  # stopped, or restarted by the operator, meanwhile
             self.restarts += 1
             try:
                 await self._start()
             except LoadFailed as exc:
                 log.error("restart of %s failed: %s", self.name, exc)
-                if self.state is ReplicaState.STOPPED and self._restart_task is asyncio.current_task():
+                if self.state is ReplicaState.STOPPED and self._backoff.is_current():
                     # a boot failure (bad model file) is final; anything else counts as one more crash
                     self._crashed(None)
 
     def excuse_silence(self, stalled_s: float) -> None:
-        """The supervisor itself was stalled `stalled_s`: that much of the worker's
-        silence is not the worker's (its words wait, unread, in the socket)."""
-        self.last_heard += stalled_s
+        """The supervisor itself was stalled `stalled_s` (WorkerLink.excuse_silence)."""
+        self.link.excuse_silence(stalled_s)
 
     def heartbeat(self, now: float) -> None:
         """Called every heartbeat period by the engine: ping the worker, and kill
@@ -487,13 +486,13 @@ class Replica(WorkerLink):
             return
         if self.proc and self.proc.returncode is None:
             self.proc.snapshot(max_age_s=TREE_REFRESH_S)  # its tree, remembered for a kill after it died
-            if now - self.last_heard > self.server.liveness_s:
-                log.error("replica %s silent for %.1fs: killing it", self.name, now - self.last_heard)
+            silent_s = now - self.link.last_heard
+            if silent_s > self.server.liveness_s:
+                log.error("replica %s silent for %.1fs: killing it", self.name, silent_s)
                 # SIGKILL of the tree: a stopped process ignores SIGTERM
                 self._crash_kill(ErrorCode.RUNTIME_TIMEOUT, f"replica {self.name} stopped responding",
-                                 f"no heartbeat for {now - self.last_heard:.0f}s (liveness_s="
+                                 f"no heartbeat for {silent_s:.0f}s (liveness_s="
                                  f"{self.server.liveness_s:g}): hung or stopped")
                 return
-        if self.connected:  # before its Hello there is no peer to send to (a remote one takes seconds)
-            self.transport.send(self.identity, p.Heartbeat(inflight=len(self.inflight)))
+        self.link.ping()
 

@@ -1,4 +1,5 @@
-"""When to restart a crashed replica: pure functions, the clock passed in.
+"""When to restart a crashed replica: pure functions, the clock passed in; and the
+restart that backs off (PendingRestart).
 
 First restart at once; then exponential backoff with full jitter up to a cap;
 the streak resets after the replica stayed up `stable_s`. Too many crashes in
@@ -7,10 +8,13 @@ model), make the replica fatal instead of looping."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 
 from protocol.errors import WorkerExit
+from supervisor.tasks import spawn
 
 
 @dataclass
@@ -43,3 +47,38 @@ def restart_delay(policy: RestartPolicy, history: CrashHistory, *, now: float, u
         return 0.0
     ceiling = min(policy.cap_s, policy.base_s * 2 ** (history.streak - 2))
     return (rng or random).uniform(ceiling / 2, ceiling)
+
+
+class PendingRestart:
+    """A replica's crash restart while it backs off (BACKOFF): the task that starts its next
+    worker, and when (monotonic)."""
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task | None = None
+        self.due = 0.0
+
+    @property
+    def pending(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    def start(self, restart: Coroutine, due: float, name: str) -> None:
+        self.due = due
+        self.task = spawn(restart, name)
+
+    def is_current(self) -> bool:
+        """Whether the running task is this restart (not one cancelled or replaced since)."""
+        return self.task is asyncio.current_task()
+
+    def cancel(self, forget: bool = False) -> None:
+        """`forget`: it is no longer pending, from this loop turn (a cancelled task is done only later)."""
+        if self.task is not None:
+            self.task.cancel()
+            if forget:
+                self.task = None
+
+    async def cancel_and_wait(self) -> None:
+        """Cancel it, and wait until a start it began has killed its worker."""
+        task, self.task = self.task, None
+        if task and task is not asyncio.current_task():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

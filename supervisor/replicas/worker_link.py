@@ -1,22 +1,29 @@
 """A replica's link to its worker, as the supervisor sees it: jobs handed over
-(`submit`, `cancel`), and every message the worker sends (`_on_message`): deltas and
-outcomes into the in-flight table, Ready, errors, heartbeats checked against that
-table, KV events. `Replica` (supervisor/replicas/replica.py) is its only user: it owns the
-worker's lifecycle, this its conversation; the state they share is the Replica's."""
+(`submit`, `cancel`) and every message the worker sends (`on_message`): deltas and
+outcomes into the in-flight table, heartbeats checked against that table, malformed
+frames counted. A collaborator of `Replica` (supervisor/replicas/replica.py), one per
+replica, living across its workers: the replica owns the worker's lifecycle and its
+state (ReplicaState), the link owns the conversation's state (the in-flight table, the
+Submits sent, the token and error counters). What the conversation means for the
+lifecycle (Ready, a dead runtime, an unreachable or corrupt worker, a job's end) the
+link tells its replica through `LinkHost`; neither touches the other's private state."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import protocol as p
-from protocol.errors import ErrorCode, PoolError, exit_text
-from protocol.redact import mask_values
-from supervisor.states import JobState, ReplicaState
+from protocol.errors import ErrorCode, PoolError
+from supervisor.replicas.transport import Transport
+from supervisor.states import JobState
 
 if TYPE_CHECKING:  # the jobs the scheduler hands over (scheduling/ is above replicas/)
+    from supervisor.replicas.replica import Replica
     from supervisor.scheduling.jobs import Job
 
 log = logging.getLogger("llm_pool.replica")
@@ -33,18 +40,88 @@ def _error_code(value: str) -> ErrorCode:
         return ErrorCode.RUNTIME_ERROR
 
 
-class WorkerLink:
-    """The jobs and messages half of `Replica` (a base class of it, never used alone)."""
+class LinkHost(Protocol):
+    """What a link tells its replica (Replica is the one implementation)."""
 
-    def submit(self, job: Job) -> None:
-        """Hand a job to the worker. If the frame cannot be sent (the worker is
-        gone or not reading), the job goes back to the head of the queue and this
-        replica takes no more work until its worker is replaced: one unreachable
-        worker must not fail a whole queue."""
+    name: str  # "model/index", for logs
+
+    def worker_ready(self, capacity: int, info: dict) -> None: ...  # Ready: the runtime loaded
+
+    def runtime_failed(self, code: str, message: str, exit_code: int | None) -> None: ...  # its runtime died
+
+    def send_failed(self, job: Job) -> None: ...  # a Submit could not be sent: the job is out of the table
+
+    def worker_corrupt(self, reason: str) -> None: ...  # a malformed frame no job owns
+
+    def job_ended(self, job: Job) -> None: ...  # a job left the table with its outcome
+
+    def kv_events(self, events: list, reset: bool) -> None: ...  # its engine's cache changed
+
+
+class WorkerLink:
+    """The conversation with the replica's current worker: `open` at each worker's start
+    (a new routing identity; a new worker counts its Submits from 0), `close` at its exit."""
+
+    def __init__(self, host: LinkHost, model: str, transport: Transport, clock: Callable[[], float],
+                 setup: p.Setup) -> None:
+        self.host = host
+        self.setup = setup  # the answer to each worker's Hello
+        self.model = model  # a job's unsupported-feature error names it (the worker knows its backend only)
+        self.transport = transport
+        self.clock = clock  # monotonic seconds
+        self.identity = ""  # the current worker's routing id ("" before the first start)
+        self.inflight: dict[str, Job] = {}
+        self.light_inflight = 0  # of them, light calls handed past the queue (Job.light): in no generation slot
+        self.submits_sent = 0  # Submits sent to the current worker; its heartbeats say how many it got
+        self.last_heard = 0.0  # monotonic: when the current worker last spoke (its liveness)
+        self.connected = False  # the current worker has spoken: it can be sent to
+        self.unknown_job_replies = 0  # late or bogus replies, dropped by job id
+        self.protocol_errors = 0  # malformed frames, and replies a job may not hold (Job._refuse)
+        # output tokens as they stream (the live tokens/s): what each delta says it carries; a
+        # job's Done adds what its runtime's usage counts beyond that (settled_tokens, of these)
+        self.streamed_tokens = 0
+        self.settled_tokens = 0
+        self._job_deltas: dict[str, int] = {}  # tokens each job's deltas carried (settled by its Done)
+        self._drained: asyncio.Future | None = None  # a drain's wait (drain): resolved when it may end
+
+    # -- the worker -------------------------------------------------------------
+    def open(self, identity: str) -> None:
+        """A new worker starts under `identity`: its messages come here from now on."""
+        self.identity = identity
+        self.submits_sent = 0
+        self.connected = False
+        self.transport.register(identity, self.on_message)
+
+    def close(self) -> None:
+        """The worker is gone (or never started): no more of its messages."""
+        self.transport.unregister(self.identity)
+
+    def send(self, msg: p.Message) -> None:
+        self.transport.send(self.identity, msg)
+
+    def ping(self) -> None:
+        """A heartbeat to the worker, once it has spoken (before its Hello there is no peer to
+        send to; a remote one takes seconds)."""
+        if self.connected:
+            self.transport.send(self.identity, p.Heartbeat(inflight=len(self.inflight)))
+
+    def heard_now(self) -> None:
+        """The worker's silence counts from now (its process just started)."""
+        self.last_heard = self.clock()
+
+    def excuse_silence(self, stalled_s: float) -> None:
+        """The supervisor itself was stalled `stalled_s`: that much of the worker's
+        silence is not the worker's (its words wait, unread, in the socket)."""
+        self.last_heard += stalled_s
+
+    # -- jobs ---------------------------------------------------------------------
+    def submit(self, job: Job, replica: Replica) -> None:
+        """Hand a job to the worker (`replica`: the job's, for its readers). If the frame
+        cannot be sent, the job leaves the table and the host hears of it (send_failed)."""
         job.move_to(JobState.SUBMITTED)
-        job.replica = self
+        job.replica = replica
         job.runtime_tasks = None  # this worker's runtime says them, if at all
-        job.submitted_at = job.submitted_at or time.monotonic()
+        job.submitted_at = job.submitted_at or time.monotonic()  # beside created_at, whatever the link's clock
         job.attempts += 1
         self.inflight[job.id] = job
         self.light_inflight += job.light
@@ -53,36 +130,29 @@ class WorkerLink:
         self.transport.send_frame(self.identity, job.frame, functools.partial(self._submit_failed, job))
 
     def _submit_failed(self, job: Job) -> None:
-        """The Submit could not be sent (see submit). Sent after the loop turn that
-        queued it (Transport batches them): by now the job may have ended, or its
-        worker exited (the crash path has dealt with the job then)."""
+        """The Submit could not be sent. Sent after the loop turn that queued it
+        (Transport batches them): by now the job may have ended, or its worker
+        exited (the crash path has dealt with the job then)."""
         if self.inflight.get(job.id) is not job:
             return
         self.forget(job.id)
         job.attempts -= 1  # it never reached a worker
-        if job.cancel_requested:  # its client left meanwhile: nothing to run again
-            job.finish(PoolError(ErrorCode.INVALID_REQUEST, "cancelled by the client"))
-        else:
-            self.owner.requeue(job)
-        self.owner.replica_changed()  # the driver looks again: another replica may take it
-        if self.state not in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING):
-            return  # already on its way out
-        log.error("replica %s is unreachable (gone, or not reading its socket): restarting it", self.name)
-        self.kill_why = self.kill_why or "unreachable: its socket took no frames"
-        self._out_of_rotation()
-        if self.proc:
-            self.proc.kill_tree()  # its exit takes the crash path: jobs end or run again, a restart follows
+        self.host.send_failed(job)
 
-    def cancel(self, job: Job) -> None:
+    def cancel(self, job: Job, malformed: bool = False) -> None:
         """Ask the worker to stop the job. It stays inflight (its slot busy) until
-        the worker confirms, so capacity is never over-committed."""
+        the worker confirms, so capacity is never over-committed. `malformed`: the
+        job is stopped for what its runtime sent (counted in protocol_errors)."""
+        if malformed:
+            self.protocol_errors += 1
         if job.id in self.inflight and not job.cancel_requested:
             job.cancel_requested = True
             self.transport.send(self.identity, p.Cancel(job=job.id))
 
-    def _drain_over(self) -> None:
-        if self._drained is not None and not self._drained.done():
-            self._drained.set_result(None)
+    @property
+    def generating(self) -> int:
+        """Jobs in flight in generation slots (a light call handed past the queue takes none)."""
+        return len(self.inflight) - self.light_inflight
 
     def forget(self, job_id: str) -> Job | None:
         """The job out of the in-flight table (None: it was not there); its slot or light place is free."""
@@ -91,30 +161,36 @@ class WorkerLink:
             self.light_inflight -= 1
         return job
 
-    def _forget_all(self) -> list[Job]:
+    def take_all(self) -> list[Job]:
+        """Every job out of the table (its worker is gone or being killed), for the replica to end."""
         jobs = list(self.inflight.values())
         self.inflight.clear()
         self.light_inflight = 0
+        self._job_deltas.clear()
         return jobs
 
-    def _fail_all(self, code: ErrorCode, message: str) -> None:
-        jobs = self._forget_all()
-        self._job_deltas.clear()
-        for job in jobs:
+    def fail_all(self, code: ErrorCode, message: str) -> None:
+        """Every job in the table ends with this error (its worker is being killed)."""
+        for job in self.take_all():
             job.finish(PoolError(code, message))
-        self._drain_over()
-        self.owner.replica_changed()
+        self.end_drain()
 
-    def _lost_job_error(self, code: int) -> PoolError:
-        """What a job still running when the worker exited is told, by the replica's state."""
-        if self.state is ReplicaState.RESTARTING:
-            return PoolError(ErrorCode.RUNTIME_RESTARTED, f"replica {self.name} was restarted by the operator "
-                             "before the request finished")
-        if self.state is ReplicaState.STOPPING:  # what a drain's grace did not let finish (unload, shutdown)
-            return PoolError(ErrorCode.MODEL_UNLOADING, f"replica {self.name} was stopped (unload or shutdown) "
-                             "before the request finished")
-        return PoolError(ErrorCode.RUNTIME_CRASHED, f"the runtime of replica {self.name} exited "
-                         f"({self.last_exit_why or exit_text(code)}) during the request")
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until the in-flight table is empty, or end_drain cuts the wait, `timeout_s` at
+        most: False when it timed out."""
+        self._drained = drained = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(asyncio.shield(drained), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._drained = None
+
+    def end_drain(self) -> None:
+        """A drain under way (drain) ends now: the table is empty, or a stop does not wait for it."""
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
 
     def _finish(self, job_id: str, outcome: p.Done | PoolError) -> None:
         job = self.forget(job_id)
@@ -127,10 +203,9 @@ class WorkerLink:
             self.streamed_tokens += settled
             self.settled_tokens += settled
         job.finish(outcome)
-        if not self.inflight:  # a restart's drain is over
-            self._drain_over()
-        self.owner.job_finished(self, job)
-        self.owner.replica_changed()
+        if not self.inflight:  # a drain is over
+            self.end_drain()
+        self.host.job_ended(job)
 
     def _reconcile_jobs(self, beat: p.Heartbeat) -> None:
         """Compare the in-flight table with the jobs the worker's heartbeat lists
@@ -147,10 +222,11 @@ class WorkerLink:
                 if job.submit_seq <= beat.submits_seen and job.id not in listed]
         for job in lost:
             log.error("replica %s: job %s is in flight here but its worker no longer runs it and sent no "
-                      "result; ending it and freeing its slot", self.name, job.id)
+                      "result; ending it and freeing its slot", self.host.name, job.id)
             self._finish(job.id, PoolError(ErrorCode.RUNTIME_ERROR, "the runtime worker lost track of the request"))
 
-    def _on_message(self, msg: p.Message | p.ProtocolError) -> None:
+    # -- messages -------------------------------------------------------------------
+    def on_message(self, msg: p.Message | p.ProtocolError) -> None:
         self.last_heard = self.clock()
         self.connected = True
         match msg:
@@ -168,47 +244,26 @@ class WorkerLink:
             case p.Done(job=job_id):
                 self._finish(job_id, msg)
             case p.Error(job=None, code=code, message=message, exit_code=exit_code):
-                self.last_error = message
-                self.runtime_exit_code = exit_code  # its runtime died: that exit is the one to show
-                # runtime_timeout: its worker killed it (busy after a cancel left it no job)
-                self.runtime_killed_by_worker = code == ErrorCode.RUNTIME_TIMEOUT
-                if self._ready and not self._ready.done():
-                    self._ready.set_exception(LoadFailed(message))
+                self.host.runtime_failed(code, message, exit_code)
             case p.Error(job=job_id, code=code, message=message, param=param):
                 code = _error_code(code)
                 if code in (ErrorCode.UNSUPPORTED_ENDPOINT, ErrorCode.UNSUPPORTED_PARAMETER):
-                    message = f"model {self.cfg.name!r}: {message}"  # the worker knows its backend, not its name
+                    message = f"model {self.model!r}: {message}"  # the worker knows its backend, not its name
                 self._finish(job_id, PoolError(code, message, param=param))
             case p.Ready(capacity=capacity, info=info):
-                self.runtime_capacity = capacity
-                self.capacity = max(0, min(self.cfg.target_inflight, capacity))
-                self.newcomer_slots = max(0, min(self.cfg.newcomer_slots, capacity - self.capacity))
-                if self.newcomer_slots < self.cfg.newcomer_slots:
-                    log.warning("replica %s: %d of %d newcomer_slots (the runtime runs %d at once, target_inflight "
-                                "%d)", self.name, self.newcomer_slots, self.cfg.newcomer_slots, capacity,
-                                self.capacity)
-                self.info = mask_values(info)  # shown in /admin/workers: no credentials in a URL
-                self.ready_at = self.clock()
-                if self.proc:
-                    self.proc.snapshot()  # the runtime's processes exist by now
-                # only the start that waits for it makes the replica ready: not a start
-                # already aborted, timed out or killed
-                if self._ready and not self._ready.done() and self.state is ReplicaState.STARTING:
-                    self._ready.set_result(None)
-                    self._set(ReplicaState.READY)
+                self.host.worker_ready(capacity, info)
             case p.ProtocolError(job=job_id, reason=reason):
                 self.protocol_errors += 1
-                log.error("replica %s sent a malformed frame: %s", self.name, reason)
-                error = PoolError(ErrorCode.PROTOCOL_ERROR, f"malformed reply from the runtime: {reason}")
+                log.error("replica %s sent a malformed frame: %s", self.host.name, reason)
                 if job_id in self.inflight:
                     self.transport.send(self.identity, p.Cancel(job=job_id))
-                    self._finish(job_id, error)
-                elif job_id is None and self.proc and self.proc.returncode is None:
-                    # which job's stream is corrupt is unknown: fail them all, restart the worker
-                    self._crash_kill(error.code, error.message, f"malformed frames from its worker ({reason})")
+                    self._finish(job_id, PoolError(ErrorCode.PROTOCOL_ERROR,
+                                                   f"malformed reply from the runtime: {reason}"))
+                elif job_id is None:  # which job's stream is corrupt is unknown
+                    self.host.worker_corrupt(reason)
             case p.Heartbeat():
                 self._reconcile_jobs(msg)
             case p.KvEvents(events=events, reset=reset):
-                self.owner.replica_kv_events(self, events, reset)
+                self.host.kv_events(events, reset)
             case p.Hello():
-                self.transport.send(self.identity, self.setup())
+                self.transport.send(self.identity, self.setup)

@@ -215,11 +215,9 @@ class Job:
         its worker is asked to stop it (the slot stays busy until the worker confirms).
         Nothing of the offending delta is kept."""
         replica = self.replica
-        if replica is not None and protocol:
-            replica.protocol_errors += 1
         self.finish(error)
         if replica is not None:
-            replica.cancel(self)
+            replica.cancel(self, malformed=protocol)  # a malformed reply counts in its protocol_errors
 
     def move_to(self, new: JobState) -> None:
         """The one way a job's state changes (states.JOB_TRANSITIONS)."""

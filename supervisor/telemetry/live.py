@@ -159,7 +159,7 @@ class Activity:
             ex = entry.executor
             # tokens as they stream: what the replicas received since the last sample (a
             # replica set that was replaced by a new load counts from zero)
-            streamed = sum(r.streamed_tokens for r in ex.replicas) if ex else 0
+            streamed = sum(r.link.streamed_tokens for r in ex.replicas) if ex else 0
             self._tokens[name] = self._tokens.get(name, 0) + max(0, streamed - self._streamed.get(name, 0))
             self._streamed[name] = streamed
             health = model_health(entry)

@@ -240,7 +240,7 @@ class _EngineCollector:
                 restarts.add_metric([*key, "planned"], r.planned_restarts)
                 for by in ("pool", "outside", "self"):
                     crashes.add_metric([*key, by], r.crashes.get(by, 0))
-                bad.add_metric(key, r.protocol_errors)
+                bad.add_metric(key, r.link.protocol_errors)
                 routing = entry.executor.choice.replica_view(r)
                 for decision, count in routing["decisions"].items():
                     routed.add_metric([*key, decision], count)
