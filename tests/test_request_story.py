@@ -199,9 +199,15 @@ def test_requests_at_once_each_have_their_own_llama_server_tasks_lines(make_pool
 
     told = {rid: entry for rid, [entry] in wait_for(stories, 15, what="the three rows").items()}
     tasks = {rid: told[rid]["story"]["log"]["tasks"] for rid in ids}
-    assert all(len(pairs) == 1 for pairs in tasks.values()), tasks
-    assert len({pair[0][1] for pair in tasks.values()}) == len(ids), tasks  # three tasks, one each
-    for rid in ids:
+    # the streamed ones are tied (the worker reads /slots after their first token, while they run);
+    # the one answered whole may end before /slots answers: then it is untied, and says so
+    streamed = ["twin-a", "twin-b"]
+    assert all(len(tasks[rid]) == 1 for rid in streamed), tasks
+    if not tasks["twin-c"]:
+        assert told["twin-c"]["story"]["log"]["by"] == "window", told["twin-c"]["story"]["log"]
+    tied = [rid for rid in ids if tasks[rid]]
+    assert len({tasks[rid][0][1] for rid in tied}) == len(tied), tasks  # one task each
+    for rid in tied:
         row, log = told[rid]["row"], told[rid]["story"]["log"]
         [(slot, task)] = tasks[rid]
         assert log["by"] == "task" and parse_tasks(row["runtime_tasks"]) == [(slot, task)], log
@@ -209,13 +215,13 @@ def test_requests_at_once_each_have_their_own_llama_server_tasks_lines(make_pool
         for part in ("selected slot", "processing task", "print_timing", "stop processing"):
             assert any(part in line for line in mine), (part, log)
         assert all(f"id  {slot} | task {task} |" in line or f"id  {slot} | task -1 |" in line for line in mine), log
-        others = [t for other, [(_, t)] in tasks.items() if other != rid]
+        others = [tasks[other][0][1] for other in tied if other != rid]
         assert not any(f"| task {t} |" in line for t in others for line in log["lines"]), log
     # the seed the worker gave each takes nothing from llama-server's own slot choice: the one that
     # waited for a slot got the slot whose cache held its prompt (by prompt similarity), and used it
-    [last] = [rid for rid in ids if any("selected slot by LCP similarity" in line
+    waited = [rid for rid in tied if any("selected slot by LCP similarity" in line
                                          for line in told[rid]["story"]["log"]["lines"])]
-    assert told[last]["row"]["cached_tokens"] > 0, told[last]["row"]
+    assert all(told[rid]["row"]["cached_tokens"] > 0 for rid in waited), [told[rid]["row"] for rid in waited]
     # two of them ran at once (two slots, three asked together): a time window would have mixed them
     spans = sorted((told[rid]["story"]["started"], told[rid]["story"]["ended"]) for rid in ids)
     assert any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:])), spans
