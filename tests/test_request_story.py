@@ -134,7 +134,6 @@ def test_a_crashed_requests_story_holds_the_crash_event_and_the_log_lines(make_p
     asker = threading.Thread(target=ask)
     asker.start()
     assert generating.wait(60), "no token of the request within 60 s"
-    time.sleep(0.2)  # a few more tokens: the tie to its task rides on one of them (llama_tasks.py)
     os.kill(runtime["pid"], signal.SIGKILL)
     asker.join(60)
     assert result["r"].headers["x-request-id"] == "doomed-1"
@@ -156,15 +155,18 @@ def test_a_crashed_requests_story_holds_the_crash_event_and_the_log_lines(make_p
     assert any("launch_slot" in line for line in lines), story["log"]  # llama-server's own, on its clock
     assert len(lines) <= 200
     # its own lines: those of the llama-server task that served it (and the worker's errors), not a window
-    [(slot, task)] = story["log"]["tasks"]
-    assert story["log"]["by"] == "task" and row["runtime_tasks"] == f"{slot}:{task}", story["log"]
-    assert all(f"| task {task} |" in line or "| task -1 |" in line for line in lines if "[llama-server]" in line)
-
+    # killed right after its first token, it may die before the worker has read its task from /slots:
+    # tied, its lines are that task's only; untied, the story says its lines are a window
     done = cli("requests", "--id", "doomed-1", url=pool.url)
     assert done.returncode == 0, done.stderr
-    assert "request doomed-1" in done.stdout and "replica tiny/0" in done.stdout
-    assert "crashed tiny/0" in done.stdout and f"log of tiny/0, its task {task} (slot {slot})" in done.stdout, \
-        done.stdout
+    assert "request doomed-1" in done.stdout and "replica tiny/0" in done.stdout and "crashed tiny/0" in done.stdout
+    if story["log"]["tasks"]:
+        [(slot, task)] = story["log"]["tasks"]
+        assert story["log"]["by"] == "task" and row["runtime_tasks"] == f"{slot}:{task}", story["log"]
+        assert all(f"| task {task} |" in line or "| task -1 |" in line for line in lines if "[llama-server]" in line)
+        assert f"log of tiny/0, its task {task} (slot {slot})" in done.stdout, done.stdout
+    else:
+        assert story["log"]["by"] == "window" and row["runtime_tasks"] is None, story["log"]
     missing = cli("requests", "--id", "nobody-here", url=pool.url)
     assert missing.returncode == 1 and "no request with id" in missing.stderr
     assert pool.http.get("/admin/requests/story").status_code == 400
