@@ -154,8 +154,12 @@ def _message(data, what: str = "frame") -> Message | ProtocolError:
     if data.get("v") != PROTOCOL_VERSION:
         return ProtocolError(f"protocol version {data.get('v')!r}, expected {PROTOCOL_VERSION}", job)
     kind = data.get("t")
-    if kind == "delta" and len(data) == 4 and job is not None and type(data.get("text")) is str:
-        return Delta(job, data["text"])  # the token path: {"v", "t", "job", "text"}, checked above
+    if kind == "delta" and job is not None and type(data.get("text")) is str:  # the token path
+        if len(data) == 4:
+            return Delta(job, data["text"])  # {"v", "t", "job", "text"}, checked above
+        tokens = data.get("tokens")
+        if len(data) == 5 and type(tokens) is int and 0 <= tokens <= MAX_DELTA_TOKENS:
+            return Delta(job, data["text"], tokens=tokens)  # merged tokens: {..., "tokens"}
     cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         return ProtocolError(f"unknown message type {kind!r}", job)

@@ -13,7 +13,7 @@ import time
 from protocol import Done
 from protocol.errors import ErrorCode, PoolError
 from supervisor.config import ConfigError, PoolConfig, load_config
-from supervisor.scheduling.deadlines import Prediction, learned_row, predict
+from supervisor.scheduling.deadlines import Prediction, learn, predict
 from supervisor.telemetry.request_context import REQUEST_ID
 from supervisor.events import EventKind, emit
 from supervisor.scheduling.jobs import Job
@@ -301,8 +301,7 @@ class ModelRouterEngine:
         """A request served: its model's predictor learns from it (latency_predictor.py)."""
         entry = self.models.get(job.model)
         if entry is not None and job.submitted_at is not None:
-            replica = job.replica.name if job.replica is not None else None
-            entry.predictor.observe(replica, learned_row(job, done, time.monotonic()), len(job.frame))
+            learn(entry.predictor, job, done, time.monotonic())
 
     def predict(self, entry: ModelEntry, tenant: str, frame_bytes: int) -> Prediction:
         return predict(entry, tenant, frame_bytes)

@@ -20,7 +20,7 @@ def _escape(match: re.Match) -> str:
 def printable(text: str, keep: str = "") -> str:
     """`text` with its control characters as \\xNN escapes (those in `keep`, e.g. "\\n\\t", left
     as they are); any other character, ordinary Unicode included, unchanged. Idempotent."""
-    if not _CONTROLS.search(text):  # the usual case: nothing to copy
+    if text.isprintable() or not _CONTROLS.search(text):  # the usual case: nothing to copy (isprintable: in C)
         return text
     if keep:
         return _CONTROLS.sub(lambda m: m[0] if m[0] in keep else _escape(m), text)

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from starlette.background import BackgroundTask
 
 from protocol import Delta, Done
 from protocol.errors import ErrorCode, PoolError
@@ -48,6 +47,23 @@ if TYPE_CHECKING:
 
 SESSION_HEADER = "x-claude-code-session-id"  # a Messages client's session: a key for routing = "session"
 WAITING = "waiting"  # first_event: no event yet within stream_head_hold_s
+
+
+async def read_body(receive) -> bytes:
+    """The request's body from its ASGI messages; b"" when the client left before its end."""
+    message = await receive()
+    if message["type"] != "http.request":
+        return b""
+    body = message.get("body", b"")
+    if not message.get("more_body"):
+        return body
+    chunks = [body]
+    while message.get("more_body"):
+        message = await receive()
+        if message["type"] != "http.request":
+            return b""
+        chunks.append(message.get("body", b""))
+    return b"".join(chunks)
 
 
 def include_usage(body) -> bool:
@@ -91,11 +107,10 @@ class InferenceSurface:
         """The body decoded and validated as `body_type`, then `handle(body, data, request)`
         with it and its JSON object as sent. A PoolError is answered here, in the error
         envelope (it is counted where it was raised)."""
-        # read as a stream, not request.body(), which would keep the bytes for the request's
-        # life: decoded, they are dropped (the guard hands the body over whole: no copy here)
-        chunks = [chunk async for chunk in request.stream() if chunk]
-        raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        del chunks
+        # read from the ASGI receive, not request.body(), which would keep the bytes for the
+        # request's life: decoded, they are dropped (the guard hands the body over whole, in one
+        # message: no copy here)
+        raw = await read_body(request.receive)
         try:
             body, data = request_body(raw, request.headers.get("content-type"), body_type)
         except PoolError as err:  # logged with the model the body named, its code and message
@@ -273,10 +288,10 @@ class InferenceSurface:
             if result is None:
                 return self.client_gone(job, endpoint)
             choices, done = result
-            # a Response skips FastAPI's generic encoder; the request is counted (metrics, request
-            # log) once its answer is written, not while the client waits for it
-            return AnswerJSON(to_json(choices, done), headers=dict(self.answer_headers(job)),
-                              background=BackgroundTask(self.count_after_answer, job, done, endpoint))
+            # the request is counted (metrics, request log) once its answer is written, not while
+            # the client waits for it (count_after_answer)
+            return AnswerJSON(to_json(choices, done), self.answer_headers(job),
+                              functools.partial(self.count_after_answer, job, done, endpoint))
         finally:
             if streaming is None:  # else the stream owns the job until its last write
                 self.engine.cancel(job)  # a no-op once the job has finished
@@ -289,12 +304,12 @@ class InferenceSurface:
             return None
 
     @staticmethod
-    def answer_headers(job: Job) -> list[tuple[str, str]]:
+    def answer_headers(job: Job) -> list[tuple[bytes, bytes]]:
         """Who served (after any fallback), and the queue wait and TTFT predicted at admission."""
-        headers = [("x-llm-pool-served-by", job.model)]
+        headers = [(b"x-llm-pool-served-by", job.model.encode())]
         if job.prediction is not None:
-            headers += [("x-queue-wait-predicted-ms", str(round(job.prediction.wait_s * 1000))),
-                        ("x-ttft-predicted-ms", str(round(job.prediction.ttft_s * 1000)))]
+            headers += [(b"x-queue-wait-predicted-ms", b"%d" % round(job.prediction.wait_s * 1000)),
+                        (b"x-ttft-predicted-ms", b"%d" % round(job.prediction.ttft_s * 1000))]
         return headers
 
     # -- 4. waiting for the job, with the client -------------------------------------------------------------------
@@ -385,10 +400,10 @@ class InferenceSurface:
         return b": ping\n\n"
 
     # -- 6. the end: counted -----------------------------------------------------------------------------------
-    async def count_after_answer(self, job: Job, done: Done, endpoint: str) -> None:
-        """A Response's background, run once its body is handed to the server. The edge writes
-        what a loop turn wrote after that turn (edge.writes.CoalescedWrites), so the count is
-        put behind that write: it runs in the same turn, before any later request is served."""
+    def count_after_answer(self, job: Job, done: Done, endpoint: str) -> None:
+        """Run once a whole answer's body is handed to the server. The edge writes what a loop
+        turn wrote after that turn (edge.writes.CoalescedWrites), so the count is put behind
+        that write: it runs in the same turn, before any later request is served."""
         asyncio.get_running_loop().call_soon(self.metrics.job_done, job, done, endpoint)
 
     def client_gone(self, job: Job, endpoint: str) -> Response:

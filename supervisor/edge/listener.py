@@ -18,9 +18,9 @@ that one read holds); this layer adds them:
 - its body complete within `body_timeout_s` of its headers (else closed);
 - pipelining: one request at a time. Once a request is whole, nothing after
   it reaches the server until it is answered; meanwhile the connection reads
-  only to see a close (when the handler listens for one), and what comes waits
-  here, at most about `max_header_bytes` plus one read and
-  `max_pipelined_requests` request heads, then reading stops;
+  on (so that a close is seen at once), and what comes waits here, at most
+  about `max_header_bytes` plus one read and `max_pipelined_requests` request
+  heads, then reading stops;
 - a response the client does not read for `write_timeout_s` (the socket's
   send buffer stays full): the connection is closed, which ends the request's
   job (its handler hears it through `Disconnect`);
@@ -79,12 +79,11 @@ class Disconnect:
     handler. A callback costs nothing until it fires, where a task that waits
     on receive() for http.disconnect costs a task per request."""
 
-    __slots__ = ("gone", "callback", "_listen")
+    __slots__ = ("gone", "callback")
 
-    def __init__(self, listen=None) -> None:
+    def __init__(self) -> None:
         self.gone = False
         self.callback = None
-        self._listen = listen  # reads on, so that a close is seen
 
     def fire(self) -> None:
         self.gone = True
@@ -97,10 +96,6 @@ class Disconnect:
         if self.gone:
             return callback()
         self.callback = callback
-        if self._listen is not None:
-            # the server pauses reading past a large body or at a pipelined request: a close
-            # is only seen while reading
-            self._listen()
 
 
 class Connections:
@@ -203,7 +198,6 @@ class BoundedConnection(asyncio.Protocol):
         self._unanswered = 0  # requests handed to the server whose handler has not ended
         self._backlog = b""  # read, not yet handed on: the pipelining bound was reached
         self._server_reading = True  # what the server's flow control asked for
-        self._listening = False  # a handler waits for its client to go: read on to see a close
         self._reading = True
         self._timer: TimerHandle | None = None  # the header or body deadline
         self._write_timer: TimerHandle | None = None
@@ -274,22 +268,23 @@ class BoundedConnection(asyncio.Protocol):
                 end = data.find(HEAD_END)
                 cut = len(data) if end < 0 else end + len(HEAD_END)
             piece, data = data[:cut], data[cut:]
-            data = self._take(piece) + data
+            data = self._take(piece, bool(data)) + data
             if self.transport.is_closing():
                 return
         self._set_reading()  # a request became whole: reading stops unless its handler listens
 
-    def _take(self, data: bytes) -> bytes:
-        """Bound the header bytes, then feed; returns what was not fed (after an upgrade)."""
+    def _take(self, data: bytes, more: bool) -> bytes:
+        """Bound the header bytes, then feed; returns what was not fed (after an upgrade).
+        `more`: this read holds more bytes after `data`."""
         if self._phase is Phase.BODY:
-            return self._feed(data)
+            return self._feed(data, more)
         room = self.bounds.max_header_bytes - self._header_bytes
         if len(data) <= room:
             self._header_bytes += len(data)
-            return self._feed(data)
+            return self._feed(data, more)
         # Feed what fits: if the headers end in it, the rest is body or the next request.
         self._header_bytes += room
-        rest = self._feed(data[:room])
+        rest = self._feed(data[:room], True)
         if self.transport.is_closing():
             return b""
         if rest:
@@ -299,8 +294,9 @@ class BoundedConnection(asyncio.Protocol):
             return b""
         return data[room:]
 
-    def _feed(self, data: bytes) -> bytes:
-        """Parse, hand the bytes on, then start the deadline for what is left half-read.
+    def _feed(self, data: bytes, more: bool) -> bytes:
+        """Parse, hand the bytes on, then start the deadline for what is left half-read, unless
+        `more` bytes of this read come next (a head and its body: the body's feed decides).
         Returns the bytes after an upgrade request, not yet fed."""
         completed = self._completed
         rest = b""
@@ -319,7 +315,7 @@ class BoundedConnection(asyncio.Protocol):
                                                  f"invalid HTTP request: {str(exc).rstrip('.')}"), "invalid_http")
             return b""
         self.inner.data_received(data)
-        if rest or self._timer is not None or self.transport.is_closing():
+        if rest or more or self._timer is not None or self.transport.is_closing():
             return rest
         if self._phase is Phase.BODY:
             self._arm(self.bounds.body_timeout_s, self._body_timeout)
@@ -333,13 +329,14 @@ class BoundedConnection(asyncio.Protocol):
         self._set_reading()
 
     def _set_reading(self) -> None:
-        """Read when the server wants to; while a whole request is being answered, only when its
-        handler listens for a close, and what comes then waits in the backlog, within its bounds
-        (about max_header_bytes, and max_pipelined_requests request heads)."""
+        """Read when the server wants to; while a whole request is being answered, always (a close
+        is seen at once, and a request costs no pause and resume, each a system call), what comes
+        then waiting in the backlog, within its bounds (about max_header_bytes, and
+        max_pipelined_requests request heads)."""
         answering = self._unanswered and self._phase is not Phase.BODY
-        want = ((self._listening if answering else self._server_reading)
-                and len(self._backlog) < self.bounds.max_header_bytes
-                and self._backlog.count(HEAD_END) < self.bounds.max_pipelined_requests)
+        want = ((answering or self._server_reading)
+                and (not self._backlog or (len(self._backlog) < self.bounds.max_header_bytes
+                                           and self._backlog.count(HEAD_END) < self.bounds.max_pipelined_requests)))
         if want != self._reading and not self.transport.is_closing():
             self._reading = want
             self.transport.read(want)
@@ -383,23 +380,18 @@ class BoundedConnection(asyncio.Protocol):
     def begin_request(self) -> Disconnect:
         """A request's handler starts: the Disconnect that tells it when its client goes."""
         self.connections.active(self)
-        self.request = Disconnect(self._listen)
+        self.request = Disconnect()
         return self.request
 
     def end_request(self, request: Disconnect) -> None:
         self._unanswered = max(0, self._unanswered - 1)
         if self.request is request:
             self.request = None
-            self._listening = False
         if self.transport.is_closing():
             return
         self._set_reading()
         if self._backlog:  # from the loop, not from inside the handler's task
             asyncio.get_running_loop().call_soon(self._release)
-
-    def _listen(self) -> None:
-        self._listening = True
-        self._set_reading()
 
     def idle(self) -> bool:
         """Nothing to answer and no body coming: between requests, or a request's head unfinished."""

@@ -105,7 +105,8 @@ def request_body(raw: bytes, content_type: str | None, model: type[msgspec.Struc
         data = _lenient_decode(raw)  # NaN, Infinity or huge numbers: the field's range refuses them below
     if not isinstance(data, dict):
         raise PoolError(ErrorCode.INVALID_REQUEST, f"body: Expected `object`, got `{type(data).__name__}`")
-    check_depth(data)
+    if raw.count(b"{") + raw.count(b"[") > MAX_DEPTH:  # else it cannot nest that deep (the usual body)
+        check_depth(data)
     try:
         return msgspec.convert(data, model, strict=True), data
     except msgspec.ValidationError as exc:

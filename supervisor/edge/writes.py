@@ -20,6 +20,10 @@ class CoalescedWrites(asyncio.Transport):
         self._connection = connection
         self._pending: list[bytes] = []
         self._loop = asyncio.get_running_loop()
+        # asked many times a request (the server, the connection): the real transport's own
+        # methods, no call of this layer in between
+        self.is_closing = transport.is_closing
+        self.get_extra_info = transport.get_extra_info
 
     def write(self, data) -> None:
         if not data:
@@ -53,12 +57,6 @@ class CoalescedWrites(asyncio.Transport):
 
     def can_write_eof(self) -> bool:
         return self._transport.can_write_eof()
-
-    def is_closing(self) -> bool:
-        return self._transport.is_closing()
-
-    def get_extra_info(self, name, default=None):
-        return self._transport.get_extra_info(name, default)
 
     def pause_reading(self) -> None:
         self._connection.server_reading(False)

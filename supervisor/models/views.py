@@ -24,9 +24,13 @@ def served_context(entry) -> int | None:
     """The most tokens one request may hold on a model, where its runtime reports it (llama-server's
     context per slot, vLLM's max_model_len: `n_ctx_per_slot` in a replica's Ready info; the smallest
     of its replicas'); None where none does (not loaded, or a runtime that does not say)."""
-    replicas = entry.executor.replicas if entry.executor is not None else ()
-    sizes = [r.info.get("n_ctx_per_slot") for r in replicas if isinstance(r.info, dict)]
-    return min((n for n in sizes if isinstance(n, int) and not isinstance(n, bool) and n > 0), default=None)
+    smallest = None  # one loop, no list: asked on every request's admission
+    for r in entry.executor.replicas if entry.executor is not None else ():
+        info = r.info
+        n = info.get("n_ctx_per_slot") if type(info) is dict else None
+        if type(n) is int and n > 0 and (smallest is None or n < smallest):  # type(): not a bool
+            smallest = n
+    return smallest
 
 
 class Views:

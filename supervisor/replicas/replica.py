@@ -41,9 +41,9 @@ _IDENTITY_SERIAL = itertools.count(1)
 class ReplicaOwner(Protocol):
     """What a replica tells its executor."""
 
-    def replica_changed(self) -> None: ...  # a slot freed or the state changed
+    def replica_changed(self) -> None: ...  # its state changed (or a job could not be handed to it)
     def requeue(self, job: Job) -> None: ...  # run this job again, ahead of the queue
-    def job_finished(self, replica: Replica, job: Job) -> None: ...  # it ended on that replica (any outcome)
+    def job_finished(self, replica: Replica, job: Job) -> None: ...  # it ended there (any outcome): a slot freed
     def replica_restarted(self, replica: Replica) -> None: ...  # a new worker starts: its cache is empty
     def replica_kv_events(self, replica: Replica, events: list, reset: bool) -> None: ...  # its engine's cache
     def wants_workers(self) -> bool: ...  # its model takes work: a worker may start (else a stop was asked)
@@ -224,7 +224,6 @@ class Replica:
 
     def job_ended(self, job: Job) -> None:
         self.owner.job_finished(self, job)
-        self.owner.replica_changed()
 
     def kv_events(self, events: list, reset: bool) -> None:
         self.owner.replica_kv_events(self, events, reset)

@@ -51,6 +51,13 @@ def _header_ms(headers, name: str) -> float | None:
 
 def request_slo(headers, tenant_spec, model_cfg) -> Slo:
     """The request's deadlines: its headers, else its tenant's defaults, else its model's."""
+    raw = getattr(headers, "raw", None)
+    if raw is not None:  # Starlette's Headers: one pass over its list (a get of an absent name raises, caught)
+        for name, _ in raw:
+            if name[:6] == b"x-slo-":
+                break
+        else:
+            headers = {}
     ttft, tpot = _header_ms(headers, SLO_HEADERS[0]), _header_ms(headers, SLO_HEADERS[1])
     ttft = ttft or getattr(tenant_spec, "slo_ttft_ms", None) or model_cfg.slo_ttft_ms
     tpot = tpot or getattr(tenant_spec, "slo_tpot_ms", None) or model_cfg.slo_tpot_ms
@@ -115,21 +122,22 @@ def expired(model: str, slo_ttft_ms: float) -> PoolError:
                      f"passed while it waited in model {model!r}'s queue", retry_after_s=1)
 
 
-def learned_row(job, done: Done, now: float) -> dict:
-    """A finished job as the predictor learns it: its request-log figures (ms, tokens, the
-    runtime's own speeds) and what was predicted for it at admission."""
+def learn(predictor, job, done: Done, now: float) -> None:
+    """A finished job, learned by its model's predictor (ModelPredictor.learn): its request-log
+    figures (ms, tokens, the runtime's own speeds) and what was predicted for it at admission."""
     start, usage = job.created_at, done.usage
-    row = {"queued_ms": (job.submitted_at - start) * 1000 if job.submitted_at is not None else None,
-           "ttft_ms": (job.first_token_at - start) * 1000 if job.first_token_at is not None else None,
-           "duration_ms": (now - start) * 1000, "tokens_in": int(usage.get("input_tokens") or 0),
-           "tokens_out": int(usage.get("output_tokens") or 0), "cached_tokens": usage.get("cached_tokens")}
+    prefill = decode = None
     if done.timings:
         timings = runtime_timings(done.timings)
         if timings.get("prompt_n") and timings.get("prompt_per_second"):
-            row["runtime_prefill_tps"] = float(timings["prompt_per_second"])
+            prefill = float(timings["prompt_per_second"])
         if timings.get("predicted_n") and timings.get("predicted_per_second"):
-            row["runtime_decode_tps"] = float(timings["predicted_per_second"])
-    if job.prediction is not None:
-        row["predicted_wait_ms"] = job.prediction.wait_s * 1000
-        row["predicted_ttft_ms"] = job.prediction.ttft_s * 1000
-    return row
+            decode = float(timings["predicted_per_second"])
+    prediction = job.prediction
+    predictor.learn(job.replica.name if job.replica is not None else None,
+                    (job.submitted_at - start) * 1000 if job.submitted_at is not None else None,
+                    (job.first_token_at - start) * 1000 if job.first_token_at is not None else None,
+                    (now - start) * 1000, int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0),
+                    usage.get("cached_tokens"), prefill, decode,
+                    prediction.wait_s * 1000 if prediction is not None else None,
+                    prediction.ttft_s * 1000 if prediction is not None else None, len(job.frame))

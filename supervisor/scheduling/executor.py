@@ -125,7 +125,7 @@ class Executor:
             job.replica.cancel(job)
 
     def replica_changed(self) -> None:
-        """A slot freed or a replica changed state: the driver looks again."""
+        """A replica changed state: the model's state follows, and the driver looks again."""
         if self._on_replicas_changed is not None:
             try:
                 self._on_replicas_changed()
@@ -139,7 +139,13 @@ class Executor:
             self._wake.set()
 
     def job_finished(self, replica: Replica, job: Job) -> None:
+        """A job ended on `replica`: its slot is free. No replica changed state, so the model's
+        state and the queue's fate stand (replica_changed is for that): on every request's path."""
         self.choice.finished(replica, job)
+        if not self.runtime_inflight:
+            self._idle.set()
+        if self.queue:  # else nothing waits for the slot: a job that comes takes it at once (enqueue)
+            self._wake.set()
 
     def replica_restarted(self, replica: Replica) -> None:
         """A new worker starts for `replica`: its cache starts empty."""
@@ -191,7 +197,10 @@ class Executor:
             job.queue_reason = reason
 
     def _all_fatal(self) -> bool:
-        return bool(self.replicas) and all(r.state is ReplicaState.FATAL for r in self.replicas)
+        for r in self.replicas:  # a loop, not all(genexpr): asked on every enqueue and freed slot
+            if r.state is not ReplicaState.FATAL:
+                return False
+        return bool(self.replicas)
 
     def _no_replica_error(self) -> PoolError:
         return PoolError(ErrorCode.NO_HEALTHY_REPLICA, f"every replica of model {self.cfg.name!r} is fatal; "

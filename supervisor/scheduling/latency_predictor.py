@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import time
+from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Callable
 
@@ -39,9 +40,8 @@ ALPHA = 0.2  # weight of the newest request in each average: about the last 10 r
 ERROR_WINDOW = 256  # requests whose prediction errors are kept for the quantiles
 DEFAULT_BYTES_PER_TOKEN = 4.0  # before a model has served anything
 # a deadline is checked against the predicted TTFT plus this quantile of how much the TTFT was
-# under-predicted lately (so that ~90% of admitted requests meet it), recomputed every few requests
+# under-predicted lately (so that ~90% of admitted requests meet it)
 MARGIN_QUANTILE = 0.9
-MARGIN_EVERY = 16
 
 
 class Ewma:
@@ -114,7 +114,8 @@ class ModelPredictor:
         self.wait_errors: deque[float] = deque(maxlen=ERROR_WINDOW)  # |predicted - measured| queue wait, s
         self.ttft_errors: deque[float] = deque(maxlen=ERROR_WINDOW)  # the same for TTFT
         self.ttft_under: deque[float] = deque(maxlen=ERROR_WINDOW)  # measured - predicted TTFT, s (signed)
-        self.margin_s = 0.0  # p90 of ttft_under, at least 0: what a deadline check adds (recomputed now and then)
+        self._under_sorted: list[float] = []  # ttft_under's values in order (_under)
+        self.margin_s = 0.0  # p90 of ttft_under, at least 0: what a deadline check adds
         self.last_at: float | None = None
 
     # -- learning --------------------------------------------------------------------------------
@@ -122,35 +123,52 @@ class ModelPredictor:
         """One finished request, as its request-log row (queued_ms, ttft_ms, duration_ms,
         tokens_in, tokens_out, cached_tokens, runtime_prefill_tps, runtime_decode_tps) and
         optionally predicted_wait_ms / predicted_ttft_ms, what was predicted for it."""
+        get = row.get
+        self.learn(replica, get("queued_ms"), get("ttft_ms"), get("duration_ms"), get("tokens_in") or 0,
+                   get("tokens_out") or 0, get("cached_tokens"), get("runtime_prefill_tps"),
+                   get("runtime_decode_tps"), get("predicted_wait_ms"), get("predicted_ttft_ms"), frame_bytes)
+
+    def learn(self, replica: str | None, queued: float | None, ttft: float | None, duration: float | None,
+              tokens_in: int, tokens_out: int, cached: int | None = None, prefill: float | None = None,
+              decode: float | None = None, predicted_wait: float | None = None,
+              predicted_ttft: float | None = None, frame_bytes: int | None = None) -> None:
+        """`observe` with the row's figures as arguments (ms, tokens, tokens/s): what the
+        engine calls for every request served, with no row built."""
         self.observed += 1
         self.last_at = self.clock()
-        queued, ttft, duration = row.get("queued_ms"), row.get("ttft_ms"), row.get("duration_ms")
-        tokens_in, tokens_out = row.get("tokens_in") or 0, row.get("tokens_out") or 0
         if queued is not None and duration is not None and duration >= queued:
             self.service_s.add((duration - queued) / 1000)
         if frame_bytes and tokens_in:
             self.tokens_per_byte.add(tokens_in / frame_bytes)
-        speeds = self.replicas.setdefault(replica or "", ReplicaSpeeds())
+        speeds = self.replicas.get(replica or "")
+        if speeds is None:
+            speeds = self.replicas[replica or ""] = ReplicaSpeeds()
         if ttft is not None and queued is not None and ttft >= queued:
             speeds.first_token.add(tokens_in, (ttft - queued) / 1000)
-        prefill = row.get("runtime_prefill_tps")
-        computed = tokens_in - (row.get("cached_tokens") or 0)
+        computed = tokens_in - (cached or 0)
         if prefill is None and computed > 0 and ttft is not None and queued is not None and ttft > queued:
             prefill = computed / ((ttft - queued) / 1000)
         if prefill:
             speeds.prefill_tps.add(prefill)
-        decode = row.get("runtime_decode_tps")
         if decode is None and tokens_out > 1 and ttft is not None and duration is not None and duration > ttft:
             decode = (tokens_out - 1) / ((duration - ttft) / 1000)
         if decode:
             speeds.tpot_s.add(1 / decode)
-        if row.get("predicted_wait_ms") is not None and queued is not None:
-            self.wait_errors.append(abs(row["predicted_wait_ms"] - queued) / 1000)
-        if row.get("predicted_ttft_ms") is not None and ttft is not None:
-            self.ttft_errors.append(abs(row["predicted_ttft_ms"] - ttft) / 1000)
-            self.ttft_under.append((ttft - row["predicted_ttft_ms"]) / 1000)
-            if len(self.ttft_under) < MARGIN_EVERY or self.observed % MARGIN_EVERY == 0:
-                self.margin_s = max(0.0, _quantile(list(self.ttft_under), MARGIN_QUANTILE) or 0.0)
+        if predicted_wait is not None and queued is not None:
+            self.wait_errors.append(abs(predicted_wait - queued) / 1000)
+        if predicted_ttft is not None and ttft is not None:
+            self.ttft_errors.append(abs(predicted_ttft - ttft) / 1000)
+            self._under((ttft - predicted_ttft) / 1000)
+
+    def _under(self, seconds: float) -> None:
+        """One more TTFT under-prediction: the window and its sorted copy move on together, so
+        that the margin (their p90) is current after every request at O(log n) plus a shift."""
+        window, ordered = self.ttft_under, self._under_sorted
+        if len(window) == window.maxlen:
+            del ordered[bisect_left(ordered, window[0])]
+        window.append(seconds)
+        insort(ordered, seconds)
+        self.margin_s = max(0.0, ordered[min(len(ordered) - 1, int(MARGIN_QUANTILE * len(ordered)))])
 
     # -- predicting ------------------------------------------------------------------------------
     def prompt_tokens(self, frame_bytes: int) -> int:

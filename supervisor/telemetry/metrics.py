@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from protocol import Done
@@ -16,6 +16,7 @@ from supervisor.models.lifecycle import LOAD_BUCKETS
 from supervisor.scheduling.jobs import Job
 from supervisor.replicas.observe import replica_view
 from supervisor.telemetry.request_log import REFUSED_ROWS_PER_S, RowRate
+from supervisor.telemetry.tallies import CounterTally, HistogramTally, Tallies
 from supervisor.states import ModelState, ReplicaState
 from supervisor.config.tenants import UNKNOWN_KEY
 
@@ -48,35 +49,37 @@ class Metrics:
     def __init__(self, engine, on_finished=None) -> None:
         self.engine = engine
         self.on_finished = on_finished  # called with each finished request too (the request log)
-        self._children: dict[tuple, object] = {}
         self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("llm_pool_requests", "Inference requests by model, endpoint and HTTP status",
-                                ["model", "endpoint", "status"], registry=self.registry)
-        self.ttft = Histogram("llm_pool_time_to_first_token_seconds", "Admission to first token",
-                              ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.latency = Histogram("llm_pool_request_duration_seconds", "Admission to last token",
-                                 ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.tokens = Counter("llm_pool_generated_tokens", "Tokens generated", ["model"], registry=self.registry)
-        self.planned = Counter("llm_pool_requests_planned", "Of llm_pool_requests, those that planned work ended "
-                               "(an unload's drain, a shutdown, an operator's restart)",
-                               ["model", "endpoint", "status"], registry=self.registry)
+        # what every request adds: plain numbers, made Prometheus families when scraped (tallies.py)
+        self.requests = CounterTally("llm_pool_requests", "Inference requests by model, endpoint and HTTP status",
+                                     ["model", "endpoint", "status"])
+        self.ttft = HistogramTally("llm_pool_time_to_first_token_seconds", "Admission to first token",
+                                   ["model"], LATENCY_BUCKETS)
+        self.latency = HistogramTally("llm_pool_request_duration_seconds", "Admission to last token",
+                                      ["model"], LATENCY_BUCKETS)
+        self.tokens = CounterTally("llm_pool_generated_tokens", "Tokens generated", ["model"])
+        self.planned = CounterTally("llm_pool_requests_planned", "Of llm_pool_requests, those that planned work "
+                                    "ended (an unload's drain, a shutdown, an operator's restart)",
+                                    ["model", "endpoint", "status"])
         # by tenant (label values: configured tenant names only)
-        self.tenant_requests = Counter("llm_pool_tenant_requests", "Inference requests by tenant, model and "
-                                       "HTTP status", ["tenant", "model", "status"], registry=self.registry)
-        self.tenant_tokens = Counter("llm_pool_tenant_tokens", "Tokens served by tenant, model and kind "
-                                     "(prompt, output)", ["tenant", "model", "kind"], registry=self.registry)
-        self.tenant_queue_wait = Histogram("llm_pool_tenant_queue_wait_seconds", "Admission to hand-over to "
-                                           "a worker, by tenant", ["tenant", "model"], buckets=LATENCY_BUCKETS,
-                                           registry=self.registry)
+        self.tenant_requests = CounterTally("llm_pool_tenant_requests", "Inference requests by tenant, model and "
+                                            "HTTP status", ["tenant", "model", "status"])
+        self.tenant_tokens = CounterTally("llm_pool_tenant_tokens", "Tokens served by tenant, model and kind "
+                                          "(prompt, output)", ["tenant", "model", "kind"])
+        self.tenant_queue_wait = HistogramTally("llm_pool_tenant_queue_wait_seconds", "Admission to hand-over to "
+                                                "a worker, by tenant", ["tenant", "model"], LATENCY_BUCKETS)
+        self.refused_keys = CounterTally("llm_pool_refused_keys", "/v1/ requests refused for their API key (401), "
+                                         "by reason (no_key, unknown_key); the request log holds at most "
+                                         f"{REFUSED_ROWS_PER_S} of them a second", ["reason"])
+        for reason in REFUSED_REASONS:  # both shown from the start, at 0
+            self.refused_keys.inc((reason,), 0)
+        self.registry.register(Tallies(self.requests, self.ttft, self.latency, self.tokens, self.planned,
+                                       self.tenant_requests, self.tenant_tokens, self.tenant_queue_wait,
+                                       self.refused_keys))
         self.loop_lag = Gauge("llm_pool_event_loop_lag_seconds", "How late the supervisor's event loop woke, "
                               "last measure (supervisor/telemetry/loop_lag.py)", registry=self.registry)
         self.loop_lags = Histogram("llm_pool_event_loop_lag_distribution_seconds", "How late the supervisor's "
                                    "event loop woke, every measure", buckets=LAG_BUCKETS, registry=self.registry)
-        self.refused_keys = Counter("llm_pool_refused_keys", "/v1/ requests refused for their API key (401), by "
-                                    "reason (no_key, unknown_key); the request log holds at most "
-                                    f"{REFUSED_ROWS_PER_S} of them a second", ["reason"], registry=self.registry)
-        for reason in REFUSED_REASONS:  # both shown from the start, at 0
-            self._child(self.refused_keys, reason)
         self._refused_rows = RowRate(REFUSED_ROWS_PER_S)
         self._refused_unlogged = 0  # refusals left out of the request log since the last one in it
         self.registry.register(_EngineCollector(engine))
@@ -91,7 +94,7 @@ class Metrics:
         UNKNOWN_KEY for a key no tenant holds, None with no key): counted, every one, and
         logged at most REFUSED_ROWS_PER_S a second. The next row logged says how many
         were left out before it."""
-        self._child(self.refused_keys, "no_key" if tenant is None else "unknown_key").inc()
+        self.refused_keys.inc(("no_key" if tenant is None else "unknown_key",))
         logged = self._refused_rows.take()
         if logged and self._refused_unlogged:
             error = PoolError(error.code, f"{error.message} (and {self._refused_unlogged} more refused for their "
@@ -112,17 +115,17 @@ class Metrics:
             endpoint = ENDPOINTS.get(endpoint, OTHER_ENDPOINT)
         model = self.engine.aliases.get(model, model)  # an alias counts, and is logged, as its model
         label = self._model(model)
-        self._child(self.requests, label, endpoint, str(status)).inc()
+        status_text = str(status)
+        self.requests.inc((label, endpoint, status_text))
         if error is not None and error.code in PLANNED_CODES:
-            self._child(self.planned, label, endpoint, str(status)).inc()
+            self.planned.inc((label, endpoint, status_text))
         if job is not None:
             job.counted = True
             tenant = job.tenant
             if job.submitted_at is not None:
-                self._child(self.tenant_queue_wait, self._tenant(tenant), label).observe(
-                    job.submitted_at - job.created_at)
+                self.tenant_queue_wait.observe((self._tenant(tenant), label), job.submitted_at - job.created_at)
         if tenant is not None and tenant != UNKNOWN_KEY:  # labels: configured names only
-            self._child(self.tenant_requests, self._tenant(tenant), label, str(status)).inc()
+            self.tenant_requests.inc((self._tenant(tenant), label, status_text))
         if logged and self.on_finished is not None:
             self.on_finished(model, endpoint, status, job, done, error, tenant, fallback_chain)
 
@@ -136,24 +139,15 @@ class Metrics:
         self.request(job.model, endpoint, 200, job, done)
         self.engine.learn(job, done)  # the model's latency predictor
         now = time.monotonic()
-        model = self._model(job.model)
+        model = (self._model(job.model),)
         if job.first_token_at is not None:
-            self._child(self.ttft, model).observe(job.first_token_at - job.created_at)
-        self._child(self.latency, model).observe(now - job.created_at)
+            self.ttft.observe(model, job.first_token_at - job.created_at)
+        self.latency.observe(model, now - job.created_at)
         output = int(done.usage.get("output_tokens", 0))
-        self._child(self.tokens, model).inc(output)
+        self.tokens.inc(model, output)
         tenant = self._tenant(job.tenant)
-        self._child(self.tenant_tokens, tenant, model, "prompt").inc(int(done.usage.get("input_tokens", 0)))
-        self._child(self.tenant_tokens, tenant, model, "output").inc(output)
-
-    def _child(self, metric, *labels: str):
-        """metric.labels(*labels), remembered: the label values are bounded (see above), and
-        prometheus_client's lookup (a lock, a tuple of str()) is on every request's path."""
-        key = (metric, labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
+        self.tenant_tokens.inc((tenant, model[0], "prompt"), int(done.usage.get("input_tokens", 0)))
+        self.tenant_tokens.inc((tenant, model[0], "output"), output)
 
     def _tenant(self, name: str) -> str:
         return name if name in self.engine.tenants.by_name else OTHER_TENANT
