@@ -50,7 +50,8 @@ as a `ProtocolError` value naming what was wrong.
 """
 
 from protocol.codec import (
-    MAX_FRAME_BYTES, PROTOCOL_VERSION, ProtocolError, decode, decode_many, encode, encode_batch, find_unencodable)
+    MAX_FRAME_BYTES, PROTOCOL_VERSION, ProtocolError, decode, decode_many, encode, encode_batch, encode_submit,
+    find_unencodable)
 from protocol.messages import (
     ENDPOINTS,
     LIGHT_CALLS_PER_WORKER,
@@ -79,7 +80,7 @@ from protocol.messages import (
 
 __all__ = [
     "MAX_FRAME_BYTES", "PROTOCOL_VERSION", "ProtocolError", "decode", "decode_many", "encode", "encode_batch",
-    "find_unencodable",
+    "encode_submit", "find_unencodable",
     "Cancel", "Delta", "Done", "Error", "Heartbeat", "Hello", "KvEvents", "MAX_DELTA_TOKENS", "MAX_KV_EVENTS", "MAX_RUNTIME_TASKS", "Message", "Ready", "Setup",
     "Shutdown", "Submit", "ENDPOINTS", "LIGHT_ENDPOINTS", "LIGHT_CALLS_PER_WORKER", "delta_parts", "delta_size", "merge_deltas",
     "runtime_timings", "tasks_error",

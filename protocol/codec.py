@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import msgpack
 
 from protocol.messages import (
-    FIELD_TYPES, MAX_DELTA_TOKENS, MAX_KV_EVENTS, MESSAGE_TYPES, Delta, KvEvents, Message, part_error, tasks_error)
+    FIELD_TYPES, MAX_DELTA_TOKENS, MAX_KV_EVENTS, MESSAGE_TYPES, Delta, Done, KvEvents, Message, part_error,
+    tasks_error)
 
 # 2: Submit.endpoint, Delta.parts, Done.finish_reasons and result; 3: batches (encode_batch);
 # 4: Setup (the model's options over the socket, not in argv); 5: Done.timings (the runtime's own);
@@ -68,6 +69,16 @@ def encode(msg: Message) -> bytes:
         value = getattr(msg, name)
         if value != default:
             payload[name] = value
+    return _packb(payload)
+
+
+def encode_submit(job: str, request: dict, endpoint: str = "chat", headers: dict | None = None) -> bytes:
+    """encode(Submit(...)), the same bytes, with no message object made: once per request."""
+    payload = {"v": PROTOCOL_VERSION, "t": "submit", "job": job, "request": request}
+    if endpoint != "chat":
+        payload["endpoint"] = endpoint
+    if headers:
+        payload["headers"] = headers
     return _packb(payload)
 
 
@@ -160,6 +171,9 @@ def _message(data, what: str = "frame") -> Message | ProtocolError:
         tokens = data.get("tokens")
         if len(data) == 5 and type(tokens) is int and 0 <= tokens <= MAX_DELTA_TOKENS:
             return Delta(job, data["text"], tokens=tokens)  # merged tokens: {..., "tokens"}
+    elif kind == "done" and len(data) == 5 and job is not None and type(data.get("finish_reason")) is str \
+            and type(data.get("usage")) is dict:  # the usual end: {"v", "t", "job", "finish_reason", "usage"}
+        return Done(job, data["finish_reason"], data["usage"])
     cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         return ProtocolError(f"unknown message type {kind!r}", job)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 import os
 import time
 
@@ -262,11 +263,17 @@ class ModelRouterEngine:
         still shows what its cache holds)."""
         return entry.executor is not None and entry.executor.choice.routing == "prefix"
 
-    async def prompt_tokens(self, entry: ModelEntry, request: dict, endpoint: str = "chat") -> list[int] | None:
-        """The request's prompt as token ids, from a ready replica's tokenizer, when the
-        model's replicas report their cache (KV events); else None, at no cost."""
+    def prompt_tokens(self, entry: ModelEntry, request: dict,
+                      endpoint: str = "chat") -> Awaitable[list[int] | None] | None:
+        """What asks for the request's prompt as token ids, where its model's routing needs them
+        (prefix routing): an awaitable of them (None when no ready replica can say). None, and
+        no coroutine made, where routing needs none: every other request."""
         if not self.wants_prompt_tokens(entry):
             return None
+        return self._prompt_tokens(entry, request, endpoint)
+
+    async def _prompt_tokens(self, entry: ModelEntry, request: dict, endpoint: str) -> list[int] | None:
+        """From a ready replica's tokenizer, when the model's replicas report their cache (KV events)."""
         url = next((r.info.get("tokenize_url") for r in entry.executor.replicas
                     if r.state is ReplicaState.READY and isinstance(r.info, dict) and r.info.get("kv_events")), None)
         if not isinstance(url, str):

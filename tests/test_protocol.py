@@ -413,3 +413,14 @@ def test_put_text_sends_what_putting_each_delta_would(puts):
         return sock.sent
 
     assert asyncio.run(go(True)) == asyncio.run(go(False))
+
+
+@given(st.text(max_size=40), st.dictionaries(st.text(max_size=8), st.one_of(st.none(), st.integers(-2**63, 2**63 - 1),
+                                                                           st.text(), st.lists(st.text(), max_size=3))),
+       st.sampled_from(sorted(p.ENDPOINTS)), st.one_of(st.none(), st.dictionaries(st.text(max_size=8), st.text())))
+def test_a_submit_frame_made_without_its_message_is_the_same_bytes(job, request, endpoint, headers):
+    """encode_submit (once per request, no Submit object) writes what encode(Submit(...)) writes,
+    and a worker reads it back as that Submit."""
+    frame = p.encode_submit(job, request, endpoint, headers)
+    assert frame == p.encode(p.Submit(job=job, request=request, endpoint=endpoint, headers=headers or {}))
+    assert p.decode(frame) == p.Submit(job=job, request=request, endpoint=endpoint, headers=headers or {})

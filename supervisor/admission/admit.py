@@ -142,7 +142,8 @@ class Admission:
             counted.hold(len(job.frame), self.max_held_bytes())
             counted.estimate = len(job.frame) // PROMPT_BYTES_PER_TOKEN
             counted.reserved = tenant.reserve_tokens(counted.estimate + output)
-            tokens = await self.engine.prompt_tokens(entry, request, endpoint)  # None where routing needs none
+            asked = self.engine.prompt_tokens(entry, request, endpoint)  # None where routing needs none
+            tokens = await asked if asked is not None else None
             if tokens is not None and context and len(tokens) > context:  # counted before sending
                 raise PoolError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, context_message(len(tokens), context))
             job.prediction = self.engine.predict(entry, tenant.name, len(job.frame))

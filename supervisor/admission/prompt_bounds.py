@@ -11,6 +11,7 @@ from supervisor.config import ModelConfig
 # a legacy prompt, embeddings' input, the text of the runtime's own calls (tokenize's content,
 # detokenize's tokens, rerank's query and documents), and an Anthropic body's system
 TEXT_FIELDS = ("prompt", "input", "content", "tokens", "query", "documents", "system")
+TEXT_KEYS = frozenset(TEXT_FIELDS)
 
 
 def check_prompt_bounds(cfg: ModelConfig, request: dict) -> None:
@@ -23,8 +24,9 @@ def check_prompt_bounds(cfg: ModelConfig, request: dict) -> None:
         raise PoolError(ErrorCode.INVALID_REQUEST, f"{len(messages)} messages, over model {cfg.name!r}'s "
                         f"max_messages ({cfg.max_messages})", param="messages")
     tools = request.get("tools")
-    chars, parts = _measure([request.get(key) for key in TEXT_FIELDS]
-                            + [m.get("content") for m in messages if isinstance(m, dict)])
+    contents = [m.get("content") for m in messages if type(m) is dict]
+    contents += [request[key] for key in request if key in TEXT_KEYS]  # a body's few keys, not all seven
+    chars, parts = _measure(contents)
     parts += len(tools) if isinstance(tools, list) else 0
     if parts > cfg.max_content_parts:
         raise PoolError(ErrorCode.INVALID_REQUEST, f"{parts} content parts, over model {cfg.name!r}'s "

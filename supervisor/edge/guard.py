@@ -68,18 +68,24 @@ def error_response(err: PoolError, path: str = "") -> JSONResponse:
     return JSONResponse(err.envelope(), status_code=err.status, headers=headers)
 
 
-def websocket_refusal(scope) -> PoolError | None:
-    """426 for a WebSocket upgrade (any path: the pool serves none as WebSocket), so that a
-    client that tries one first (Codex, on /v1/responses) falls back to HTTP at once rather
-    than retrying the handshake. uvicorn (ws="none") hands such a request on as plain HTTP."""
+def scan_headers(headers, limit: int) -> tuple[bool, bool]:
+    """One pass over a request's headers: (a WebSocket upgrade, a Content-Length over `limit`)."""
     upgrade = connection = b""
-    for name, value in scope["headers"]:
+    too_large = False
+    for name, value in headers:
         if name == b"upgrade":
             upgrade = value.lower()
         elif name == b"connection":
             connection = value.lower()
-    if b"websocket" not in upgrade or b"upgrade" not in connection:
-        return None
+        elif name == b"content-length" and value.isdigit() and int(value) > limit:
+            too_large = True
+    return b"websocket" in upgrade and b"upgrade" in connection, too_large
+
+
+def websocket_refusal(scope) -> PoolError:
+    """426 for a WebSocket upgrade (any path: the pool serves none as WebSocket), so that a
+    client that tries one first (Codex, on /v1/responses) falls back to HTTP at once rather
+    than retrying the handshake. uvicorn (ws="none") hands such a request on as plain HTTP."""
     return PoolError(ErrorCode.UPGRADE_REQUIRED, f"{echo(scope['path'])} is not served over WebSocket here: "
                      "send the request over HTTP")
 
@@ -196,7 +202,8 @@ class HttpEdge:
 
     async def _serve(self, scope, receive, send):
         """Key and browser rules, the route, then the body; every refusal before the body is read."""
-        refusal = self._refusal(scope) or websocket_refusal(scope)
+        websocket, too_large = scan_headers(scope["headers"], self.limit)
+        refusal = self._refusal(scope) or (websocket_refusal(scope) if websocket else None)
         if refusal is not None:
             return await error_response(refusal, scope["path"])(scope, receive, send)
         tenant = scope.get(TENANT_KEY)
@@ -210,9 +217,8 @@ class HttpEdge:
             app = self.app
             if not takes_body:
                 return await self._without_body(scope, receive, send)
-        for name, value in scope["headers"]:
-            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
-                return await error_response(self._too_large_error(), scope["path"])(scope, receive, send)
+        if too_large:
+            return await error_response(self._too_large_error(), scope["path"])(scope, receive, send)
         body = await self._read_body(receive)
         if isinstance(body, PoolError):
             return await error_response(body, scope["path"])(scope, receive, send)

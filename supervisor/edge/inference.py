@@ -35,7 +35,7 @@ from supervisor.scheduling.jobs import Job
 from supervisor.admission.prompt_bounds import check_prompt_bounds
 from supervisor.models.capabilities import CALLS, capabilities, native_input_tokens, native_messages
 from supervisor.models.views import served_context
-from supervisor.states import JobState
+from supervisor.states import JOB_FINISHED, JobState
 from supervisor.telemetry.metrics import CLIENT_CLOSED
 
 if TYPE_CHECKING:
@@ -293,8 +293,8 @@ class InferenceSurface:
             return AnswerJSON(to_json(choices, done), self.answer_headers(job),
                               functools.partial(self.count_after_answer, job, done, endpoint))
         finally:
-            if streaming is None:  # else the stream owns the job until its last write
-                self.engine.cancel(job)  # a no-op once the job has finished
+            if streaming is None and job.state is not JOB_FINISHED:  # else the stream owns the job to its end
+                self.engine.cancel(job)
 
     def model_config(self, name: str):
         """A model's config by its name or an alias; None when there is none."""

@@ -73,6 +73,9 @@ class Phase(enum.Enum):
     BODY = "body"  # headers complete, body not yet
 
 
+IDLE, HEADERS, BODY = Phase.IDLE, Phase.HEADERS, Phase.BODY  # module names: see states.JOB_QUEUED
+
+
 class Disconnect:
     """Whether a request's client has gone, and what to do when it goes: set by
     the connection (`BoundedConnection.connection_lost`), read by the
@@ -190,7 +193,7 @@ class BoundedConnection(asyncio.Protocol):
             self._parser.set_dangerous_leniencies(lenient_data_after_close=True)
         except AttributeError:  # httptools < 0.6.3
             pass
-        self._phase = Phase.IDLE
+        self._phase = IDLE
         self._header_bytes = 0
         self._header_lines = 0
         self._body_left: int | None = None  # of the body being read, when its length is known
@@ -260,10 +263,10 @@ class BoundedConnection(asyncio.Protocol):
         waits in the backlog until it is answered (no byte of a pipelined request reaches the
         server before the answer to the one before it)."""
         while data:
-            if self._unanswered and self._phase is not Phase.BODY:
+            if self._unanswered and self._phase is not BODY:
                 self._backlog = data
                 return self._set_reading()
-            cut = self._body_left if self._phase is Phase.BODY and self._body_left else None
+            cut = self._body_left if self._phase is BODY and self._body_left else None
             if cut is None:
                 end = data.find(HEAD_END)
                 cut = len(data) if end < 0 else end + len(HEAD_END)
@@ -276,7 +279,7 @@ class BoundedConnection(asyncio.Protocol):
     def _take(self, data: bytes, more: bool) -> bytes:
         """Bound the header bytes, then feed; returns what was not fed (after an upgrade).
         `more`: this read holds more bytes after `data`."""
-        if self._phase is Phase.BODY:
+        if self._phase is BODY:
             return self._feed(data, more)
         room = self.bounds.max_header_bytes - self._header_bytes
         if len(data) <= room:
@@ -289,7 +292,7 @@ class BoundedConnection(asyncio.Protocol):
             return b""
         if rest:
             return rest + data[room:]
-        if self._phase is not Phase.BODY and self._header_bytes >= self.bounds.max_header_bytes:
+        if self._phase is not BODY and self._header_bytes >= self.bounds.max_header_bytes:
             self._refuse_headers(f"request headers over {self.bounds.max_header_bytes} bytes")
             return b""
         return data[room:]
@@ -317,9 +320,9 @@ class BoundedConnection(asyncio.Protocol):
         self.inner.data_received(data)
         if rest or more or self._timer is not None or self.transport.is_closing():
             return rest
-        if self._phase is Phase.BODY:
+        if self._phase is BODY:
             self._arm(self.bounds.body_timeout_s, self._body_timeout)
-        elif self._phase is Phase.HEADERS or (self._completed == completed and self._phase is Phase.IDLE):
+        elif self._phase is HEADERS or (self._completed == completed and self._phase is IDLE):
             self._arm(self.bounds.header_timeout_s, self._header_timeout)  # a partial request, or blank lines
         return b""
 
@@ -333,7 +336,7 @@ class BoundedConnection(asyncio.Protocol):
         is seen at once, and a request costs no pause and resume, each a system call), what comes
         then waiting in the backlog, within its bounds (about max_header_bytes, and
         max_pipelined_requests request heads)."""
-        answering = self._unanswered and self._phase is not Phase.BODY
+        answering = self._unanswered and self._phase is not BODY
         want = ((answering or self._server_reading)
                 and (not self._backlog or (len(self._backlog) < self.bounds.max_header_bytes
                                            and self._backlog.count(HEAD_END) < self.bounds.max_pipelined_requests)))
@@ -350,7 +353,7 @@ class BoundedConnection(asyncio.Protocol):
 
     # -- our parser's callbacks ----------------------------------------------------------------------------
     def on_message_begin(self) -> None:
-        self._phase = Phase.HEADERS
+        self._phase = HEADERS
         self._header_lines = 0
         self._body_left = None
 
@@ -363,7 +366,7 @@ class BoundedConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._disarm()
-        self._phase = Phase.BODY
+        self._phase = BODY
         self._header_bytes = 0
         self._unanswered += 1
 
@@ -373,7 +376,7 @@ class BoundedConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._disarm()
-        self._phase = Phase.IDLE
+        self._phase = IDLE
         self._completed += 1
 
     # -- the handler of a request (the guard) ---------------------------------------------------------------
@@ -395,7 +398,7 @@ class BoundedConnection(asyncio.Protocol):
 
     def idle(self) -> bool:
         """Nothing to answer and no body coming: between requests, or a request's head unfinished."""
-        return not self._unanswered and self._phase is not Phase.BODY and not self._backlog
+        return not self._unanswered and self._phase is not BODY and not self._backlog
 
     # -- bounds -------------------------------------------------------------------------------------------
     def _refuse_headers(self, why: str) -> None:
@@ -406,7 +409,7 @@ class BoundedConnection(asyncio.Protocol):
         if self._unanswered:
             # A pipelined request waits while the one before it is answered.
             return self._arm(self.bounds.header_timeout_s, self._header_timeout)
-        if self._phase is Phase.HEADERS:
+        if self._phase is HEADERS:
             warnings.warning("header_timeout", "closed a connection from %s: headers not complete within %gs",
                              self.client, self.bounds.header_timeout_s)
         self.transport.abort()  # abort, not close: a client that does not read would keep it open

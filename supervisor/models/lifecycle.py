@@ -34,7 +34,8 @@ from supervisor.replicas.process import Launcher, spawn_worker
 from supervisor.replicas.ray_placement import RayCluster
 from supervisor.replicas.replica import Replica
 from supervisor.scheduling.executor import Executor
-from supervisor.states import RUNNING, JobState, ModelState
+from supervisor.states import (MODEL_AUTO_UNLOADING, MODEL_FAILED, MODEL_UNLOADED, MODEL_UNLOADING, RUNNING, JobState,
+                               ModelState)
 from supervisor.replicas.transport import Transport
 
 log = logging.getLogger("llm_pool.engine")
@@ -98,13 +99,13 @@ class Lifecycle:
         if refused is not None:
             raise refused
         state = entry.state
-        if state is ModelState.AUTO_UNLOADING:  # wait for the next load on demand
+        if state is MODEL_AUTO_UNLOADING:  # wait for the next load on demand
             entry.waiting = [j for j in entry.waiting if j.state is JobState.QUEUED]  # gone ones hold no place
             if len(entry.waiting) >= entry.cfg.max_queue:
                 raise PoolError(ErrorCode.QUEUE_FULL, f"model {entry.cfg.name!r} has {len(entry.waiting)} "
                                 f"requests waiting for its next load (max_queue)", retry_after_s=1)
             entry.waiting.append(job)
-        elif state in (ModelState.UNLOADED, ModelState.FAILED):
+        elif state is MODEL_UNLOADED or state is MODEL_FAILED:
             self.load_on_demand(entry, tenant_actor(job.tenant)).enqueue(job)
         else:
             entry.executor.enqueue(job)  # while loading, it waits in the queue for the replicas
@@ -113,13 +114,16 @@ class Lifecycle:
         """Why a request for this model is refused in its state now; None if it is not."""
         if self.shutting_down:
             return PoolError(ErrorCode.MODEL_UNLOADING, "the pool is shutting down")
-        if entry.state is ModelState.UNLOADING:
+        state = entry.state
+        if state is MODEL_UNLOADING:
             return PoolError(ErrorCode.MODEL_UNLOADING, f"model {entry.cfg.name!r} is unloading", param="model",
                              retry_after_s=1)
-        if entry.state in (ModelState.UNLOADED, ModelState.FAILED) and not entry.cfg.load_on_demand:
+        if state is not MODEL_UNLOADED and state is not MODEL_FAILED:
+            return None
+        if not entry.cfg.load_on_demand:
             return PoolError(ErrorCode.MODEL_NOT_LOADED,
                              f"model {entry.cfg.name!r} is {entry.state.value}; load it first", param="model")
-        if entry.state in (ModelState.UNLOADED, ModelState.FAILED) and entry.held_by:
+        if entry.held_by:
             return PoolError(ErrorCode.MODEL_NOT_LOADED, f"model {entry.cfg.name!r} is held unloaded (`llm-pool "
                              f"unload --hold`, by {entry.held_by}); an operator's load releases it", param="model")
         return None

@@ -22,7 +22,7 @@ from supervisor.events import EventKind, emit
 from supervisor.replicas import exits
 from supervisor.replicas.process import Launcher, WorkerProcess, spawn_worker, replica_env, worker_args, worker_setup
 from supervisor.replicas.restart_policy import CrashHistory, PendingRestart, RestartPolicy, restart_delay
-from supervisor.states import REPLICA_TRANSITIONS, ReplicaState, transition
+from supervisor.states import REPLICA_READY, REPLICA_TRANSITIONS, ReplicaState, transition
 from supervisor.tasks import spawn
 from supervisor.replicas.transport import Transport
 from supervisor.replicas.worker_link import LoadFailed, WorkerLink
@@ -144,12 +144,12 @@ class Replica:
 
     @property
     def free_slots(self) -> int:
-        return self.capacity - self.link.generating if self.state is ReplicaState.READY else 0
+        return self.capacity - self.link.generating if self.state is REPLICA_READY else 0
 
     @property
     def free_newcomer_slots(self) -> int:
         """Free slots above `capacity`, for a tenant with nothing running on the model."""
-        if self.state is not ReplicaState.READY or not self.newcomer_slots:
+        if self.state is not REPLICA_READY or not self.newcomer_slots:
             return 0
         return min(self.newcomer_slots, self.capacity + self.newcomer_slots - self.link.generating)
 

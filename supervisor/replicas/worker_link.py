@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 import protocol as p
 from protocol.errors import ErrorCode, PoolError
 from supervisor.replicas.transport import Transport
-from supervisor.states import JobState
+from supervisor.states import JOB_SUBMITTED, JobState
 
 if TYPE_CHECKING:  # the jobs the scheduler hands over (scheduling/ is above replicas/)
     from supervisor.replicas.replica import Replica
@@ -118,7 +118,7 @@ class WorkerLink:
     def submit(self, job: Job, replica: Replica) -> None:
         """Hand a job to the worker (`replica`: the job's, for its readers). If the frame
         cannot be sent, the job leaves the table and the host hears of it (send_failed)."""
-        job.move_to(JobState.SUBMITTED)
+        job.move_to(JOB_SUBMITTED)
         job.replica = replica
         job.runtime_tasks = None  # this worker's runtime says them, if at all
         job.submitted_at = job.submitted_at or time.monotonic()  # beside created_at, whatever the link's clock

@@ -28,7 +28,7 @@ from supervisor.scheduling.job_queue import JobQueue
 from supervisor.scheduling.jobs import Job
 from supervisor.replicas.replica import Replica
 from supervisor.scheduling.replica_choice import ReplicaChoice, make_replica_choice
-from supervisor.states import JobState, ReplicaState
+from supervisor.states import JOB_QUEUED, JOB_SUBMITTED, REPLICA_FATAL, REPLICA_READY, JobState, ReplicaState
 from supervisor.tasks import spawn
 
 # replicas that serve now or will again: the queue waits for them (a crash kill restarts, and an
@@ -64,7 +64,7 @@ class Executor:
     # -- figures for admin and metrics --------------------------------------------
     @property
     def effective_target_inflight(self) -> int:
-        return sum(r.capacity for r in self.replicas if r.state is ReplicaState.READY)
+        return sum(r.capacity for r in self.replicas if r.state is REPLICA_READY)
 
     @property
     def drain_left_s(self) -> float | None:
@@ -118,10 +118,10 @@ class Executor:
 
     def cancel(self, job: Job) -> None:
         """The client is gone: drop a queued job, or ask its worker to stop it."""
-        if job.state is JobState.QUEUED:
+        if job.state is JOB_QUEUED:
             self.queue.remove(job)
             job.finish(PoolError(ErrorCode.INVALID_REQUEST, "cancelled by the client"))
-        elif job.state is JobState.SUBMITTED and job.replica:
+        elif job.state is JOB_SUBMITTED and job.replica:
             job.replica.cancel(job)
 
     def replica_changed(self) -> None:
@@ -198,7 +198,7 @@ class Executor:
 
     def _all_fatal(self) -> bool:
         for r in self.replicas:  # a loop, not all(genexpr): asked on every enqueue and freed slot
-            if r.state is not ReplicaState.FATAL:
+            if r.state is not REPLICA_FATAL:
                 return False
         return bool(self.replicas)
 

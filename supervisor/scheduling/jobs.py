@@ -15,7 +15,7 @@ from protocol.errors import ErrorCode, PoolError
 from protocol.choices import choice_limit
 from supervisor.scheduling.deadlines import expired as slo_expired
 from supervisor.request_bounds import clip
-from supervisor.states import JOB_TRANSITIONS, JobState, transition
+from supervisor.states import JOB_FINISHED, JOB_QUEUED, JOB_TRANSITIONS, JobState, transition
 
 if TYPE_CHECKING:
     from supervisor.replicas.replica import Replica
@@ -27,7 +27,7 @@ def encode_submit(job_id: str, request: dict, endpoint: str = "chat", headers: d
     400 naming the field, and a frame over the cap its 413, before the job
     takes a queue place or a slot."""
     try:
-        frame = p.encode(p.Submit(job=job_id, request=request, endpoint=endpoint, headers=headers or {}))
+        frame = p.encode_submit(job_id, request, endpoint, headers)
     except (OverflowError, UnicodeEncodeError, TypeError, ValueError):
         try:
             where, why = p.find_unencodable(request) or ("", "a value that cannot be sent to the runtime")
@@ -114,7 +114,7 @@ class Job:
         self.endpoint = endpoint  # protocol.ENDPOINTS
         # `headers`: for the runtime's own route (capabilities.forwarded_headers), in the frame only
         self.frame = encode_submit(self.id, request, endpoint, headers)  # a request that cannot travel fails here, owning nothing
-        self.state = JobState.QUEUED
+        self.state = JOB_QUEUED
         self.replica: Replica | None = None
         # Delta..., then exactly one Done or PoolError; one reader (the HTTP handler), which
         # waits on `_waiter`: cheaper per token than an asyncio.Queue under wait_for
@@ -169,7 +169,7 @@ class Job:
         return self.slo_deadline is not None and now >= self.slo_deadline
 
     def push(self, event: Delta) -> None:
-        if self.state is JobState.FINISHED:  # e.g. ended over its bounds, its Cancel on the way: nobody reads it
+        if self.state is JOB_FINISHED:  # e.g. ended over its bounds, its Cancel on the way: nobody reads it
             return
         if event.parts:
             for part in event.parts:
@@ -226,8 +226,8 @@ class Job:
     def finish(self, outcome: Done | PoolError) -> None:
         if isinstance(outcome, Done) and len(outcome.finish_reasons) > self.max_choices:
             outcome = self._bad_index(len(outcome.finish_reasons) - 1)
-        if self.state is not JobState.FINISHED:
-            self.move_to(JobState.FINISHED)
+        if self.state is not JOB_FINISHED:
+            self.move_to(JOB_FINISHED)
             if self.meter is not None and isinstance(outcome, Done):
                 self.meter.done(outcome.usage)
             if self.on_end is not None:
@@ -268,7 +268,7 @@ class Job:
         while not self.events:
             now = time.monotonic()
             until = self.deadline
-            if self.state is JobState.QUEUED and self.queue_deadline:
+            if self.state is JOB_QUEUED and self.queue_deadline:
                 if now >= self.queue_deadline:
                     on_timeout(self)
                     if self.expired(now):

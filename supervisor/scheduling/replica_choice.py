@@ -44,7 +44,7 @@ from supervisor.scheduling.jobs import Job
 from supervisor.scheduling.kv_index import APPLY_BLOCKS_PER_STEP, APPLY_TOKENS_PER_STEP, ExactIndex, token_block_keys
 from supervisor.scheduling.prefix_index import BLOCK_CHARS, CHARS_PER_TOKEN, BlockLRU, canonical_prompt, prompt_blocks
 from supervisor.replicas.replica import Replica
-from supervisor.states import ReplicaState
+from supervisor.states import REPLICA_READY
 
 ROUTINGS = ("least_inflight", "prefix", "session")
 # SGLang's router anchors these (64 requests absolute, 1.5 relative, 0.3 cache threshold); its
@@ -277,7 +277,7 @@ class PrefixAffinity(_Policy):
             n_replicas = len(replicas)
             for offset in range(n_replicas):  # from the round-robin cursor: equal matches take turns
                 r = replicas[(self._rr + offset) % n_replicas]
-                if r.state is not ReplicaState.READY:
+                if r.state is not REPLICA_READY:
                     continue
                 share = self._share(r, job, keys, token_keys)
                 if share <= 0 or share < CACHE_THRESHOLD:
@@ -321,7 +321,7 @@ class SessionAffinity(_Policy):
 
     @staticmethod
     def owner(replicas: Sequence[Replica], key: str) -> Replica | None:
-        ready = [r for r in replicas if r.state is ReplicaState.READY]
+        ready = [r for r in replicas if r.state is REPLICA_READY]
         return max(ready, key=lambda r: hash((key, r.index)), default=None)
 
     def choose(self, replicas: Sequence[Replica], job: Job) -> Replica | None:
