@@ -14,7 +14,8 @@ server_task::add_child).
 Exact, or nothing: no tie when another live job's seeds overlap this one's (a client's own
 seed used twice at once, an operator's fixed seed), when more slots show them than the job
 has tasks, when a seed the worker did not draw shows only in an idle slot (an earlier job's
-task may have left it there), or when /slots does not answer (--no-slots, a crash).
+task may have left it there), or when /slots does not answer (--no-slots, a crash) or answers
+more than warm_swap.SLOTS_MAX_BYTES (each slot's prompt text in it: LLAMA_SERVER_SLOTS_DEBUG).
 
 Not `id_slot` (pinning each job to a slot the worker picks): llama-server then skips its own
 choice of the slot whose cache shares the longest prefix with the prompt, and the save to
@@ -32,6 +33,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from protocol.choices import MAX_CHOICES, choice_limit
 from protocol.messages import MAX_RUNTIME_TASKS
 from runtime_worker.backends.base import Event, Finished, RuntimeTasks
+from runtime_worker.warm_swap import SlotsTooLarge
 
 log = logging.getLogger("runtime_worker")
 
@@ -63,7 +65,8 @@ def fixed_seed(options: dict) -> int | None:
 
 class TaskTies:
     """The seeds of a worker's live jobs, and the look at /slots that ties a job to its tasks.
-    `slots`: an awaitable that answers llama-server's GET /slots (a list of slot objects)."""
+    `slots`: an awaitable that answers llama-server's GET /slots (a list of slot objects):
+    warm_swap.SlotClient.slots, which reads it up to a byte cap (SlotsTooLarge past it: no tie)."""
 
     def __init__(self, options: dict, slots: Callable[[], Awaitable[list]]) -> None:
         self.fixed = fixed_seed(options)
@@ -71,6 +74,7 @@ class TaskTies:
         self.live: dict[str, range] = {}  # job -> the seeds its tasks carry
         self.drawn: set[str] = set()  # live jobs whose seed the worker drew
         self.recent: collections.deque[range] = collections.deque(maxlen=RECENT_SEEDS)
+        self.too_large_said = False  # the warning that /slots was over its cap, once per worker
 
     def mark(self, job: str, request: dict, endpoint: str) -> dict:
         """The request as it goes to llama-server: with a drawn seed when nobody chose one."""
@@ -109,6 +113,14 @@ class TaskTies:
             return None
         try:
             slots = await self.slots()
+        except SlotsTooLarge as exc:  # its slots' prompt text in it: reading on would cost without bound
+            if not self.too_large_said:
+                log.warning("llama-server's tasks are not tied to jobs while its /slots answers this much "
+                            "(%s; LLAMA_SERVER_SLOTS_DEBUG puts each slot's prompt text in it): their stories "
+                            "show their time window's lines", exc)
+                self.too_large_said = True
+            log.debug("job %s: no tie: %s", job, exc)
+            return None
         except Exception as exc:  # no answer (--no-slots, a crash): no tie, and the job goes on
             log.debug("job %s: no look at llama-server's /slots: %r", job, exc)
             return None
@@ -125,38 +137,36 @@ class TaskTies:
 
     async def events(self, job: str, request: dict, endpoint: str,
                      open_stream: Callable[[dict], AsyncIterator[Event]]) -> AsyncIterator[Event]:
-        """The job's events (from `open_stream(request)`, with its seed), and its RuntimeTasks as
-        soon as /slots answered, which is asked once the first event came (the job's tasks are
-        in their slots by then). The stream does not wait for that answer; the Finished waits
-        for it TIE_WAIT_S at most (else the job ends without its tasks said)."""
+        """The job's events (from `open_stream(request)`, with its seed), and its RuntimeTasks
+        once /slots answered, which is asked once the first event came (the job's tasks are in
+        their slots by then). The look runs as one task beside the stream: each later event
+        only checks whether it is done (no wait of its own), and the tie goes out before the
+        first event after its answer; the Finished (or the stream's end) waits for the answer
+        TIE_WAIT_S at most (else the job ends without its tasks said)."""
         request = self.mark(job, request, endpoint)
         stream = open_stream(request)
-        lookup: asyncio.Task | None = None
-        step: asyncio.Future | None = None  # the stream's next event, awaited beside the lookup
+        lookup: asyncio.Task | None = None  # the look at /slots, None again once its answer is out
+        looked = False
         try:
-            while True:
-                if lookup is not None and not lookup.done():  # the tie goes out as soon as it is known
-                    step = asyncio.ensure_future(anext(stream, None))
-                    await asyncio.wait((step, lookup), return_when=asyncio.FIRST_COMPLETED)
-                    if lookup.done() and (tasks := lookup.result()):
+            async for event in stream:
+                if lookup is not None and (lookup.done() or isinstance(event, Finished)):
+                    tasks = lookup.result() if lookup.done() else await _answer(lookup)
+                    lookup = None
+                    if tasks:
                         yield RuntimeTasks(tasks)
-                    event, step = await step, None
-                else:
-                    event = await anext(stream, None)
-                if lookup is not None and not lookup.done() and (event is None or isinstance(event, Finished)):
-                    if tasks := await _answer(lookup):  # its end: the answer comes now or never
-                        yield RuntimeTasks(tasks)
-                if event is None:
-                    return
                 yield event
-                if lookup is None:
-                    lookup = asyncio.create_task(self.lookup(job))
+                if not looked:
+                    looked, lookup = True, asyncio.create_task(self.lookup(job))
+            if lookup is not None:  # the stream ended with no Finished: the answer comes now or never
+                if tasks := await _answer(lookup):
+                    yield RuntimeTasks(tasks)
+        except Exception:  # the stream failed (its runtime died): a tie already known still goes out
+            if lookup is not None and lookup.done() and (tasks := lookup.result()):
+                yield RuntimeTasks(tasks)
+            raise
         finally:
             if lookup is not None:
                 lookup.cancel()
-            if step is not None:  # the stream runs in it: it must stop before the stream can close
-                step.cancel()
-                await asyncio.gather(step, return_exceptions=True)
             self.forget(job)
             await stream.aclose()
 

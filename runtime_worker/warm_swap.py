@@ -61,6 +61,10 @@ NO_SLOT_FILES = {"--no-slots": "the runtime runs with --no-slots", "--mmproj": "
                  "-mm": "a multimodal projector is loaded", "--mmproj-url": "a multimodal projector is loaded",
                  "-mmu": "a multimodal projector is loaded"}
 HEAD = struct.Struct("<III")
+# llama-server's /slots is about 1.5 KB a slot (its sampling settings); with each slot's prompt
+# and output text (LLAMA_SERVER_SLOTS_DEBUG=1, or an older build) it has no bound: read no more
+SLOTS_MAX_BYTES = 1 * 2**20
+SLOTS_PARSE_INLINE_BYTES = 64 * 1024  # a larger /slots answer is parsed on a thread, off the event loop
 
 
 class BadSnapshot(Exception):
@@ -384,17 +388,38 @@ class WarmSwap:
             total -= size
 
 
-class SlotClient:
-    """llama-server's slot calls, with its key."""
+class SlotsTooLarge(Exception):
+    """llama-server's /slots answered more than SlotClient's byte cap (SLOTS_MAX_BYTES)."""
 
-    def __init__(self, control: httpx.AsyncClient, base_url: str) -> None:
+
+class SlotClient:
+    """llama-server's slot calls, with its key: the one reader of its GET /slots (warm swaps,
+    llama_tasks.TaskTies), whose answer is read up to `max_bytes` and parsed off the event loop
+    when large (LLAMA_SERVER_SLOTS_DEBUG, or an older build, puts each slot's prompt text in it)."""
+
+    def __init__(self, control: httpx.AsyncClient, base_url: str, max_bytes: int = SLOTS_MAX_BYTES) -> None:
         self.control = control
         self.base_url = base_url
+        self.max_bytes = max_bytes
 
     async def slots(self) -> list[dict]:
-        r = await self.control.get(self.base_url + "/slots", timeout=CALL_TIMEOUT_S)
-        r.raise_for_status()
-        return r.json()
+        """GET /slots: each slot's id, task (`id_task`), `is_processing` and sampling `params`.
+        Raises SlotsTooLarge past max_bytes (the read stops there), httpx errors, ValueError."""
+        async with asyncio.timeout(CALL_TIMEOUT_S), self.control.stream(
+                "GET", self.base_url + "/slots", timeout=CALL_TIMEOUT_S,
+                headers={"Accept-Encoding": "identity"}) as r:  # the cap counts the bytes as sent
+            r.raise_for_status()
+            length = r.headers.get("content-length", "")
+            if length.isdigit() and int(length) > self.max_bytes:
+                raise SlotsTooLarge(f"/slots is {length} bytes, over the cap of {self.max_bytes}")
+            body = bytearray()
+            async for part in r.aiter_bytes():
+                body += part
+                if len(body) > self.max_bytes:
+                    raise SlotsTooLarge(f"/slots is over the cap of {self.max_bytes} bytes (read stopped there)")
+        if len(body) > SLOTS_PARSE_INLINE_BYTES:
+            return await asyncio.to_thread(json.loads, body)
+        return json.loads(body)
 
     async def action(self, slot: int, action: str, filename: str) -> dict:
         r = await self.control.post(f"{self.base_url}/slots/{slot}?action={action}", json={"filename": filename},

@@ -1,7 +1,9 @@
 """A hostile (or broken) OpenAI-compatible runtime: a small HTTP handler that answers
 each request by its last message's text (a line with no end, a gzip bomb, a choice
 index of twenty million, an answer too big for one frame, an HTML page, a redirect, a
-stream cut short, ...). Used by tests/test_hostile_upstream.py and scripts/soak."""
+stream cut short, ...); and a llama-server's GET /slots of 64 MiB, with no length (each
+slot's prompt text in it). Used by tests/test_hostile_upstream.py, scripts/soak and
+tests/test_request_story.py."""
 
 from __future__ import annotations
 
@@ -33,9 +35,26 @@ def bomb() -> bytes:
 class Hostile(BaseHTTPRequestHandler):
     """Answers by the request's last message. HTTP/1.0: a body without a length ends when the connection does."""
     bomb = b""
+    slots_written = 0  # bytes of the last GET /slots answer that went out, once it is over
 
     def log_message(self, *args):
         pass
+
+    def do_GET(self):
+        if self.path != "/slots":
+            self.send_error(501)  # as before it answered GET at all
+            return
+        self.head(kind="application/json")
+        one = json.dumps({"id": 0, "id_task": 1, "is_processing": True, "params": {"seed": 1},
+                          "prompt": "x" * MiB}).encode()
+        type(self).slots_written = written = 0
+        try:
+            for part in [b"[", *[one + b","] * 63, one + b"]"]:  # valid JSON, once read whole
+                self.wfile.write(part)
+                written += len(part)
+        except (BrokenPipeError, ConnectionResetError):  # the reader stopped at its cap
+            pass
+        type(self).slots_written = written
 
     def head(self, status: int = 200, kind: str = "text/event-stream", **headers) -> None:
         self.send_response(status)

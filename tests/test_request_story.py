@@ -16,14 +16,19 @@ import time
 from datetime import datetime
 
 import httpx
+import pytest
 
+from runtime_worker.backends.base import Finished, RuntimeTasks, TextDelta
 from runtime_worker.llama_tasks import TaskTies
+from runtime_worker.warm_swap import SLOTS_MAX_BYTES, SlotClient, SlotsTooLarge
 from supervisor.telemetry.latency_window import percentile
 from supervisor.telemetry.request_log import parse_tasks, tasks_text
 from supervisor.telemetry.request_story import line_times, task_lines
 from tests.conftest import IGNORE_EOS, llama, synthetic
 from tests.pool import wait_for
 from tests.test_cli import cli
+from testkit.hostile_upstream import MiB, serve_hostile
+from testkit.llama import direct_llama_server
 
 
 def test_log_line_times_come_from_the_worker_stamp_and_llama_servers_clock():
@@ -114,6 +119,99 @@ def test_a_seed_tells_a_job_in_slots_only_where_no_other_live_job_could_hold_it(
         assert TaskTies({"extra_body": {"seed": 7}}, slots).fixed == 7
 
     asyncio.run(scenario())
+
+
+def test_a_slots_answer_past_its_cap_ties_nothing_and_says_so(tiny_gguf, llama_server_bin, tmp_path, monkeypatch,
+                                                             caplog):
+    """/slots is read up to SlotClient's byte cap, no further: a real llama-server whose /slots
+    holds its slot's long prompt (LLAMA_SERVER_SLOTS_DEBUG=1) ties the job under the cap, and
+    past a cap it is smaller than the tie is skipped and logged; a /slots of 64 MiB with no
+    length (testkit's hostile upstream) is cut at the cap, neither hanging nor crashing."""
+    monkeypatch.setenv("LLAMA_SERVER_SLOTS_DEBUG", "1")  # the child inherits it: each slot's text in /slots
+    prompt = "the pool model token " * 600  # about 12600 tokens (bytes, on the tiny GGUF)
+    with direct_llama_server(llama_server_bin, tiny_gguf, ["-c", "16384", "-np", "1"], tmp_path / "llama.log") as url:
+
+        async def scenario() -> None:
+            async with httpx.AsyncClient() as control:
+                whole = SlotClient(control, url)
+                ties = TaskTies({}, whole.slots)
+                request = ties.mark("a", {"prompt": prompt, "n_predict": 1}, "completions")
+                r = await control.post(url + "/completion", json=request, timeout=120)
+                assert r.status_code == 200, r.text
+                [slot] = await whole.slots()
+                size = len(json.dumps([slot]))
+                assert "the pool model token" in slot["prompt"] and 12_000 < size < SLOTS_MAX_BYTES, size
+                [(index, task)] = await ties.lookup("a")  # under the default cap: tied
+                assert (index, task) == (slot["id"], slot["id_task"])
+                capped = SlotClient(control, url, max_bytes=size // 2)
+                with pytest.raises(SlotsTooLarge):
+                    await capped.slots()
+                ties.slots = capped.slots
+                with caplog.at_level("DEBUG", "runtime_worker"):
+                    assert await ties.lookup("a") is None and await ties.lookup("a") is None
+                said = [rec.getMessage() for rec in caplog.records if rec.levelname == "WARNING"]
+                assert len(said) == 1 and "not tied" in said[0] and f"cap of {size // 2}" in said[0], said
+
+        asyncio.run(scenario())
+    hostile = serve_hostile()
+    try:
+        async def endless() -> None:
+            async with httpx.AsyncClient() as control:
+                started = time.monotonic()
+                with pytest.raises(SlotsTooLarge, match="read stopped there"):
+                    await SlotClient(control, f"http://127.0.0.1:{hostile.server_address[1]}").slots()
+                assert time.monotonic() - started < 30
+
+        asyncio.run(endless())
+        written = wait_for(lambda: hostile.RequestHandlerClass.slots_written, 10, what="the hostile /slots' end")
+        assert written < 32 * MiB, written  # cut short of its 64 MiB (what the socket buffers took went out)
+    finally:
+        hostile.shutdown()
+        hostile.server_close()
+
+
+def test_the_tie_is_one_task_beside_the_stream_and_goes_out_with_the_next_event():
+    """TaskTies.events: one look at /slots per job, asked after its first event, as one task;
+    no event waits on it (the stream's events come while /slots has not answered), the tie
+    goes out before the first event after the answer, and the Finished waits for a late one."""
+
+    async def scenario(late: bool) -> list:
+        answered, returned = asyncio.Event(), asyncio.Event()
+
+        async def slots() -> list:  # llama-server's answer, when the scenario lets it come
+            await answered.wait()
+            returned.set()
+            return [{"id": 0, "id_task": 4, "is_processing": True, "params": {"seed": ties.live["a"].start}}]
+
+        async def stream(request: dict):
+            for i in range(50):
+                yield TextDelta(f"t{i}")
+                await asyncio.sleep(0)
+            if late:  # the job ends before /slots answered: its Finished waits for the answer
+                answered.set()
+            yield Finished("stop", 1, 50)
+
+        created: list = []  # every task made on this loop while the job runs
+        asyncio.get_running_loop().set_task_factory(
+            lambda loop, coro, **kw: created.append(coro) or asyncio.Task(coro, loop=loop, **kw))
+        ties = TaskTies({}, slots)
+        seen = []
+        async for event in ties.events("a", {"messages": []}, "chat", stream):
+            seen.append(event)
+            if len(seen) == 3 and not late:
+                answered.set()
+                async with asyncio.timeout(5):  # the look is done once this wakes
+                    await returned.wait()
+        assert ties.live == {} and returned.is_set()
+        assert len(created) == 1, created  # the one look: no task per event
+        return seen
+
+    for late, at in ((False, 3), (True, 50)):
+        seen = asyncio.run(scenario(late))
+        kinds = [type(e).__name__ for e in seen]
+        assert kinds.count("RuntimeTasks") == 1 and kinds.count("TextDelta") == 50, kinds
+        assert kinds.index("RuntimeTasks") == at and seen[at] == RuntimeTasks(((0, 4),)), kinds
+        assert kinds[-1] == "Finished"
 
 
 def test_a_crashed_requests_story_holds_the_crash_event_and_the_log_lines(make_pool, tiny_gguf, llama_server_bin):

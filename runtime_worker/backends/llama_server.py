@@ -103,6 +103,7 @@ class LlamaServerBackend(OpenAIServerBackend):
         extra = {"timings_per_token": True, **extra_body(self.options)}
         self.server = NativeServer("llama-server", self.log, extra=extra, limits=self.limits)
         self.client = self.server.client
+        self.slot_calls = SlotClient(self.server.control, self.server.base_url)  # its /slots: warm swaps, ties
         # the flags that shape the runtime (and its KV: a warm swap's config); then where it listens
         flags = ["-c", str(ctx), "-np", str(slots)] + [str(a) for a in self.options.get("extra_args", [])]
         if reranks(self.options) and not any(a in RERANK_FLAGS for a in flags):
@@ -126,15 +127,9 @@ class LlamaServerBackend(OpenAIServerBackend):
         n_ctx = (props.get("default_generation_settings") or {}).get("n_ctx")
         info = {"child_pid": self.server.proc.pid, "port": self.server.port, "n_ctx_per_slot": n_ctx}
         if self.warm_swap is not None:  # before the first request: the slots are idle
-            info["warm_swap"] = await restore(self.warm_swap, self._slots(), capacity)
-        self.ties = TaskTies(self.options, self._slot_states)
+            info["warm_swap"] = await restore(self.warm_swap, self.slot_calls, capacity)
+        self.ties = TaskTies(self.options, self.slot_calls.slots)
         return capacity, info
-
-    async def _slot_states(self) -> list:
-        """GET /slots: each slot's task and its sampling settings (llama_tasks.TaskTies)."""
-        r = await self.server.get("/slots")
-        r.raise_for_status()
-        return r.json()
 
     async def _slot_save_path(self, binary: str, model: str, flags: list[str]) -> list[str]:
         """Where this runtime saves its slots (warm swaps), as flags; none when it cannot (its
@@ -165,7 +160,7 @@ class LlamaServerBackend(OpenAIServerBackend):
         return super().run(job, request)
 
     async def _run_restoring(self, job: str, request: dict) -> AsyncIterator[Event]:
-        slot = await restore_for(self.warm_swap, self._slots(), request)
+        slot = await restore_for(self.warm_swap, self.slot_calls, request)
         if slot is not None:  # the slot its snapshot went into: there its prefix is cached
             request = {**request, "id_slot": slot}
         stream = super().run(job, request)
@@ -176,13 +171,10 @@ class LlamaServerBackend(OpenAIServerBackend):
             self.warm_swap.reserved.discard(slot)
             await stream.aclose()
 
-    def _slots(self) -> SlotClient:
-        return SlotClient(self.server.control, self.server.base_url)
-
     async def save_kv(self) -> dict | None:
         if self.warm_swap is None or self.runtime_pid() is None:
             return None
-        return await save(self.warm_swap, self._slots())
+        return await save(self.warm_swap, self.slot_calls)
 
     async def wait_dead(self) -> str:
         return await self.server.wait_exit()
