@@ -75,7 +75,10 @@ class Executor:
 
     @property
     def runtime_inflight(self) -> int:
-        return sum(len(r.inflight) for r in self.replicas)
+        inflight = 0  # a loop, not sum(genexpr): asked at every job's end
+        for r in self.replicas:
+            inflight += len(r.link.inflight)
+        return inflight
 
     @property
     def queue_depth(self) -> int:

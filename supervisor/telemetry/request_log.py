@@ -75,7 +75,12 @@ TEXT_LIMITS = {"model": 200, "endpoint": 64, "error_code": 64, "error_message": 
                "prompt": BODY_CHARS + 64, "output": BODY_CHARS + 64}  # room for truncate()'s note
 _LIMITS = tuple(TEXT_LIMITS.get(name) for name in COLUMNS)  # None: not a text column
 _KEEP = tuple("\n\t" if name in ("prompt", "output") else "" for name in COLUMNS)
-_TEXT = tuple((i, limit, keep) for i, (limit, keep) in enumerate(zip(_LIMITS, _KEEP)) if limit)  # (column, its limit, kept)
+# text the pool itself wrote, or checked on the way in, is not looked at again: the endpoint's label
+# (metrics.ENDPOINTS), the tenant's and the replica's configured names, a request id (a client's
+# only when printable ASCII: request_ids._SAFE), the runtime's task numbers
+_POOL_MADE = frozenset({"endpoint", "tenant", "replica", "request_id", "runtime_tasks"})
+_TEXT = tuple((i, limit, keep) for i, (name, limit, keep) in enumerate(zip(COLUMNS, _LIMITS, _KEEP))
+              if limit and name not in _POOL_MADE)  # (column, its limit, kept)
 # columns added since the first schema: a log written by an older version gets them on open
 # tenant: also "(unknown key)" (tenants.UNKNOWN_KEY) for a 401 whose key no tenant holds; NULL with no key
 ADDED_COLUMNS = {"tenant": "TEXT", "cached_tokens": "INTEGER", "runtime_prefill_tps": "REAL",
