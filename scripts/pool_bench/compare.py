@@ -36,6 +36,8 @@ def relay(out: dict) -> list[Figure]:
         figures += [
             (f"pool CPU µs/token, {case}", "lower", row["pool_cpu_us_per_tok"]),
             (f"pool/bare CPU per token, {case}", "lower", _div(row["pool_cpu_us_per_tok"], row["bare_cpu_us_per_tok"])),
+            (f"supervisor/bare CPU per token, {case}", "lower",
+             _div(row.get("supervisor_cpu_us_per_tok"), row["bare_cpu_us_per_tok"])),
             (f"pool gap p99 ms, {case}", "lower", row["pool_gap_p99_ms"])]
     return figures
 
