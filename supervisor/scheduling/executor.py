@@ -77,7 +77,7 @@ class Executor:
     def runtime_inflight(self) -> int:
         inflight = 0  # a loop, not sum(genexpr): asked at every job's end
         for r in self.replicas:
-            inflight += len(r.link.inflight)
+            inflight += len(r.inflight)
         return inflight
 
     @property
