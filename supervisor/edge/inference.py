@@ -256,10 +256,7 @@ class InferenceSurface:
             job_request["stream"] = False  # wanted whole: a runtime that can answer whole does (its own bytes)
         tenant = request.scope.get(TENANT_KEY, DEFAULT_TENANT)
         job = chain.last_job = await self.admission.admit(tenant, model, job_request, job_endpoint, request.headers,
-                                                          session)
-        job.chain = chain
-        if chain.deadline is not None:
-            job.deadline = min(job.deadline, chain.deadline)
+                                                          session, chain)
         streaming = None
         try:
             if sse_shape is not None:
@@ -292,9 +289,10 @@ class InferenceSurface:
     def answer_headers(job: Job) -> list[tuple[str, str]]:
         """Who served (after any fallback), and the queue wait and TTFT predicted at admission."""
         headers = [("x-llm-pool-served-by", job.model)]
-        if job.prediction is not None:
-            headers += [("x-queue-wait-predicted-ms", str(round(job.prediction.wait_s * 1000))),
-                        ("x-ttft-predicted-ms", str(round(job.prediction.ttft_s * 1000)))]
+        prediction = job.admitted.prediction
+        if prediction is not None:
+            headers += [("x-queue-wait-predicted-ms", str(round(prediction.wait_s * 1000))),
+                        ("x-ttft-predicted-ms", str(round(prediction.ttft_s * 1000)))]
         return headers
 
     # -- 4. waiting for the job, with the client -------------------------------------------------------------------

@@ -8,7 +8,7 @@ replica, the queue wait, the TTFT and the time per output token
 deadline on every replica is refused before it is queued (503
 `deadline_unmeetable`, Retry-After when it would fit), and a fallback may take
 it (fallback_chains). A queued one whose TTFT deadline passes leaves the queue
-with that error, its slot never taken (Job.slo_deadline)."""
+with that error, its slot never taken (Admitted.slo_deadline)."""
 
 from __future__ import annotations
 
@@ -119,7 +119,8 @@ def learned_row(job, done: Done, now: float) -> dict:
     """A finished job as the predictor learns it: its request-log figures (ms, tokens, the
     runtime's own speeds) and what was predicted for it at admission."""
     start, usage = job.created_at, done.usage
-    row = {"queued_ms": (job.submitted_at - start) * 1000 if job.submitted_at is not None else None,
+    submitted_at, prediction = job.run.submitted_at, job.admitted.prediction
+    row = {"queued_ms": (submitted_at - start) * 1000 if submitted_at is not None else None,
            "ttft_ms": (job.first_token_at - start) * 1000 if job.first_token_at is not None else None,
            "duration_ms": (now - start) * 1000, "tokens_in": int(usage.get("input_tokens") or 0),
            "tokens_out": int(usage.get("output_tokens") or 0), "cached_tokens": usage.get("cached_tokens")}
@@ -129,7 +130,7 @@ def learned_row(job, done: Done, now: float) -> dict:
             row["runtime_prefill_tps"] = float(timings["prompt_per_second"])
         if timings.get("predicted_n") and timings.get("predicted_per_second"):
             row["runtime_decode_tps"] = float(timings["predicted_per_second"])
-    if job.prediction is not None:
-        row["predicted_wait_ms"] = job.prediction.wait_s * 1000
-        row["predicted_ttft_ms"] = job.prediction.ttft_s * 1000
+    if prediction is not None:
+        row["predicted_wait_ms"] = prediction.wait_s * 1000
+        row["predicted_ttft_ms"] = prediction.ttft_s * 1000
     return row

@@ -118,9 +118,9 @@ class Metrics:
         if job is not None:
             job.counted = True
             tenant = job.tenant
-            if job.submitted_at is not None:
+            if job.run.submitted_at is not None:
                 self._child(self.tenant_queue_wait, self._tenant(tenant), label).observe(
-                    job.submitted_at - job.created_at)
+                    job.run.submitted_at - job.created_at)
         if tenant is not None and tenant != UNKNOWN_KEY:  # labels: configured names only
             self._child(self.tenant_requests, self._tenant(tenant), label, str(status)).inc()
         if logged and self.on_finished is not None:
