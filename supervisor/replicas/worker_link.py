@@ -107,6 +107,7 @@ class WorkerLink:
         self.settled_tokens = 0
         self._job_deltas: dict[str, int] = {}  # tokens each job's deltas carried (settled by its Done)
         self._drained: asyncio.Future | None = None  # a drain's wait (drain): resolved when it may end
+        self._on_submit_failed = self._submit_failed  # bound once: a Submit's callback is made on every hand-over
 
     # -- the worker -------------------------------------------------------------
     def open(self, identity: str) -> None:
@@ -149,7 +150,7 @@ class WorkerLink:
         job.run = Run(replica, before.submitted_at or time.monotonic(), before.attempts + 1, self.submits_sent)
         self.inflight[job.id] = job
         self.light_inflight += job.routing.light
-        self.transport.send_frame(self.identity, job.frame, functools.partial(self._submit_failed, job))
+        self.transport.send_frame(self.identity, job.frame, functools.partial(self._on_submit_failed, job))
 
     def _submit_failed(self, job: Job) -> None:
         """The Submit could not be sent. Sent after the loop turn that queued it
