@@ -297,17 +297,15 @@ class ModelRouterEngine:
             job.transcript = []
         return job
 
-    def enqueue(self, entry: ModelEntry, job: Job, prompt_tokens: list[int] | None = None) -> None:
-        """Queue `job` on its model (a load started when it needs one). `prompt_tokens`: the
-        prompt's token ids, for the exact prefix index (prompt_tokens)."""
-        job.prompt_tokens = prompt_tokens
+    def enqueue(self, entry: ModelEntry, job: Job) -> None:
+        """Queue `job` on its model (a load started when it needs one)."""
         entry.used()
         self.lifecycle.admit(entry, job)
 
     def learn(self, job: Job, done: Done) -> None:
         """A request served: its model's predictor learns from it (latency_predictor.py)."""
         entry = self.models.get(job.model)
-        if entry is not None and job.submitted_at is not None:
+        if entry is not None and job.run.submitted_at is not None:
             learn(entry.predictor, job, done, time.monotonic())
 
     def predict(self, entry: ModelEntry, tenant: str, frame_bytes: int) -> Prediction:
@@ -328,8 +326,8 @@ class ModelRouterEngine:
         entry = self.models.get(job.model)
         if entry and entry.executor:
             entry.executor.cancel(job)
-        elif job.replica:
-            job.replica.cancel(job)
+        elif job.run.replica:
+            job.run.replica.cancel(job)
 
     # -- config reload ----------------------------------------------------------------------------
     async def reload(self) -> dict:

@@ -158,11 +158,12 @@ def test_admission_refuses_an_unmeetable_deadline_before_the_queue_and_gives_bac
         asyncio.run(admit({"x-slo-tpot-ms": "20"}))
     assert slow.value.code is ErrorCode.DEADLINE_UNMEETABLE and "tpot" in slow.value.message
     job = asyncio.run(admit({"x-slo-ttft-ms": "3000", "x-slo-tpot-ms": "60"}))  # fits: queued, its deadline set
-    assert engine.queued == [job] and job.prediction is engine.prediction
-    assert job.slo_deadline == pytest.approx(job.created_at + 3.0) and job.queue_deadline == job.slo_deadline
+    assert engine.queued == [job] and job.admitted.prediction is engine.prediction
+    assert job.admitted.slo_deadline == pytest.approx(job.created_at + 3.0)
+    assert job.queue_deadline == job.admitted.slo_deadline
     assert not job.expired(job.created_at + 2.9) and job.expired(job.created_at + 3.0)
     plain = asyncio.run(admit({}))  # no deadline: no refusal, no expiry
-    assert plain.slo_deadline is None and engine.queued[-1] is plain
+    assert plain.admitted.slo_deadline is None and engine.queued[-1] is plain
 
 
 def test_admission_with_a_learned_predictor_queues_until_the_next_would_be_late():
@@ -186,14 +187,14 @@ def test_admission_with_a_learned_predictor_queues_until_the_next_would_be_late(
     tenant = tenants.by_name["std"]
     admitted = [asyncio.run(pool.admit(tenant, "m", dict(CHAT), "chat", {"x-slo-ttft-ms": "2500"}))
                 for _ in range(2)]
-    assert [job.prediction.wait_s for job in admitted] == [pytest.approx(1.0), pytest.approx(2.0)]
+    assert [job.admitted.prediction.wait_s for job in admitted] == [pytest.approx(1.0), pytest.approx(2.0)]
     with pytest.raises(PoolError) as late:  # a third would wait 3 s
         asyncio.run(pool.admit(tenant, "m", dict(CHAT), "chat", {"x-slo-ttft-ms": "2500"}))
     assert late.value.code is ErrorCode.DEADLINE_UNMEETABLE and late.value.retry_after_s == 1 and len(queue) == 2
     high = asyncio.run(pool.admit(tenant, "m", dict(CHAT), "chat", {"x-slo-ttft-ms": "5000"}))
-    assert high.prediction.position == 2 and len(queue) == 3  # a longer deadline still fits
+    assert high.admitted.prediction.position == 2 and len(queue) == 3  # a longer deadline still fits
     gold = asyncio.run(pool.admit(tenants.by_name["gold"], "m", dict(CHAT), "chat", {"x-slo-ttft-ms": "2500"}))
-    assert gold.prediction.position == 0 and gold.prediction.wait_s == pytest.approx(1.0)  # its band goes first
+    assert gold.admitted.prediction.position == 0 and gold.admitted.prediction.wait_s == pytest.approx(1.0)  # its band goes first
 
 
 def test_unmeetable_says_when_it_would_fit():

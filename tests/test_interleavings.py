@@ -188,9 +188,10 @@ class Lab:
         return [job for r in self.replicas() for job in r.inflight.values()]
 
     def answer(self, job) -> None:
-        if job.replica is not None and job.replica.identity in self.transport.handlers:
-            self.transport.deliver(job.replica.identity, p.Done(job=job.id, finish_reason="stop",
-                                                                usage={"input_tokens": 3, "output_tokens": 2}))
+        replica = job.run.replica
+        if replica is not None and replica.identity in self.transport.handlers:
+            self.transport.deliver(replica.identity, p.Done(job=job.id, finish_reason="stop",
+                                                            usage={"input_tokens": 3, "output_tokens": 2}))
 
     def settled(self) -> bool:
         """No action under way on any model (a reload's or a request's load runs on its own)."""

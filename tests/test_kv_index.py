@@ -22,7 +22,7 @@ import zmq.asyncio
 
 import protocol as p
 from runtime_worker.kv_events import MAX_BLOCKS_PER_EVENT, MAX_PENDING_EVENTS, KvEventRelay, decode_frame
-from supervisor.scheduling.jobs import Job
+from supervisor.scheduling.jobs import Admitted, Job
 from supervisor.scheduling.kv_index import (APPLY_BLOCKS_PER_STEP, MAX_MATCH_BLOCKS, MAX_MATCH_TOKENS, MAX_QUEUED_EVENTS,
                                  ExactIndex, token_block_keys)
 from supervisor.scheduling.replica_choice import Decision, make_replica_choice
@@ -269,7 +269,8 @@ class FakeReplica:
 
 def job(tokens: list[int] | None, text: str = "hello") -> Job:
     j = Job("m", {"messages": [{"role": "user", "content": text}]}, 60)
-    j.prompt_tokens = tokens
+    j.admitted = Admitted()  # as admission makes it, with the prompt's token ids
+    j.admitted.prompt_tokens = tokens
     return j
 
 

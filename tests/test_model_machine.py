@@ -88,7 +88,7 @@ class Machine:
         return job
 
     def done(self, job: Job) -> None:
-        self.transport.deliver(job.replica.identity, p.Done(job=job.id, finish_reason="stop"))
+        self.transport.deliver(job.run.replica.identity, p.Done(job=job.id, finish_reason="stop"))
 
     async def reload_to(self, *models: ModelConfig) -> dict:
         """engine.reload, without the file: the same diff and apply."""
@@ -177,8 +177,8 @@ async def eviction_chosen_while_its_victim_loads(m: Machine) -> None:
     job_b = m.submit("b")
     assert m.state("b") is S.LOADING
     # b's gate looks, finds nothing it may evict (a loading model is no victim), and waits
-    await settle(lambda: job_b.queue_reason is not None, "b waits for memory")
-    assert job_b.queue_reason.code is ErrorCode.INSUFFICIENT_MEMORY
+    await settle(lambda: job_b.routing.queue_reason is not None, "b waits for memory")
+    assert job_b.routing.queue_reason.code is ErrorCode.INSUFFICIENT_MEMORY
     assert m.state("a") is S.LOADING and not m.engine.memory.holds(m.entry("b"))
     await m.ready("a")
     await load_a

@@ -652,7 +652,7 @@ async def test_a_job_the_worker_received_and_no_longer_runs_is_lost():
     rig = Rig(target_inflight=2)
     await rig.start()
     lost, kept = rig.job(started=False), rig.job(started=False)
-    assert rig.replica.free_slots == 0 and (lost.submit_seq, kept.submit_seq) == (1, 2)
+    assert rig.replica.free_slots == 0 and (lost.run.submit_seq, kept.run.submit_seq) == (1, 2)
     beat = lambda jobs, seen: rig.transport.deliver(  # noqa: E731
         rig.replica.identity, p.Heartbeat(inflight=len(jobs), jobs=jobs, submits_seen=seen))
     # beats the worker sent before it had the Submits (they waited in the socket while this
@@ -680,7 +680,7 @@ async def test_a_submit_that_cannot_be_sent_is_requeued_and_its_worker_replaced(
     job, left = rig.job(started=False), rig.job(started=False)
     rig.replica.cancel(left)  # its client left before the failure was known: it ends, not runs again
     await settle(lambda: proc.tree_killed, "the unreachable worker killed")
-    assert rig.owner.requeued == [job] and job.attempts == 0
+    assert rig.owner.requeued == [job] and job.run.attempts == 0
     assert outcome(left).code is ErrorCode.INVALID_REQUEST
     assert rig.replica.state is not ReplicaState.READY and rig.replica.free_slots == 0  # out of rotation
     await rig.spawned(2)  # the crash path restarts it

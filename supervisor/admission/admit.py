@@ -23,13 +23,14 @@ from typing import TYPE_CHECKING
 from protocol import Done
 from protocol.errors import ErrorCode, PoolError, context_message
 from supervisor.scheduling.deadlines import NO_SLO, request_slo, unmeetable
-from supervisor.scheduling.jobs import Job
+from supervisor.scheduling.jobs import Admitted, Job
 from supervisor.models.capabilities import CALLS, check_serves, forwarded_headers
 from supervisor.models.views import served_context
 from supervisor.shapes.openai import MAX_OUTPUT_TOKENS
 from supervisor.admission.tenants import DEFAULT, Tenant, Tenants, TenantSpec
 
 if TYPE_CHECKING:  # the composition root above: admission queues through it
+    from supervisor.admission.fallback_chains import Chain
     from supervisor.engine import ModelRouterEngine
 
 DEFAULT_TENANT = Tenant(TenantSpec(DEFAULT))  # who a request is when the edge did not say (no edge in front)
@@ -113,7 +114,7 @@ class Admission:
         return entry
 
     async def admit(self, tenant: Tenant, model: str, request: dict, endpoint: str, headers=None,
-                    session: str | None = None) -> Job:
+                    session: str | None = None, chain: Chain | None = None) -> Job:
         """The job for this request, queued on its model; PoolError when it is refused. One
         call, in this order: the model's name resolved once (Registry.lookup) and its scope →
         the output limit (400) → limits (429: rpm, max_inflight) → bounds and the job
@@ -122,7 +123,9 @@ class Admission:
         to be over the model's context is refused here, as the runtime would) → the prediction
         against the request's deadlines (503 deadline_unmeetable; deadlines.py: `headers`
         carry x-slo-*) → the queue. What was counted is given back when a later step
-        refuses; the reserve settles to the real usage at the job's end."""
+        refuses; the reserve settles to the real usage at the job's end. What it decided is
+        the job's `admitted` record (jobs.Admitted: this `Counted`); `chain`, the edge's
+        fallback chain this model is tried in, bounds the job's deadline by its own."""
         entry = self.check_scope(tenant, model)
         context = served_context(entry)
         if endpoint in CALLS:  # the runtime's own calls: 400 where the model's backend has none; no output
@@ -132,11 +135,11 @@ class Admission:
             output = output_reserve(request, context)  # 400 before it counts against any limit
         slo = request_slo(headers or {}, tenant.spec, entry.cfg)
         tenant.admit()
-        counted = Counted(tenant, self)
+        counted = Counted(tenant, self, session, chain)
         try:
             job = self.engine.make_job(entry, request, endpoint, tenant.name,
                                        headers=forwarded_headers(endpoint, headers))
-            job.session = session  # a session key its headers gave, for routing = "session"
+            job.admitted = counted  # what admission decides (below) is the job's record
             # whatever ends the job from here on (the queue, a deadline, a worker) settles what it holds
             job.on_end = counted.settle
             counted.hold(len(job.frame), self.max_held_bytes())
@@ -146,16 +149,21 @@ class Admission:
             tokens = await asked if asked is not None else None
             if tokens is not None and context and len(tokens) > context:  # counted before sending
                 raise PoolError(ErrorCode.CONTEXT_LENGTH_EXCEEDED, context_message(len(tokens), context))
-            job.prediction = self.engine.predict(entry, tenant.name, len(job.frame))
+            counted.prompt_tokens = tokens
+            counted.prediction = self.engine.predict(entry, tenant.name, len(job.frame))
             if slo is not NO_SLO:
-                refused = unmeetable(entry.cfg.name, slo, job.prediction)
+                refused = unmeetable(entry.cfg.name, slo, counted.prediction)
                 if refused is not None:
                     raise refused
-                if slo.ttft_ms is not None:
-                    job.set_slo(slo.ttft_ms)
+                if slo.ttft_ms is not None:  # queued past it, the job leaves the queue (Job.expired)
+                    counted.slo_ttft_ms = slo.ttft_ms
+                    counted.slo_deadline = deadline = job.created_at + slo.ttft_ms / 1000
+                    job.queue_deadline = min(job.queue_deadline or deadline, deadline)
+            if chain is not None and chain.deadline is not None:  # one deadline for the whole chain
+                job.deadline = min(job.deadline, chain.deadline)
             # the model's state, load_on_demand and shutdown are checked again there: an await above
             # (the prompt's tokens) may have changed them
-            self.engine.enqueue(entry, job, tokens)
+            self.engine.enqueue(entry, job)
         except BaseException:  # refused (queue full, ...) or the client left: it used nothing
             counted.refuse()
             raise
@@ -182,14 +190,20 @@ class Admission:
         return send_with_limits
 
 
-class Counted:
-    """What an admitted request holds of its tenant (a place in flight, its tpm reserve), given
-    back exactly once: `settle` at the job's end, however it ends (attached before anything can
-    end it), or `refuse` when admission refuses it after counting it."""
+class Counted(Admitted):
+    """One admitted request's book: what admission decided for its job (the job's `admitted`
+    record: jobs.Admitted, written here alone), and what it holds of its tenant (a place in
+    flight, its tpm reserve), given back exactly once: `settle` at the job's end, however it
+    ends (attached before anything can end it), or `refuse` when admission refuses it after
+    counting it."""
 
     __slots__ = ("tenant", "admission", "estimate", "reserved", "held", "open")
 
-    def __init__(self, tenant: Tenant, admission: Admission) -> None:
+    def __init__(self, tenant: Tenant, admission: Admission, session: str | None, chain: Chain | None) -> None:
+        # the record's fields (Admitted), set here rather than by a call of Admitted.__init__: one call
+        # less on every request's path
+        self.session, self.chain = session, chain
+        self.prompt_tokens = self.prediction = self.slo_ttft_ms = self.slo_deadline = None
         self.tenant = tenant
         self.admission = admission
         self.estimate = 0  # the prompt's tokens as admission guessed them

@@ -271,10 +271,7 @@ class InferenceSurface:
             job_request["stream"] = False  # wanted whole: a runtime that can answer whole does (its own bytes)
         tenant = request.scope.get(TENANT_KEY, DEFAULT_TENANT)
         job = chain.last_job = await self.admission.admit(tenant, model, job_request, job_endpoint, request.headers,
-                                                          session)
-        job.chain = chain
-        if chain.deadline is not None:
-            job.deadline = min(job.deadline, chain.deadline)
+                                                          session, chain)
         streaming = None
         try:
             if sse_shape is not None:
@@ -307,9 +304,10 @@ class InferenceSurface:
     def answer_headers(job: Job) -> list[tuple[bytes, bytes]]:
         """Who served (after any fallback), and the queue wait and TTFT predicted at admission."""
         headers = [(b"x-llm-pool-served-by", job.model.encode())]
-        if job.prediction is not None:
-            headers += [(b"x-queue-wait-predicted-ms", b"%d" % round(job.prediction.wait_s * 1000)),
-                        (b"x-ttft-predicted-ms", b"%d" % round(job.prediction.ttft_s * 1000))]
+        prediction = job.admitted.prediction
+        if prediction is not None:
+            headers += [(b"x-queue-wait-predicted-ms", b"%d" % round(prediction.wait_s * 1000)),
+                        (b"x-ttft-predicted-ms", b"%d" % round(prediction.ttft_s * 1000))]
         return headers
 
     # -- 4. waiting for the job, with the client -------------------------------------------------------------------

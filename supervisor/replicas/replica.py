@@ -206,10 +206,11 @@ class Replica:
         """A Submit could not be sent (the worker is gone or not reading): the job goes back
         to the head of the queue and this replica takes no more work until its worker is
         replaced: one unreachable worker must not fail a whole queue."""
-        if job.cancel_requested:  # its client left meanwhile: nothing to run again
+        if job.run.cancel_requested:  # its client left meanwhile: nothing to run again
             job.finish(PoolError(ErrorCode.INVALID_REQUEST, "cancelled by the client"))
         else:
             self.owner.requeue(job)
+            self.link.let_go(job)  # queued again: on no replica
         self.owner.replica_changed()  # the driver looks again: another replica may take it
         if self.state not in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING):
             return  # already on its way out
@@ -426,9 +427,10 @@ class Replica:
         # what the exit means is the state's alone (states.ReplicaState)
         planned = self.state in (ReplicaState.STOPPING, ReplicaState.RESTARTING)
         for job in self.link.take_all():
-            if self.cfg.retry_unstarted_on_crash and job.first_token_at is None and job.attempts < 2 \
-                    and not job.cancel_requested:
+            if self.cfg.retry_unstarted_on_crash and job.first_token_at is None and job.run.attempts < 2 \
+                    and not job.run.cancel_requested:
                 self.owner.requeue(job)  # nothing reached the client: safe to run once more
+                self.link.let_go(job)
             else:
                 job.finish(exits.lost_job_error(self.state, self.name, self.last_exit_why or exit_text(code)))
         if not planned or self.kill_why:  # a kill in a drain is a fault too

@@ -40,6 +40,30 @@ def _error_code(value: str) -> ErrorCode:
         return ErrorCode.RUNTIME_ERROR
 
 
+class Run:
+    """What execution holds of a job: its hand-over to a worker. Its one writer is this module:
+    `WorkerLink.submit` gives the job a new record at each hand-over (one run again after its
+    worker was lost keeps its first hand-over's time and counts its attempts), and only the
+    link changes one after (a cancel asked, its runtime's tasks, a Submit that never left, a
+    return to the queue). A job never handed over shares NOT_RUN, which nothing writes. Read
+    by the executor, the replica (a crash's retry), `Job._refuse`, metrics, the request log
+    and the predictor's rows."""
+
+    __slots__ = ("replica", "submitted_at", "attempts", "submit_seq", "cancel_requested", "runtime_tasks")
+
+    def __init__(self, replica: Replica | None = None, submitted_at: float | None = None, attempts: int = 0,
+                 submit_seq: int = 0) -> None:
+        self.replica = replica  # whose worker holds it (None: back in the queue)
+        self.submitted_at = submitted_at  # monotonic; its first hand-over to a worker
+        self.attempts = attempts  # submissions to a worker
+        self.submit_seq = submit_seq  # its Submit's number among those sent to its current worker
+        self.cancel_requested = False  # its worker was asked to stop it
+        self.runtime_tasks: list | None = None  # [slot, task id] pairs its runtime said serve it (Delta.tasks)
+
+
+NOT_RUN = Run()  # a job never handed over
+
+
 class LinkHost(Protocol):
     """What a link tells its replica (Replica is the one implementation)."""
 
@@ -71,7 +95,7 @@ class WorkerLink:
         self.clock = clock  # monotonic seconds
         self.identity = ""  # the current worker's routing id ("" before the first start)
         self.inflight: dict[str, Job] = {}
-        self.light_inflight = 0  # of them, light calls handed past the queue (Job.light): in no generation slot
+        self.light_inflight = 0  # of them, light calls handed past the queue (Routing.light): in no generation slot
         self.submits_sent = 0  # Submits sent to the current worker; its heartbeats say how many it got
         self.last_heard = 0.0  # monotonic: when the current worker last spoke (its liveness)
         self.connected = False  # the current worker has spoken: it can be sent to
@@ -83,6 +107,7 @@ class WorkerLink:
         self.settled_tokens = 0
         self._job_deltas: dict[str, int] = {}  # tokens each job's deltas carried (settled by its Done)
         self._drained: asyncio.Future | None = None  # a drain's wait (drain): resolved when it may end
+        self._on_submit_failed = self._submit_failed  # bound once: a Submit's callback is made on every hand-over
 
     # -- the worker -------------------------------------------------------------
     def open(self, identity: str) -> None:
@@ -119,15 +144,13 @@ class WorkerLink:
         """Hand a job to the worker (`replica`: the job's, for its readers). If the frame
         cannot be sent, the job leaves the table and the host hears of it (send_failed)."""
         job.move_to(JOB_SUBMITTED)
-        job.replica = replica
-        job.runtime_tasks = None  # this worker's runtime says them, if at all
-        job.submitted_at = job.submitted_at or time.monotonic()  # beside created_at, whatever the link's clock
-        job.attempts += 1
-        self.inflight[job.id] = job
-        self.light_inflight += job.light
+        before = job.run
         self.submits_sent += 1  # a send that fails means a new worker, which counts from 0
-        job.submit_seq = self.submits_sent
-        self.transport.send_frame(self.identity, job.frame, functools.partial(self._submit_failed, job))
+        # submitted_at: beside created_at, whatever the link's clock; its runtime's tasks, this worker's to say
+        job.run = Run(replica, before.submitted_at or time.monotonic(), before.attempts + 1, self.submits_sent)
+        self.inflight[job.id] = job
+        self.light_inflight += job.routing.light
+        self.transport.send_frame(self.identity, job.frame, functools.partial(self._on_submit_failed, job))
 
     def _submit_failed(self, job: Job) -> None:
         """The Submit could not be sent. Sent after the loop turn that queued it
@@ -136,8 +159,15 @@ class WorkerLink:
         if self.inflight.get(job.id) is not job:
             return
         self.forget(job.id)
-        job.attempts -= 1  # it never reached a worker
+        job.run.attempts -= 1  # it never reached a worker
         self.host.send_failed(job)
+
+    def let_go(self, job: Job) -> None:
+        """`job`, lost with its worker before it produced anything, was given back to its
+        model's queue: queued again, it is on no replica (ended there instead, it keeps the
+        replica it ran on, for its request-log row)."""
+        if job.state is JobState.QUEUED:
+            job.run.replica = None
 
     def cancel(self, job: Job, malformed: bool = False) -> None:
         """Ask the worker to stop the job. It stays inflight (its slot busy) until
@@ -145,8 +175,8 @@ class WorkerLink:
         job is stopped for what its runtime sent (counted in protocol_errors)."""
         if malformed:
             self.protocol_errors += 1
-        if job.id in self.inflight and not job.cancel_requested:
-            job.cancel_requested = True
+        if job.id in self.inflight and not job.run.cancel_requested:
+            job.run.cancel_requested = True
             self.transport.send(self.identity, p.Cancel(job=job.id))
 
     @property
@@ -157,7 +187,7 @@ class WorkerLink:
     def forget(self, job_id: str) -> Job | None:
         """The job out of the in-flight table (None: it was not there); its slot or light place is free."""
         job = self.inflight.pop(job_id, None)
-        if job is not None and job.light:
+        if job is not None and job.routing.light:
             self.light_inflight -= 1
         return job
 
@@ -219,7 +249,7 @@ class WorkerLink:
         for job_id in listed - self.inflight.keys():
             self.transport.send(self.identity, p.Cancel(job=job_id))
         lost = [job for job in self.inflight.values()
-                if job.submit_seq <= beat.submits_seen and job.id not in listed]
+                if job.run.submit_seq <= beat.submits_seen and job.id not in listed]
         for job in lost:
             log.error("replica %s: job %s is in flight here but its worker no longer runs it and sent no "
                       "result; ending it and freeing its slot", self.host.name, job.id)
@@ -233,7 +263,7 @@ class WorkerLink:
             case p.Delta(job=job_id):
                 if job := self.inflight.get(job_id):
                     if msg.tasks:  # the runtime's tasks of the job (its story shows their log lines)
-                        job.runtime_tasks = msg.tasks
+                        job.run.runtime_tasks = msg.tasks
                         if not msg.text and not msg.parts:
                             return  # said on a delta of its own: no output
                     self.streamed_tokens += msg.tokens  # within 0..MAX_DELTA_TOKENS (the codec checked)

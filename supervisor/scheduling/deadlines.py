@@ -8,7 +8,7 @@ replica, the queue wait, the TTFT and the time per output token
 deadline on every replica is refused before it is queued (503
 `deadline_unmeetable`, Retry-After when it would fit), and a fallback may take
 it (fallback_chains). A queued one whose TTFT deadline passes leaves the queue
-with that error, its slot never taken (Job.slo_deadline)."""
+with that error, its slot never taken (Admitted.slo_deadline)."""
 
 from __future__ import annotations
 
@@ -133,9 +133,9 @@ def learn(predictor, job, done: Done, now: float) -> None:
             prefill = float(timings["prompt_per_second"])
         if timings.get("predicted_n") and timings.get("predicted_per_second"):
             decode = float(timings["predicted_per_second"])
-    prediction = job.prediction
-    predictor.learn(job.replica.name if job.replica is not None else None,
-                    (job.submitted_at - start) * 1000 if job.submitted_at is not None else None,
+    run, prediction = job.run, job.admitted.prediction
+    predictor.learn(run.replica.name if run.replica is not None else None,
+                    (run.submitted_at - start) * 1000 if run.submitted_at is not None else None,
                     (job.first_token_at - start) * 1000 if job.first_token_at is not None else None,
                     (now - start) * 1000, int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0),
                     usage.get("cached_tokens"), prefill, decode,

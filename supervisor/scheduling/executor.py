@@ -25,7 +25,7 @@ from supervisor.config import ModelConfig
 from supervisor.scheduling.deadlines import expired as slo_expired
 from supervisor.scheduling.fair_queue import FairQueue
 from supervisor.scheduling.job_queue import JobQueue
-from supervisor.scheduling.jobs import Job
+from supervisor.scheduling.jobs import NOT_ROUTED, Job, Routing
 from supervisor.replicas.replica import Replica
 from supervisor.scheduling.replica_choice import ReplicaChoice, make_replica_choice
 from supervisor.states import JOB_QUEUED, JOB_SUBMITTED, REPLICA_FATAL, REPLICA_READY, JobState, ReplicaState
@@ -37,6 +37,8 @@ WILL_SERVE = frozenset({ReplicaState.READY, ReplicaState.STARTING, ReplicaState.
                         ReplicaState.RESTARTING})
 
 log = logging.getLogger("llm_pool.scheduler")
+
+LIGHT = Routing(light=True)  # a light call's routing: past the queue, in no generation slot (jobs.Routing)
 
 
 class Executor:
@@ -124,8 +126,8 @@ class Executor:
         if job.state is JOB_QUEUED:
             self.queue.remove(job)
             job.finish(PoolError(ErrorCode.INVALID_REQUEST, "cancelled by the client"))
-        elif job.state is JOB_SUBMITTED and job.replica:
-            job.replica.cancel(job)
+        elif job.state is JOB_SUBMITTED and job.run.replica:
+            job.run.replica.cancel(job)
 
     def replica_changed(self) -> None:
         """A replica changed state: the model's state follows, and the driver looks again."""
@@ -173,8 +175,7 @@ class Executor:
         if not self.accepting_new_requests:  # unload or shutdown: the queue was failed, so is this
             job.finish(self._unloading_error())
             return
-        job.move_to(JobState.QUEUED)
-        job.replica = None
+        job.move_to(JobState.QUEUED)  # its replica's link lets go of it (WorkerLink.let_go)
         self.queue.push_front(job)
         self._wake.set()
 
@@ -196,8 +197,9 @@ class Executor:
 
     def mark_queued(self, reason: PoolError | None) -> None:
         """Tell every queued job why it waits (None: for a slot, as usual)."""
+        routing = NOT_ROUTED if reason is None else Routing(queue_reason=reason)
         for job in self.queue:
-            job.queue_reason = reason
+            job.routing = routing
 
     def _all_fatal(self) -> bool:
         for r in self.replicas:  # a loop, not all(genexpr): asked on every enqueue and freed slot
@@ -242,7 +244,7 @@ class Executor:
             spare = [r for r in self.replicas if r.free_newcomer_slots > 0]
             if not spare:
                 return
-            running = {job.tenant for r in self.replicas for job in r.inflight.values() if not job.light}
+            running = {job.tenant for r in self.replicas for job in r.inflight.values() if not job.routing.light}
 
             def newcomer(tenant: str) -> bool:
                 return tenant not in running
@@ -257,15 +259,16 @@ class Executor:
     def _dropped_expired(self, job: Job) -> bool:
         """A queued job whose TTFT deadline passed leaves the queue with that error, its slot
         never taken (deadlines.py): True when `job` did."""
-        if job.slo_deadline is None or not job.expired(time.monotonic()):
+        if job.admitted.slo_deadline is None or not job.expired(time.monotonic()):
             return False
         self.queue.remove(job)
-        job.finish(slo_expired(job.model, job.slo_ttft_ms))
+        job.finish(slo_expired(job.model, job.admitted.slo_ttft_ms))
         return True
 
     def _hand_over(self, job: Job, replica: Replica, light: bool = False) -> None:
         """`light`: past the queue, beside the replica's slots (_hand_over_light)."""
-        job.light = light  # a job run again after a crash is handed over anew
+        # a job run again after a crash is handed over anew; what the queue said of it is over
+        job.routing = LIGHT if light else NOT_ROUTED
         self._idle.clear()
         try:
             replica.submit(job)

@@ -1,4 +1,24 @@
-"""One inference request on its way through the pool."""
+"""One inference request on its way through the pool.
+
+A `Job` holds its identity (set when it is made: its constructor, and the engine's
+`make_job` for `request_id` and `transcript`) and its token path (`push`, `finish`,
+`next_event`: what each token touches, and its deadlines, which admission may only bring
+closer). What the modules it passes through decide of it lives in three small records,
+each written by one module alone and read by any (tests/test_job_records.py checks the
+writers):
+
+| record | what it says | its one writer |
+|---|---|---|
+| `job.admitted` (`Admitted`) | the session key, the prompt's token ids, the prediction, the TTFT deadline, the fallback chain | admission (`admission/admit.py`: its `Counted` is the record) |
+| `job.routing` (`Routing`) | past the queue as a light call, why it waits | the executor (`scheduling/executor.py`) |
+| `job.run` (`worker_link.Run`) | the replica holding it, when it was first handed over, its attempts, its Submit's number, a cancel asked, its runtime's tasks | the worker link (`replicas/worker_link.py`) |
+
+A job no writer reached yet shares that record's default (`NOT_ADMITTED`, `NOT_ROUTED`,
+`NOT_RUN`), which nothing writes: a new job makes no record, admission's record is the book
+it keeps of each request anyway, and the executor's are a few shared values, so only the
+link makes one per hand-over. Beside the records on the job, each with one writer: `meter`
+(the fair queue) and `on_end` (admission), which the token path calls, and `counted`
+(metrics)."""
 
 from __future__ import annotations
 
@@ -14,11 +34,13 @@ from protocol import Delta, Done
 from protocol.errors import ErrorCode, PoolError
 from protocol.choices import choice_limit
 from supervisor.scheduling.deadlines import expired as slo_expired
+from supervisor.replicas.worker_link import NOT_RUN, Run
 from supervisor.request_bounds import clip
 from supervisor.states import JOB_FINISHED, JOB_QUEUED, JOB_TRANSITIONS, JobState, transition
 
 if TYPE_CHECKING:
-    from supervisor.replicas.replica import Replica
+    from supervisor.admission.fallback_chains import Chain
+    from supervisor.scheduling.deadlines import Prediction
 
 
 def encode_submit(job_id: str, request: dict, endpoint: str = "chat", headers: dict | None = None) -> bytes:
@@ -96,26 +118,62 @@ def held_size(delta: Delta) -> int:
     return size
 
 
+class Admitted:
+    """What admission decided for a job. Its one writer is admission (admission/admit.py):
+    the record is its `Counted`, the book of one admitted request, filled while
+    `Admission.admit` runs; nothing changes it once the job is queued. Read by the replica
+    choice (`session`, `prompt_tokens`), the executor and `Job.expired` (`slo_*`), the
+    answer's headers and the predictor's rows (`prediction`), the request log (`chain`)."""
+
+    __slots__ = ("session", "prompt_tokens", "prediction", "slo_ttft_ms", "slo_deadline", "chain")
+
+    def __init__(self) -> None:
+        self.session: str | None = None  # a session key from the client's headers (X-Claude-Code-Session-Id)
+        self.prompt_tokens: list[int] | None = None  # the prompt as the runtime's token ids, when the pool asked it
+        self.prediction: Prediction | None = None  # its queue wait and TTFT predicted at admission
+        self.slo_ttft_ms: float | None = None  # its TTFT deadline, as asked or configured (deadlines.py)
+        self.slo_deadline: float | None = None  # monotonic: queued past it, it leaves (deadlines.py)
+        self.chain: Chain | None = None  # the models its request tried before this one (fallback_chains)
+
+
+class Routing:
+    """How the queue handed a job out. Its one writer is the executor (scheduling/executor.py),
+    which gives a job another record rather than change one: these are values, so the
+    executor's few are shared by every job they describe. Read by the executor and the worker
+    link (`light`: its slots count without it), and `next_event` (`queue_reason`)."""
+
+    __slots__ = ("light", "queue_reason")
+
+    def __init__(self, light: bool = False, queue_reason: PoolError | None = None) -> None:
+        self.light = light  # handed over past the queue as a light call: it takes no generation slot
+        self.queue_reason = queue_reason  # why it waits, when not for a slot (e.g. memory)
+
+
+NOT_ADMITTED = Admitted()  # a job no admission made (tests, benches): admission's decisions, none taken
+NOT_ROUTED = Routing()  # in the queue, or handed to a slot: nothing more to say
+
+
 class Job:
-    __slots__ = ("id", "model", "request", "endpoint", "frame", "state", "replica", "events", "created_at",
-                 "deadline", "queue_deadline", "cancel_requested", "first_token_at", "attempts", "submit_seq",
-                 "_waiter", "submitted_at", "transcript", "queue_reason", "_timer", "_timer_at", "counted",
-                 "max_choices", "max_output_bytes", "output_bytes", "max_unsent_bytes", "unsent_bytes", "tenant",
-                 "meter", "on_end", "prompt_tokens", "session", "slo_deadline", "slo_ttft_ms", "prediction",
-                 "chain", "light", "request_id", "runtime_tasks")
+    __slots__ = ("id", "model", "request", "endpoint", "frame", "tenant", "request_id", "created_at", "state",
+                 "events", "_waiter", "_timer", "_timer_at", "deadline", "queue_deadline", "first_token_at",
+                 "max_choices", "max_output_bytes", "output_bytes", "max_unsent_bytes", "unsent_bytes",
+                 "transcript", "meter", "on_end", "counted", "admitted", "routing", "run")
 
     def __init__(self, model: str, request: dict, timeout_s: float, queue_timeout_s: float | None = None,
                  endpoint: str = "chat", max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
                  tenant: str = "default", max_unsent_bytes: int = DEFAULT_MAX_UNSENT_BYTES,
                  headers: dict | None = None) -> None:
-        self.id = f"{getrandbits(128):032x}"  # as unique as uuid4; not a secret, so no system call
+        # as unique as uuid4; not a secret, so no system call; 32 hex digits (to_bytes: about a
+        # third of a format spec's time, on every request's path)
+        self.id = getrandbits(128).to_bytes(16, "big").hex()
         self.model = model
         self.request = request
         self.endpoint = endpoint  # protocol.ENDPOINTS
         # `headers`: for the runtime's own route (capabilities.forwarded_headers), in the frame only
         self.frame = encode_submit(self.id, request, endpoint, headers)  # a request that cannot travel fails here, owning nothing
+        self.tenant = tenant  # who asked (admission); its queue lane and share
+        self.request_id: str | None = None  # its answer's x-request-id (set by the engine), for ops
         self.state = JOB_QUEUED
-        self.replica: Replica | None = None
         # Delta..., then exactly one Done or PoolError; one reader (the HTTP handler), which
         # waits on `_waiter`: cheaper per token than an asyncio.Queue under wait_for
         self.events: deque[Delta | Done | PoolError] = deque()
@@ -123,18 +181,10 @@ class Job:
         self._timer: asyncio.TimerHandle | None = None  # wakes the waiter at the next deadline (see _arm_timer)
         self._timer_at = 0.0  # loop time
         self.created_at = time.monotonic()
+        # its deadlines; admission may only bring them closer (a TTFT deadline, its fallback chain's)
         self.deadline = self.created_at + timeout_s
         self.queue_deadline = self.created_at + queue_timeout_s if queue_timeout_s else None
-        self.cancel_requested = False
         self.first_token_at: float | None = None  # monotonic; None: nothing reached the client yet
-        self.attempts = 0  # submissions to a worker
-        self.submit_seq = 0  # its Submit's number among those sent to its current worker
-        self.submitted_at: float | None = None  # monotonic; first hand-over to a worker
-        self.transcript: list[str] | None = None  # the output, kept only for a model with log_bodies
-        self.counted = False  # its outcome is in the metrics and the request log (Metrics.request)
-        self.queue_reason: PoolError | None = None  # why it waits, when not for a slot (e.g. memory)
-        self.prompt_tokens: list[int] | None = None  # the prompt as the runtime's token ids, when the pool asked it
-        self.session: str | None = None  # a session key from the client's headers (X-Claude-Code-Session-Id)
         # What a runtime may send for it: choice indexes below max_choices (the request's n), and
         # max_output_bytes in all (held here, collected for a whole answer, or sent on)
         self.max_choices = choice_limit(request, endpoint)
@@ -147,26 +197,19 @@ class Job:
         # (a whole answer, collected as it comes, is never hit).
         self.max_unsent_bytes = max_unsent_bytes
         self.unsent_bytes = 0
-        self.tenant = tenant  # who asked (admission); its queue lane and share
-        self.request_id: str | None = None  # its answer's x-request-id (set by the engine), for ops
+        self.transcript: list[str] | None = None  # the output, kept only for a model with log_bodies (the engine)
         self.meter = None  # charges its tokens to its tenant as they come (fair_queue.TokenMeter), once handed out
         self.on_end = None  # on_end(job, outcome) once it ends, however (admission: the tenant's limits)
-        self.slo_deadline: float | None = None  # monotonic: its TTFT deadline; queued past it, it leaves (deadlines.py)
-        self.slo_ttft_ms: float | None = None
-        self.prediction = None  # deadlines.Prediction made at admission, when made
-        self.chain = None  # fallback_chains.Chain: the models its request tried before this one
-        self.light = False  # handed over past the queue as a light call: it takes no generation slot
-        self.runtime_tasks: list | None = None  # [slot, task id] pairs its runtime said serve it (Delta.tasks)
-
-    def set_slo(self, ttft_ms: float) -> None:
-        """Its TTFT deadline: a queued job leaves the queue when it passes (`next_event`, and
-        the executor never hands it to a slot then)."""
-        self.slo_ttft_ms = ttft_ms
-        self.slo_deadline = self.created_at + ttft_ms / 1000
-        self.queue_deadline = min(self.queue_deadline or self.slo_deadline, self.slo_deadline)
+        self.counted = False  # its outcome is in the metrics and the request log (Metrics.request)
+        self.admitted: Admitted = NOT_ADMITTED
+        self.routing: Routing = NOT_ROUTED
+        self.run: Run = NOT_RUN
 
     def expired(self, now: float) -> bool:
-        return self.slo_deadline is not None and now >= self.slo_deadline
+        """Its TTFT deadline has passed (a queued job then leaves the queue: `next_event`, and the
+        executor never hands it to a slot)."""
+        deadline = self.admitted.slo_deadline
+        return deadline is not None and now >= deadline
 
     def push(self, event: Delta) -> None:
         if self.state is JOB_FINISHED:  # e.g. ended over its bounds, its Cancel on the way: nobody reads it
@@ -214,7 +257,7 @@ class Job:
         """The runtime sent what this job may not hold: the job ends with `error`, and
         its worker is asked to stop it (the slot stays busy until the worker confirms).
         Nothing of the offending delta is kept."""
-        replica = self.replica
+        replica = self.run.replica
         self.finish(error)
         if replica is not None:
             replica.cancel(self, malformed=protocol)  # a malformed reply counts in its protocol_errors
@@ -272,9 +315,9 @@ class Job:
                 if now >= self.queue_deadline:
                     on_timeout(self)
                     if self.expired(now):
-                        raise slo_expired(self.model, self.slo_ttft_ms)
-                    if self.queue_reason is not None:
-                        raise self.queue_reason
+                        raise slo_expired(self.model, self.admitted.slo_ttft_ms)
+                    if self.routing.queue_reason is not None:
+                        raise self.routing.queue_reason
                     raise PoolError(ErrorCode.QUEUE_TIMEOUT, "the request waited in the queue longer "
                                     "than queue_timeout_s", retry_after_s=1)
                 until = min(until, self.queue_deadline)

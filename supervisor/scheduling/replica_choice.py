@@ -247,14 +247,15 @@ class PrefixAffinity(_Policy):
         def approximate() -> float:
             return self._lru(replica).match(keys) / len(keys) if keys else 0.0
 
-        if exact is None or job.prompt_tokens is None:
+        prompt_tokens = job.admitted.prompt_tokens
+        if exact is None or prompt_tokens is None:
             matched["approximate_fallback" if exact is not None else "approximate"] += 1
             return approximate()
         share = 0.0
         size = exact.block_size  # None: it has stored nothing yet
         if size is not None:
             if size not in token_keys:  # of the prompt's first blocks only: a longer prefix counts as those
-                token_keys[size] = token_block_keys(job.prompt_tokens, size)
+                token_keys[size] = token_block_keys(prompt_tokens, size)
             total = len(token_keys[size])
             share = exact.match(token_keys[size]) / total if total else 0.0
         if exact.resets:  # events were lost: what it held before the gap is known only approximately
@@ -271,7 +272,7 @@ class PrefixAffinity(_Policy):
             return None
         keys = self.blocks(job)
         decision, chosen = Decision.LEAST_INFLIGHT, least
-        if keys or job.prompt_tokens:
+        if keys or job.admitted.prompt_tokens:
             token_keys: dict[int, list[int]] = {}  # block size -> the prompt's token block keys
             best, best_share, full_share = None, 0.0, 0.0
             n_replicas = len(replicas)
@@ -328,7 +329,7 @@ class SessionAffinity(_Policy):
         least = self.least_loaded(replicas)
         if least is None:
             return None
-        key = job.session or session_key(job.request)
+        key = job.admitted.session or session_key(job.request)
         if key is None:
             return self._take(replicas, least, Decision.LEAST_INFLIGHT)
         owner = self.owner(replicas, key)

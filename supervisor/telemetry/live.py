@@ -132,8 +132,8 @@ class Activity:
             now = time.monotonic()
             start = job.created_at
             duration = round((now - start) * 1000, 1)
-            if job.submitted_at is not None:
-                queued = round((job.submitted_at - start) * 1000, 1)
+            if job.run.submitted_at is not None:
+                queued = round((job.run.submitted_at - start) * 1000, 1)
             elif error is not None:  # it never left the queue
                 queued = duration
             if job.first_token_at is not None:
@@ -147,10 +147,10 @@ class Activity:
         self.requests.append((time.time(), (model or "")[:200], endpoint, status, error and error.code.value,
                               error and error.message, queued, ttft, duration, tokens_in, tokens_out, prompt, output,
                               job.tenant if job is not None else tenant, cached, prefill, decode,
-                              REQUEST_ID.get(), job.replica.name if job is not None and job.replica else None,
-                              job.chain.text() if job is not None and job.chain and job.chain.fell_back
-                              else fallback_chain, SKIPPED_TOOLS.get(),
-                              tasks_text(job.runtime_tasks) if job is not None else None))
+                              REQUEST_ID.get(), job.run.replica.name if job is not None and job.run.replica else None,
+                              job.admitted.chain.text() if job is not None and job.admitted.chain
+                              and job.admitted.chain.fell_back else fallback_chain, SKIPPED_TOOLS.get(),
+                              tasks_text(job.run.runtime_tasks) if job is not None else None))
 
     # -- live samples ----------------------------------------------------------------------------
     def sample(self) -> dict:

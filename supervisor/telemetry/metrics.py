@@ -122,8 +122,8 @@ class Metrics:
         if job is not None:
             job.counted = True
             tenant = job.tenant
-            if job.submitted_at is not None:
-                self.tenant_queue_wait.observe((self._tenant(tenant), label), job.submitted_at - job.created_at)
+            if job.run.submitted_at is not None:
+                self.tenant_queue_wait.observe((self._tenant(tenant), label), job.run.submitted_at - job.created_at)
         if tenant is not None and tenant != UNKNOWN_KEY:  # labels: configured names only
             self.tenant_requests.inc((self._tenant(tenant), label, status_text))
         if logged and self.on_finished is not None:
