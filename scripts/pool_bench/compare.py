@@ -66,8 +66,9 @@ def verdict(ref: list[float], this: list[float], better: str) -> dict:
     is a regression or better, by the figure's direction; else the same. Simulated on normal
     runs, equal sides get a verdict 5% of the time; a side 1.5x the other (spread 15%) is
     caught 91% of the time with 4 runs a side, 37% with 2."""
-    if not ref or not this:
-        return {"verdict": "-"}
+    if not ref or not this:  # a figure one side has not (a ref older than it): its mean alone
+        return {"verdict": "-", "ref_mean": statistics.fmean(ref) if ref else None,
+                "this_mean": statistics.fmean(this) if this else None}
     a, b = statistics.fmean(ref), statistics.fmean(this)
     row = {"ref_mean": a, "this_mean": b, "ratio": b / a if a > 0 and b > 0 else None}
     if len(ref) < 2 or len(this) < 2:
