@@ -274,7 +274,7 @@ class BoundedConnection(asyncio.Protocol):
             data = self._take(piece, bool(data)) + data
             if self.transport.is_closing():
                 return
-        self._set_reading()  # a request became whole: reading stops unless its handler listens
+        self._set_reading()  # a request became whole: it reads on, within the backlog's bounds
 
     def _take(self, data: bytes, more: bool) -> bytes:
         """Bound the header bytes, then feed; returns what was not fed (after an upgrade).
