@@ -127,7 +127,9 @@ def run(args) -> int:
     against.code_of(ref_python, ref_root)
     sides = {"A": (ref_root, ref_python), "B": (ROOT, sys.executable)}
     requests = 3000 if args.quick else 25000
-    tmp = Path(tempfile.mkdtemp(prefix="llm-pool-price-"))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"price-{sha[:9]}-runs-", dir=out)).resolve()  # raw stacks, by the table
     runs: dict[str, list[dict]] = {"A": [], "B": []}
     for i, side in enumerate("A" if who == "ref" else "B" for who in against.order(args.rounds)):
         say(f"--price: run {i + 1}, {side} ({'the ref' if side == 'A' else 'this checkout'})")
@@ -144,8 +146,6 @@ def run(args) -> int:
             f"A B B A; py-spy at {RATE} Hz, without pausing the process.\n\n"
             + table(["step (inclusive)", "A", "B", "B - A"], rows))
     print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / f"price-{sha[:9]}.md").write_text(text + "\n")
     (out / f"price-{sha[:9]}.json").write_text(json.dumps({"A": runs["A"], "B": runs["B"]}))
     say(f"--price: {out / f'price-{sha[:9]}.md'}; the raw stacks are in {tmp}")
