@@ -74,8 +74,26 @@ def codex_turns(codex_bin: str, base_url: str, home: Path, websockets: bool = Tr
     return turns
 
 
+def pool_state(pool) -> dict:
+    """What a turn that ran out of time leaves to read: the model's replicas, the rows of the
+    requests that ended, and the end of llama-server's log."""
+    return {"models": pool.http.get("/admin/models").json(),
+            "requests": [{k: r.get(k) for k in ("status", "tokens_in", "tokens_out", "cached_tokens", "duration_ms")}
+                         for r in pool.http.get("/admin/requests", params={"limit": 10}).json()["requests"]],
+            "log": pool.http.get("/admin/models/smollm2/logs", params={"lines": 20}).text[-3000:]}
+
+
+# How the model samples, here and direct. Under Codex's 4,600-token prompt, SmolLM2-135M at
+# llama-server's default sampling fell into a loop ("You can find it in the Skills section. ...")
+# in about one turn in three until its context was full: the turn ends "incomplete" and Codex
+# fails it (or it outlasts the turn's time on a slow machine). Greedy, with the DRY sampler against
+# repeated sequences, it answered every turn of 8 runs in 15 to 62 tokens. No client field changes:
+# these are the server's defaults for what Codex leaves unset.
+SAMPLING = ["--temp", "0", "--dry-multiplier", "0.8"]
+
+
 def smollm2(llama_server_bin: str) -> dict:
-    model = llama("smollm2", _smollm2(), llama_server_bin, ctx=8192, extra_args=["--jinja"])
+    model = llama("smollm2", _smollm2(), llama_server_bin, ctx=8192, extra_args=["--jinja", *SAMPLING])
     model["options"]["threads"] = 2
     return model
 
@@ -83,7 +101,10 @@ def smollm2(llama_server_bin: str) -> dict:
 @pytest.mark.timeout(3 * TURN_TIMEOUT_S + 3 * DIRECT_TURN_TIMEOUT_S + 120)  # the pool's turns, the direct ones, starts
 def test_codex_answers_three_turns_through_the_pool(codex_bin, llama_server_bin, make_pool, tmp_path):
     pool = make_pool([smollm2(llama_server_bin)])
-    turns = codex_turns(codex_bin, pool.url, tmp_path / "pool")
+    try:
+        turns = codex_turns(codex_bin, pool.url, tmp_path / "pool")
+    except subprocess.TimeoutExpired as exc:  # say what the pool and llama-server were doing
+        raise AssertionError(pool_state(pool)) from exc
     for took, events in turns:
         answered = [e for e in events if e.get("type") == "item.completed"
                     and e.get("item", {}).get("type") == "agent_message" and e["item"].get("text")]
@@ -105,7 +126,7 @@ def test_codex_answers_three_turns_through_the_pool(codex_bin, llama_server_bin,
     # 135M model now and then talks on for thousands of tokens either way: there, bounded by -n and
     # a shorter turn, so that the measurement cannot hold the test)
     with direct_llama_server(llama_server_bin, _smollm2(),
-                             ["-c", "8192", "-np", "1", "-t", "2", "--jinja", "-n", "1024"],
+                             ["-c", "8192", "-np", "1", "-t", "2", "--jinja", "-n", "1024", *SAMPLING],
                              tmp_path / "direct.log") as url:
         try:
             direct = [round(t, 1) for t, _ in codex_turns(codex_bin, url, tmp_path / "direct", websockets=False,
