@@ -46,18 +46,29 @@ def fresh_id() -> bytes:
 _ORDER = itertools.count(time.time_ns() // 1000)  # a restart starts past every id made before (< 1 per µs)
 
 
-def with_request_id(send, rid: bytes, anthropic: bool):
-    """`send` that adds the id's headers to the response's start, and the skipped tools'
-    (SKIPPED_TOOLS, read then), and says (its `started`) whether a response has begun. A plain
-    function that returns `send`'s awaitable: no coroutine of its own for each body chunk."""
-    extra = [(HEADER, rid), (ANTHROPIC_HEADER, rid)] if anthropic else [(HEADER, rid)]
+def with_request_id(send, rid: bytes, anthropic: bool) -> SendWithId:
+    return SendWithId(send, [(HEADER, rid), (ANTHROPIC_HEADER, rid)] if anthropic else [(HEADER, rid)])
 
-    def send_with_id(message):
+
+class SendWithId:
+    """`send` that adds the id's headers to the response's start, and the skipped tools'
+    (SKIPPED_TOOLS, read then), and says (`started`) whether a response has begun. It returns
+    `send`'s awaitable: no coroutine of its own for each body chunk. An object, not a closure
+    that sets an attribute on itself: that closure held itself, a reference cycle on every
+    request that only the cycle collector frees (with the server's cycle of the request, which
+    it holds)."""
+
+    __slots__ = ("send", "extra", "started")
+
+    def __init__(self, send, extra: list[tuple[bytes, bytes]]) -> None:
+        self.send = send
+        self.extra = extra
+        self.started = False
+
+    def __call__(self, message):
         if message["type"] == "http.response.start":
             skipped = SKIPPED_TOOLS.get()
             more = [(SKIPPED_HEADER, skipped.encode())] if skipped else []
-            message = {**message, "headers": [*message.get("headers", ()), *extra, *more]}
-            send_with_id.started = True
-        return send(message)
-    send_with_id.started = False
-    return send_with_id
+            message = {**message, "headers": [*message.get("headers", ()), *self.extra, *more]}
+            self.started = True
+        return self.send(message)
