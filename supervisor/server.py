@@ -18,6 +18,8 @@ from supervisor.log_throttle import CLIENT_WARNING_EVERY_S, ThrottledMessages
 
 log = logging.getLogger("llm_pool.server")
 
+GC_YOUNG_THRESHOLD = 7000  # allocations (net) between two young collections (Python: 700); see run()
+
 # What uvicorn logs for every Upgrade request (the guard answers those: 426, or plain HTTP/1.1),
 # two lines each, which any client could make at will
 UVICORN_UPGRADE_WARNINGS = ("Unsupported upgrade request", "No supported WebSocket library detected")
@@ -99,6 +101,11 @@ def run(cfg: PoolConfig, log_level: str = "info") -> None:
     # collector's sight, a full collection walks only what requests make, not the whole heap
     # (a pause of milliseconds between two tokens otherwise)
     gc.freeze()
+    # A request leaves no reference cycle (tests/test_no_cycles.py): what it makes is freed by
+    # reference counts, and the cycle collector finds little but closed connections. Run at its
+    # default (every 700 allocations net), it walked the requests in flight again and again: 6.8 µs
+    # of a request at c = 16; every 7,000, 2.4 µs, with a young collection of about 0.3 ms.
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     _room_for_connections(cfg.server.max_connections)
     server = DrainingServer(uvicorn.Config(
         app, host=cfg.server.host, port=cfg.server.port, log_level=log_level, loop="uvloop",
