@@ -2,7 +2,8 @@
 by Python's cycle collector, which then runs more often and walks more each time: a cycle per
 request (a job's record held its fallback chain, which held the job; the send that adds the
 request id was a closure holding itself, and through it uvicorn's request cycle) cost about
-10 µs of a request's 190 at c = 16, and no other test saw it. The real supervisor (its own
+10 µs of a request's 190 at c = 16, and no other test saw it. A refused request too (the frame
+that raised its error held the error, whose traceback held the frame). The real supervisor (its own
 `server.run`, uvicorn and the edge's connection as in production) runs with a probe that,
 between two marks, keeps what the collector finds (gc.DEBUG_SAVEALL) and then counts it."""
 
@@ -61,6 +62,9 @@ def test_requests_leave_no_reference_cycle_in_the_supervisor(tmp_path):
                 assert http.post("/v1/responses", json={"model": "syn", "input": "hi"}).status_code == 200
                 r = http.post("/v1/messages", json={**chat, "max_tokens": 4})
                 assert r.status_code == 200, r.text
+                # refused: by admission (no such model), and by the body's check
+                assert http.post("/v1/chat/completions", json={**chat, "model": "nope"}).status_code == 404
+                assert http.post("/v1/chat/completions", json={**chat, "n": "x"}).status_code == 400
 
             requests()  # what the first requests make for good (caches, the model's figures) is not garbage
             (probe / "start").touch()
@@ -74,5 +78,5 @@ def test_requests_leave_no_reference_cycle_in_the_supervisor(tmp_path):
         pool.stop()
     # a cycle per request would leave at least REQUESTS objects of each of its kinds
     per_request = {kind: n for kind, n in garbage.items() if n >= REQUESTS}
-    assert not per_request, (per_request, garbage)
+    assert not per_request, json.dumps(garbage)
     assert not {"Job", "Chain", "Counted", "SendWithId"} & garbage.keys(), garbage

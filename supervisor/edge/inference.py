@@ -266,8 +266,9 @@ class InferenceSurface:
         finally:
             # a job's record holds its chain (its row names the models tried): the chain lets go of
             # the job with the request, else each request would leave a cycle (job -> record ->
-            # chain -> job) that only the cycle collector frees, at about 10 µs a request
-            chain.last_job = None
+            # chain -> job) that only the cycle collector frees, at about 10 µs a request. Nor does
+            # this frame hold the error it raises: its traceback holds the frame (another cycle).
+            chain.last_job = first_error = err = None
 
     async def attempt(self, request: Request, endpoint: str, model: str, job_request: dict, job_endpoint: str,
                       sse_shape, to_json, chain: Chain, session: str | None):
