@@ -104,7 +104,7 @@ def run(cfg: PoolConfig, log_level: str = "info") -> None:
     # A request leaves no reference cycle (tests/test_no_cycles.py): what it makes is freed by
     # reference counts, and the cycle collector finds little but closed connections. Run at its
     # default (every 700 allocations net), it walked the requests in flight again and again: 6.8 µs
-    # of a request at c = 16; every 7,000, 2.4 µs, with a young collection of about 0.3 ms.
+    # of a request at c = 16; every 7,000, 2.4 µs, a young collection taking 0.1-0.3 ms.
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
     _room_for_connections(cfg.server.max_connections)
     server = DrainingServer(uvicorn.Config(

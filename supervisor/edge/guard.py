@@ -20,7 +20,7 @@ from supervisor.admission.admit import Admission, key_matches, presented_key
 from supervisor.shapes.anthropic import error_envelope
 from supervisor.config import ServerConfig
 from supervisor.edge.listener import DISCONNECT_KEY, connection_of, warnings
-from supervisor.edge.request_ids import REQUEST_ID, SKIPPED_TOOLS, request_id, with_request_id
+from supervisor.edge.request_ids import REQUEST_ID, SKIPPED_TOOLS, SendWithId, request_id
 from supervisor.request_bounds import echo
 from supervisor.admission.tenants import UNKNOWN_KEY
 
@@ -167,7 +167,7 @@ class HttpEdge:
         rid = request_id(scope["headers"])
         token = REQUEST_ID.set(rid.decode("ascii"))
         skipped = SKIPPED_TOOLS.set(None)
-        send = with_request_id(send, rid, scope["path"].startswith(ANTHROPIC_PATHS))
+        send = SendWithId(send, rid, scope["path"].startswith(ANTHROPIC_PATHS))
         connection = connection_of(scope)
         request = None
         if connection is not None:  # else another server than BoundedConnection's: no disconnect notice

@@ -46,10 +46,6 @@ def fresh_id() -> bytes:
 _ORDER = itertools.count(time.time_ns() // 1000)  # a restart starts past every id made before (< 1 per µs)
 
 
-def with_request_id(send, rid: bytes, anthropic: bool) -> SendWithId:
-    return SendWithId(send, [(HEADER, rid), (ANTHROPIC_HEADER, rid)] if anthropic else [(HEADER, rid)])
-
-
 class SendWithId:
     """`send` that adds the id's headers to the response's start, and the skipped tools'
     (SKIPPED_TOOLS, read then), and says (`started`) whether a response has begun. It returns
@@ -60,9 +56,9 @@ class SendWithId:
 
     __slots__ = ("send", "extra", "started")
 
-    def __init__(self, send, extra: list[tuple[bytes, bytes]]) -> None:
+    def __init__(self, send, rid: bytes, anthropic: bool) -> None:
         self.send = send
-        self.extra = extra
+        self.extra = [(HEADER, rid), (ANTHROPIC_HEADER, rid)] if anthropic else [(HEADER, rid)]
         self.started = False
 
     def __call__(self, message):
