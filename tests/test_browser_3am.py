@@ -31,11 +31,19 @@ DOT_COLOUR = """async (src) => { const img = new Image(); img.src = src; await i
 def _crash(pool, model: str, times: int) -> None:
     """Kill a model's replica `times` times, each once it is back (a crash loop the restart
     policy still restarts: five crashes in two minutes make it fatal)."""
+    killed: set[int] = set()
+
+    def ready_worker() -> dict | None:
+        # a worker is listed before it has a pid (spawning) and before it is ready: wait for both,
+        # and for a pid not killed already (the row may still show the dead worker)
+        w = pool.workers(model)[0]
+        return w if w["state"] == "ready" and w["pid"] and w["pid"] not in killed else None
+
     for i in range(times):
-        worker = pool.workers(model)[0]
+        worker = wait_for(ready_worker, 30, what=f"{model}/0 ready before crash {i + 1}")
+        killed.add(worker["pid"])
         os.kill(worker["pid"], signal.SIGKILL)
-        wait_for(lambda: (w := pool.workers(model)[0])["state"] == "ready" and w["pid"] != worker["pid"], 30,
-                 what=f"{model}/0 back after crash {i + 1}")
+    wait_for(ready_worker, 30, what=f"{model}/0 back after crash {times}")
 
 
 def test_a_crash_loop_folds_filters_and_opens_by_touch_at_a_phones_width(make_pool, open_page):
