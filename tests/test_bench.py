@@ -96,9 +96,11 @@ def check_figures(found: dict[str, list[dict[str, str]]]) -> None:
                        "pool CPU ms/1k tok (supervisor + worker)"):
             number(r[column], 0, CPU)
 
-    capacity = found["2"]
-    assert [r["conc"] for r in capacity] == ["1", "4", "16", "64"]
-    for r in capacity:
+    capacity = [r for r in found["2"] if "bare FastAPI req/s" in r]
+    floor = [r for r in found["2"] if "bare+zmq+async req/s" in r]  # section 2's second table
+    assert len(capacity) + len(floor) == len(found["2"])
+    assert [r["conc"] for r in capacity] == [r["conc"] for r in floor] == ["1", "4", "16", "64"]
+    for r, f in zip(capacity, floor):
         pair(r["requests bare/pool"], "/", 1, 1e6)
         bare = number(r["bare FastAPI req/s"], 1, 1e6)
         bare_zmq = number(r["bare+zmq req/s"], 1, 1e6)
@@ -112,6 +114,9 @@ def check_figures(found: dict[str, list[dict[str, str]]]) -> None:
         number(r["bare CPU µs/req"], 0, CPU)
         pair(r["bare+zmq CPU µs/req (app + echo)"], " + ", 0, CPU)
         pair(r["pool CPU µs/req (supervisor + worker)"], " + ", 0, CPU)
+        ratio_of(f["pool/(bare+zmq+async)"], pool, number(f["bare+zmq+async req/s"], 1, 1e6))
+        pair(f["bare+zmq+async CPU µs/req (app + echo)"], " + ", 0, CPU)
+        assert f["pool CPU µs/req (supervisor + worker)"] == r["pool CPU µs/req (supervisor + worker)"]
 
     relay = found["5"]
     assert [r["N streams × tok/s"] for r in relay] == ["16 × 50", "64 × 200"]

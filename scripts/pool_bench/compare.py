@@ -26,6 +26,9 @@ def capacity(out: dict) -> list[Figure]:
             (f"worker CPU µs/req, c={c}", "lower", _div(cpu.get("worker", 0) * 1e6, done)),
             (f"pool/bare req/s, c={c}", "higher", _div(row["pool_rps"], row["bare_rps"])),
             (f"pool/(bare+zmq) req/s, c={c}", "higher", _div(row["pool_rps"], row["bare_zmq_rps"]))]
+        if row.get("bare_zmq_async_rps"):  # the asyncio worker's floor (a ref's older bench lacks it)
+            figures.append((f"pool/(bare+zmq+async) req/s, c={c}", "higher",
+                            _div(row["pool_rps"], row["bare_zmq_async_rps"])))
     return figures
 
 
