@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from supervisor.config.models import vllm_kv_offload_mb
@@ -132,8 +133,10 @@ def test_real_vllm_builds_its_offloading_connector_from_the_option(make_pool, tm
         "model": str(model_dir), "python": python, "kv_offload_mb": 64,
         "extra_args": ["--dtype", "bfloat16", "--max-model-len", "4096"], "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}}}])
     assert (pool.model("off")["memory_mb"], pool.model("off")["memory_source"]) == (64, "estimated")
-    admin(pool, "off", "load")
-    wait_for(lambda: pool.model("off")["state"] in ("loaded", "failed"), 900, what="vLLM's load done")
+    # the load answers once it is done (or failed): vLLM's CPU build takes minutes to start on a
+    # cold machine (its first imports), past admin()'s 60 s, so the wait is the load's own bound
+    httpx.post(f"{pool.url}/admin/models/off/load", timeout=900)
+    wait_for(lambda: pool.model("off")["state"] in ("loaded", "failed"), 60, what="vLLM's load done")
     log = replica_log(pool, "off")
     assert "'kv_offloading_size': 0.0625" in log  # vLLM's "non-default args": 64 MiB in GiB
     assert "Creating v1 connector with name: OffloadingConnector" in log
