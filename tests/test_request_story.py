@@ -151,6 +151,8 @@ def test_a_slots_answer_past_its_cap_ties_nothing_and_says_so(tiny_gguf, llama_s
                     assert await ties.lookup("a") is None and await ties.lookup("a") is None
                 said = [rec.getMessage() for rec in caplog.records if rec.levelname == "WARNING"]
                 assert len(said) == 1 and "not tied" in said[0] and f"cap of {size // 2}" in said[0], said
+                await whole.aclose()
+                await capped.aclose()
 
         asyncio.run(scenario())
     hostile = serve_hostile()
@@ -158,9 +160,11 @@ def test_a_slots_answer_past_its_cap_ties_nothing_and_says_so(tiny_gguf, llama_s
         async def endless() -> None:
             async with httpx.AsyncClient() as control:
                 started = time.monotonic()
+                endless_slots = SlotClient(control, f"http://127.0.0.1:{hostile.server_address[1]}")
                 with pytest.raises(SlotsTooLarge, match="read stopped there"):
-                    await SlotClient(control, f"http://127.0.0.1:{hostile.server_address[1]}").slots()
+                    await endless_slots.slots()
                 assert time.monotonic() - started < 30
+                await endless_slots.aclose()
 
         asyncio.run(endless())
         written = wait_for(lambda: hostile.RequestHandlerClass.slots_written, 10, what="the hostile /slots' end")

@@ -180,5 +180,7 @@ class LlamaServerBackend(OpenAIServerBackend):
         return await self.server.wait_exit()
 
     async def stop(self) -> None:
+        if getattr(self, "slot_calls", None):
+            await self.slot_calls.aclose()
         if getattr(self, "server", None):
             await self.server.stop(self.stop_timeout_s)
