@@ -228,7 +228,8 @@ def test_bench_against_head(tmp_path):
     for run in report["runs"]:  # each run is a whole bench of its own, its results kept
         assert json.loads((Path(run["out"]) / "results.json").read_text())["sections"]["capacity"]
     names = [f"{what}, c={c}" for c in (1, 4, 16, 64) for what in (
-        "supervisor CPU µs/req", "worker CPU µs/req", "pool/bare req/s", "pool/(bare+zmq) req/s")]
+        "supervisor CPU µs/req", "worker CPU µs/req", "pool/bare req/s", "pool/(bare+zmq) req/s",
+        "pool/(bare+zmq+async) req/s")]
     assert [r["figure"] for r in report["figures"]] == names
     for r in report["figures"]:
         assert len(r["ref"]) == len(r["this"]) == 1 and r["verdict"].startswith("?"), r
