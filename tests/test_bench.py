@@ -130,13 +130,23 @@ def check_figures(found: dict[str, list[dict[str, str]]]) -> None:
         if bare and pool:
             ratio_of(r["pool/bare gap"], pool, bare)
 
-    (ttft,) = found["6"]
+    (ttft,) = [r for r in found["6"] if "requests direct/pool" in r]
     pair(ttft["requests direct/pool"], "/", 10, 10)  # 2 rounds of 5, none failed
     direct = pair(ttft["direct TTFT p50 / p95 ms"], " / ", 0, MS)
     pool = pair(ttft["pool TTFT p50 / p95 ms"], " / ", 0, MS)
     assert direct[0] <= direct[1] and pool[0] <= pool[1], ttft
     added = pair(ttft["added p50 / p95 ms"], " / ", -MS, MS)
     assert abs(added[0] - (pool[0] - direct[0])) <= 0.1 + 0.02 * abs(pool[0]), ttft  # printed rounded
+    # section 6's second table: the proxy floors, and the pool again, each against the same direct
+    floors = {r["in front of the same llama-server"]: r for r in found["6"] if "requests direct/pool" not in r}
+    assert list(floors) == ["proxy", "proxy+zmq", "pool"], floors
+    assert floors["pool"]["added p50 / p95 ms"] == ttft["added p50 / p95 ms"]
+    for r in floors.values():
+        assert number(r["requests"], 10, 10) == 10
+        p50, p95 = pair(r["TTFT p50 / p95 ms"], " / ", 0, MS)
+        assert p50 <= p95, r
+        floor_added = pair(r["added p50 / p95 ms"], " / ", -MS, MS)
+        assert abs(floor_added[0] - (p50 - direct[0])) <= 0.1 + 0.02 * abs(p50), r
 
     memory = {r["process"]: r for r in found["4"]}
     assert set(memory) == {"llama_server pool (tiny)", "synthetic pool (c<=64)"}, memory.keys()
@@ -310,3 +320,20 @@ def test_against_verdicts():
     added = verdict([-0.2, 0.1], [2.0, 2.2], "lower")  # added TTFT may be below zero: no ratio, still a verdict
     assert added["verdict"] == "regression" and added["ratio"] is None
     assert verdict([300, 340], [330, 350], "lower")["ratio"] == 340 / 320
+
+
+def test_ttft_figures_read_the_pool_over_its_floor():
+    """Section 6's figures for --against: the pool's added TTFT, and the part of it over the
+    proxy+zmq floor of the same run; a ref whose bench had no floor gives that figure no value."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from pool_bench import compare
+    ms = 1e-3
+    with_floor = {"ttft": {"added_p50": 2.4 * ms, "added_p95": 4.6 * ms,
+                           "proxy_zmq_added_p50": 1.7 * ms, "proxy_zmq_added_p95": 2.7 * ms}}
+    got = {name: (better, value) for name, better, value in compare.ttft(with_floor)}
+    assert list(got) == ["added TTFT p50 ms", "added TTFT p95 ms", "added TTFT p50 ms over proxy+zmq's",
+                         "added TTFT p95 ms over proxy+zmq's"]
+    assert all(better == "lower" for better, _ in got.values())
+    assert [round(value, 6) for _, value in got.values()] == [2.4, 4.6, 0.7, 1.9]
+    older = {"ttft": {"added_p50": 2.4 * ms, "added_p95": 4.6 * ms}}
+    assert [value for _, _, value in compare.ttft(older)][2:] == [None, None]
