@@ -118,8 +118,16 @@ def check_figures(found: dict[str, list[dict[str, str]]]) -> None:
         pair(f["bare+zmq+async CPU µs/req (app + echo)"], " + ", 0, CPU)
         assert f["pool CPU µs/req (supervisor + worker)"] == r["pool CPU µs/req (supervisor + worker)"]
 
-    relay = found["5"]
-    assert [r["N streams × tok/s"] for r in relay] == ["16 × 50", "64 × 200"]
+    relay = [r for r in found["5"] if "pool/bare CPU" in r]
+    relay_floor = [r for r in found["5"] if "pool/bare CPU" not in r]  # section 5's second table
+    assert [r["N streams × tok/s"] for r in relay] == [r["N streams × tok/s"] for r in relay_floor] == [
+        "16 × 50", "64 × 200"]
+    for r, f in zip(relay, relay_floor):
+        bare, pool = pair(r["CPU per token bare / pool"].removesuffix(" µs"), " / ", 0.1, CPU)
+        floor = number(f["bare+zmq CPU per token (app + worker)"].removesuffix(" µs"), 0.1, CPU)
+        ratio_of(f["bare+zmq/bare CPU"], floor, bare)
+        ratio_of(f["pool/(bare+zmq) CPU"], pool, floor)
+        number(f["gap p99 bare+zmq"].removesuffix(" ms"), 0, MS)
     for r in relay:
         n, rate = (float(x) for x in r["N streams × tok/s"].split(" × "))
         for delivered in pair(r["delivered bare / pool (tok/s)"], " / ", 1, 1e6):
@@ -337,3 +345,17 @@ def test_ttft_figures_read_the_pool_over_its_floor():
     assert [round(value, 6) for _, value in got.values()] == [2.4, 4.6, 0.7, 1.9]
     older = {"ttft": {"added_p50": 2.4 * ms, "added_p95": 4.6 * ms}}
     assert [value for _, _, value in compare.ttft(older)][2:] == [None, None]
+
+
+def test_relay_figures_read_the_pool_over_its_floor():
+    """Section 5's figures for --against: with the bare+zmq floor in the results, the pool's CPU
+    per token over it; a ref whose bench had no floor gives no such figure."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from pool_bench import compare
+    row = {"n": 16, "rate": 50.0, "pool_cpu_us_per_tok": 260.0, "bare_cpu_us_per_tok": 65.0,
+           "supervisor_cpu_us_per_tok": 150.0, "pool_gap_p99_ms": 21.0}
+    older = {name: value for name, _, value in compare.relay({"relay": [row]})}
+    assert older == {"pool CPU µs/token, 16 × 50": 260.0, "pool/bare CPU per token, 16 × 50": 4.0,
+                     "supervisor/bare CPU per token, 16 × 50": 150.0 / 65.0, "pool gap p99 ms, 16 × 50": 21.0}
+    newer = {name: value for name, _, value in compare.relay({"relay": [{**row, "bare_zmq_cpu_us_per_tok": 208.0}]})}
+    assert newer == {**older, "pool/(bare+zmq) CPU per token, 16 × 50": 1.25}

@@ -42,6 +42,9 @@ def relay(out: dict) -> list[Figure]:
             (f"supervisor/bare CPU per token, {case}", "lower",
              _div(row.get("supervisor_cpu_us_per_tok"), row["bare_cpu_us_per_tok"])),
             (f"pool gap p99 ms, {case}", "lower", row["pool_gap_p99_ms"])]
+        if row.get("bare_zmq_cpu_us_per_tok"):  # the floor of a relay with a worker (a ref's older bench lacks it)
+            figures.append((f"pool/(bare+zmq) CPU per token, {case}", "lower",
+                            _div(row["pool_cpu_us_per_tok"], row["bare_zmq_cpu_us_per_tok"])))
     return figures
 
 

@@ -139,7 +139,7 @@ def run(n: int, rate: float, seconds: float, clients: int, tmp: Path,
         worker_rss_before = sum(p.memory_info().rss for p in pool.descendants())
         for name in ("bare", "pool"):
             if name == "bare":
-                m = measure(bare.url, bare.pids(), bare.proc.pid, n, rate, seconds, clients, tmp)
+                m = measure(bare.url, bare.pids(), bare.pids()[0], n, rate, seconds, clients, tmp)
             else:
                 m = measure(pool.url, relay.pool_pids(pool), pool.proc.pid, n, rate, seconds, clients, tmp)
                 m["worker_rss_kib_per_stream"] = (sum(p.memory_info().rss for p in pool.descendants())
