@@ -82,8 +82,8 @@ async def chat(request: Request):
     await sock.send_multipart([key, await request.body()])
 
     async def relay():
-        try:
-            while data := await queue.get():
+        try:  # a dead worker fails the stream (its client counts an error), never holds it
+            while data := await asyncio.wait_for(queue.get(), 30):
                 yield data
         finally:
             streams.pop(key, None)

@@ -52,6 +52,7 @@ DEFAULT_CASES = [(16, 50.0), (64, 50.0), (256, 50.0), (512, 50.0), (64, 200.0)]
 QUICK_CASES = [(16, 50.0), (64, 200.0)]
 PROMPT = "relay"
 TOKEN_MARK = b'"delta":{"content":'  # a content chunk (the opening one has a role first)
+WORKER_WAIT_S = 30.0  # bare+zmq: how much longer than the schedule's gap the app waits for its worker's next token
 
 
 def model_name(rate: float) -> str:
@@ -103,7 +104,8 @@ def bare_app(zmq_addr: str | None = None):
         queue = streams[key] = asyncio.Queue()
         try:
             await link["sock"].send_multipart([key, dumps(job).encode()])
-            while token := await queue.get():
+            # a dead worker fails the stream (its client counts an error), never holds it
+            while token := await asyncio.wait_for(queue.get(), WORKER_WAIT_S + 1 / job["rate"]):
                 yield token.decode()
         finally:
             streams.pop(key, None)
