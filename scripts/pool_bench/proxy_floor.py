@@ -5,8 +5,8 @@ least, read beside the pool's added time to first token.
   llama-server over aiohttp and streams its bytes back as they come: any Python proxy's
   one hop;
 - proxy+zmq: the same app handing the request over ZeroMQ to an asyncio worker process
-  (uvloop, the socket's FD watched by the loop, a task per request) that makes that call
-  and sends each chunk back: the floor of a design with a worker process between the edge
+  (zmq_worker.py: uvloop, the socket's FD watched by the loop, a task per request) that
+  makes that call and sends each chunk back: the floor of a design with a worker process between the edge
   and the runtime, as the pool's. Neither reads nor reshapes the chunks (the pool does)."""
 
 from __future__ import annotations
@@ -94,48 +94,6 @@ async def health():
     return {"status": "ok"}
 '''
 
-# the worker: reads until EAGAIN (the FD is edge-triggered) and looks again after a send,
-# which may take the edge
-PROXY_ZMQ_WORKER = '''
-import asyncio, os, aiohttp, uvloop, zmq
-UPSTREAM = os.environ["BENCH_UPSTREAM"] + "/v1/chat/completions"
-HEADERS = {"Authorization": "Bearer " + os.environ["BENCH_UPSTREAM_KEY"], "Content-Type": "application/json"}
-
-async def main():
-    loop = asyncio.get_running_loop()
-    session = aiohttp.ClientSession()
-    sock = zmq.Context().socket(zmq.ROUTER)
-    sock.bind(os.environ["BENCH_ZMQ_ADDR"])
-
-    def send(parts):
-        sock.send_multipart(parts)
-        if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            loop.call_soon(drain)
-
-    async def job(peer, key, body):
-        try:
-            async with session.post(UPSTREAM, data=body, headers=HEADERS) as resp:
-                async for data in resp.content.iter_any():
-                    send([peer, key, data])
-        finally:
-            send([peer, key, b""])
-
-    def drain():
-        while True:
-            try:
-                peer, key, body = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            loop.create_task(job(peer, key, body))
-
-    loop.add_reader(sock.getsockopt(zmq.FD), drain)
-    drain()
-    await asyncio.Event().wait()
-
-uvloop.run(main())
-'''
-
-
 def _app(tmp: Path, name: str, module: str, env: dict) -> Proc:
     port = free_port()
     app = Proc(name, [sys.executable, "-m", "uvicorn", f"{module}:app", "--app-dir", str(tmp), "--host", "127.0.0.1",
@@ -150,11 +108,10 @@ def start(tmp: Path, upstream: str, key: str) -> tuple[Proc, Proc, Proc]:
     """The proxy, the proxy+zmq app and its worker, all in front of the llama-server at `upstream`."""
     env = {"BENCH_UPSTREAM": upstream, "BENCH_UPSTREAM_KEY": key,
            "BENCH_ZMQ_ADDR": f"ipc://{tmp}/bench-proxy-zmq.sock"}
-    for module, text in (("bench_proxy_app", PROXY_APP), ("bench_proxy_zmq_app", PROXY_ZMQ_APP),
-                         ("bench_proxy_zmq_worker", PROXY_ZMQ_WORKER)):
+    for module, text in (("bench_proxy_app", PROXY_APP), ("bench_proxy_zmq_app", PROXY_ZMQ_APP)):
         (tmp / f"{module}.py").write_text(text)
-    worker = Proc("proxy-zmq-worker", [sys.executable, str(tmp / "bench_proxy_zmq_worker.py")],
-                  tmp / "proxy-zmq-worker.log", env=env)
+    worker = Proc("proxy-zmq-worker", [sys.executable, str(Path(__file__).with_name("zmq_worker.py")),
+                                       env["BENCH_ZMQ_ADDR"], "proxy"], tmp / "proxy-zmq-worker.log", env=env)
     procs = [worker]
     try:
         procs.append(_app(tmp, "proxy", "bench_proxy_app", env))

@@ -90,7 +90,7 @@ async def scheduled(tokens: list[str], rate: float):
 def bare_app(zmq_addr: str | None = None):
     """One Starlette app that streams chat chunks shaped as the pool's, on the synthetic
     runtime's schedule. With `zmq_addr`, the tokens come from a worker process over ZeroMQ
-    (serve_zmq_worker: it keeps the schedule and sends each token's text as it comes; the app
+    (zmq_worker.py: it keeps the schedule and sends each token's text as it comes; the app
     makes the chunks): the floor of a relay with a worker process behind it, as the pool's."""
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -167,46 +167,6 @@ def serve_bare(port: int, zmq_addr: str | None = None) -> None:
                 access_log=False, log_level="warning")
 
 
-def serve_zmq_worker(addr: str) -> None:
-    """The worker behind bare_app(zmq_addr): a task per stream that keeps the schedule and sends
-    each token's text (an empty frame at the end). The FD is edge-triggered: read until
-    EAGAIN, and look again after a send, which may take the edge."""
-    import uvloop
-    import zmq
-
-    async def main():
-        loop = asyncio.get_running_loop()
-        sock = zmq.Context().socket(zmq.ROUTER)
-        sock.bind(addr)
-
-        def send(parts: list[bytes]) -> None:
-            sock.send_multipart(parts)
-            if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                loop.call_soon(drain)
-
-        async def job(peer: bytes, key: bytes, body: bytes) -> None:
-            spec = json.loads(body)
-            try:
-                async for token in scheduled(synthetic_tokens(spec["prompt"], spec["count"]), spec["rate"]):
-                    send([peer, key, token.encode()])
-            finally:
-                send([peer, key, b""])
-
-        def drain() -> None:
-            while True:
-                try:
-                    peer, key, body = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    return
-                loop.create_task(job(peer, key, body))
-
-        loop.add_reader(sock.getsockopt(zmq.FD), drain)
-        drain()
-        await asyncio.Event().wait()
-
-    uvloop.run(main())
-
-
 class Bare:
     """The bare server in its own process; with_worker: the app and its ZeroMQ worker."""
 
@@ -219,8 +179,8 @@ class Bare:
         argv = [sys.executable, __file__, "--serve-bare", str(self.port)]
         if with_worker:
             addr = f"ipc://{tmp}/{name}.sock"
-            self.procs.append(subprocess.Popen([sys.executable, __file__, "--serve-zmq-worker", addr],
-                                               cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT))
+            worker = [sys.executable, str(Path(__file__).with_name("zmq_worker.py")), addr, "relay"]
+            self.procs.append(subprocess.Popen(worker, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT))
             argv += ["--zmq-addr", addr]
         # the app first: pids()[0] is the process that serves HTTP
         self.procs.insert(0, subprocess.Popen(argv, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT))
@@ -455,13 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--serve-bare", type=int, help=argparse.SUPPRESS)  # the bare server's own process
     ap.add_argument("--zmq-addr", help=argparse.SUPPRESS)  # ... with its tokens from this worker
-    ap.add_argument("--serve-zmq-worker", help=argparse.SUPPRESS)  # the bare+zmq worker's own process
     args = ap.parse_args(argv)
     if args.serve_bare:
         serve_bare(args.serve_bare, args.zmq_addr)
-        return 0
-    if args.serve_zmq_worker:
-        serve_zmq_worker(args.serve_zmq_worker)
         return 0
     cases = parse_cases(args.cases) if args.cases else QUICK_CASES if args.quick else DEFAULT_CASES
     seconds = args.seconds or (3.0 if args.quick else 10.0)
