@@ -285,8 +285,10 @@ def test_requests_at_once_each_have_their_own_llama_server_tasks_lines(make_pool
 
     def ask(rid: str) -> None:
         started.wait(30)
+        # long enough that two of them run at once however the threads' starts fall (24 tokens took
+        # 20 ms on a quiet machine, and three ran one after another)
         r = httpx.post(pool.url + "/v1/chat/completions", headers={"x-request-id": rid}, timeout=120,
-                       json={"model": "tiny", "max_tokens": 24, "stream": rid != "twin-c",
+                       json={"model": "tiny", "max_tokens": 240, "stream": rid != "twin-c",
                              "messages": [{"role": "user", "content": "the same words"}]})
         statuses[rid] = r.status_code
 
