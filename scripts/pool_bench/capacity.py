@@ -18,11 +18,10 @@ import httpx
 
 from pool_bench import memory, profile
 from pool_bench.bench import Bench, synthetic_model
-from pool_bench.children import CpuMeter, PoolProc, Proc, RssSampler, wait_http
+from pool_bench.children import CpuMeter, PoolProc, Proc, RssSampler, uvicorn_app
 from pool_bench.interleave import interleaved
 from pool_bench.load import load, pct, plain_call
 from pool_bench.report import errors_note, loadavg, ms, num, per_request_us, ratio, say, table
-from procutil.net import free_port
 
 BARE_APP = '''
 import json, os
@@ -129,27 +128,13 @@ def start_bare_zmq(tmp: Path, asynchronous: bool = False) -> tuple[Proc, Proc]:
     (tmp / f"bench_{name}.py").write_text(ZMQ_ASYNC_ECHO if asynchronous else ZMQ_ECHO)
     env = {"BENCH_BARE_BODY": str(tmp / "bare_body.json"), "BENCH_ZMQ_ADDR": f"ipc://{tmp}/bench-{name}.sock"}
     echo = Proc(name, [sys.executable, str(tmp / f"bench_{name}.py")], tmp / f"{name}.log", env=env)
-    port = free_port()
-    app = Proc("bare-fastapi-zmq", [sys.executable, "-m", "uvicorn", "bench_bare_zmq_app:app", "--app-dir", str(tmp),
-                                    "--host", "127.0.0.1", "--port", str(port), "--loop", "uvloop",
-                                    "--http", "httptools", "--no-access-log", "--log-level", "warning"],
-               tmp / f"bare-{name}.log", env=env)
-    app.url = f"http://127.0.0.1:{port}"
-    wait_http(app, app.url + "/health", 60)
-    return app, echo
+    return uvicorn_app(tmp, f"bare-{name}", "bench_bare_zmq_app", env), echo
 
 
 def start_bare_app(tmp: Path, body: dict) -> Proc:
     (tmp / "bench_bare_app.py").write_text(BARE_APP)
     (tmp / "bare_body.json").write_text(json.dumps(body))
-    port = free_port()
-    proc = Proc("bare-fastapi", [sys.executable, "-m", "uvicorn", "bench_bare_app:app", "--app-dir", str(tmp),
-                                 "--host", "127.0.0.1", "--port", str(port), "--loop", "uvloop",
-                                 "--http", "httptools", "--no-access-log", "--log-level", "warning"],
-                tmp / "bare.log", env={"BENCH_BARE_BODY": str(tmp / "bare_body.json")})
-    proc.url = f"http://127.0.0.1:{port}"
-    wait_http(proc, proc.url + "/health", 60)
-    return proc
+    return uvicorn_app(tmp, "bare", "bench_bare_app", {"BENCH_BARE_BODY": str(tmp / "bare_body.json")})
 
 
 def run(bench: Bench) -> None:

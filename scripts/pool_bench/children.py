@@ -137,6 +137,18 @@ class PoolProc(Proc):
             return 0
 
 
+def uvicorn_app(tmp: Path, name: str, module: str, env: dict | None = None) -> Proc:
+    """`module`'s `app` (a file in `tmp`) under uvicorn with the pool's settings (uvloop, httptools,
+    no access log) on a free port, up (its /health answers); its `url` set."""
+    port = free_port()
+    app = Proc(name, [sys.executable, "-m", "uvicorn", f"{module}:app", "--app-dir", str(tmp), "--host", "127.0.0.1",
+                      "--port", str(port), "--loop", "uvloop", "--http", "httptools", "--no-access-log",
+                      "--log-level", "warning"], tmp / f"{name}.log", env=env)
+    app.url = f"http://127.0.0.1:{port}"
+    wait_http(app, app.url + "/health", 60)
+    return app
+
+
 class LlamaProc(Proc):
     def __init__(self, tmp: Path, name: str, binary: str, model: str, ctx: int, slots: int,
                  extra_args: list[str]) -> None:

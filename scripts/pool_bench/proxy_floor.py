@@ -6,16 +6,15 @@ least, read beside the pool's added time to first token.
   one hop;
 - proxy+zmq: the same app handing the request over ZeroMQ to an asyncio worker process
   (zmq_worker.py: uvloop, the socket's FD watched by the loop, a task per request) that
-  makes that call and sends each chunk back: the floor of a design with a worker process between the edge
-  and the runtime, as the pool's. Neither reads nor reshapes the chunks (the pool does)."""
+  makes that call and sends each chunk back: the floor of a design with a worker process
+  between the edge and the runtime, as the pool's. Neither reads nor reshapes the chunks (the pool does)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from pool_bench.children import Proc, wait_http
-from procutil.net import free_port
+from pool_bench.children import Proc, uvicorn_app
 
 PROXY_APP = '''
 import contextlib, os, aiohttp
@@ -94,16 +93,6 @@ async def health():
     return {"status": "ok"}
 '''
 
-def _app(tmp: Path, name: str, module: str, env: dict) -> Proc:
-    port = free_port()
-    app = Proc(name, [sys.executable, "-m", "uvicorn", f"{module}:app", "--app-dir", str(tmp), "--host", "127.0.0.1",
-                      "--port", str(port), "--loop", "uvloop", "--http", "httptools", "--no-access-log",
-                      "--log-level", "warning"], tmp / f"{name}.log", env=env)
-    app.url = f"http://127.0.0.1:{port}"
-    wait_http(app, app.url + "/health", 60)
-    return app
-
-
 def start(tmp: Path, upstream: str, key: str) -> tuple[Proc, Proc, Proc]:
     """The proxy, the proxy+zmq app and its worker, all in front of the llama-server at `upstream`."""
     env = {"BENCH_UPSTREAM": upstream, "BENCH_UPSTREAM_KEY": key,
@@ -114,8 +103,8 @@ def start(tmp: Path, upstream: str, key: str) -> tuple[Proc, Proc, Proc]:
                                        env["BENCH_ZMQ_ADDR"], "proxy"], tmp / "proxy-zmq-worker.log", env=env)
     procs = [worker]
     try:
-        procs.append(_app(tmp, "proxy", "bench_proxy_app", env))
-        procs.append(_app(tmp, "proxy-zmq", "bench_proxy_zmq_app", env))
+        procs.append(uvicorn_app(tmp, "proxy", "bench_proxy_app", env))
+        procs.append(uvicorn_app(tmp, "proxy-zmq", "bench_proxy_zmq_app", env))
     except BaseException:
         for proc in procs:
             proc.stop()
