@@ -55,6 +55,9 @@ class ServerConfig(Strict):
     # The HTTP edge (supervisor/edge/): bounds on what a client may send before a route runs.
     max_buffered_body_bytes: int = Field(256 * 1024 * 1024, ge=1024, description="All request bodies being "
                                          "read at once (at least max_body_bytes); 429 beyond, retry.")
+    max_unsent_total_bytes: int = Field(256 * 1024 * 1024, ge=1024 * 1024, description="Answers written but "
+                                        "not yet taken by their clients, all connections together; past it the "
+                                        "connection holding the most is closed.")
     max_held_request_bytes: int = Field(512 * 1024 * 1024, ge=1024, description="All admitted requests not yet "
                                         "ended together, by the size of what each sends its runtime (a queued prompt "
                                         "is held about twice meanwhile); 429 queue_full beyond, retry.")

@@ -2,7 +2,7 @@
 a route runs. One pure ASGI layer (`HttpEdge`; each layer costs on every request):
 keys (for /v1/* and the runtime's calls such as /tokenize, through `admission`), the browser rules for the admin surface
 (Host, Origin, Sec-Fetch-Site) against cross-site and DNS-rebinding requests,
-unknown paths answered before their body is read, and the request body bounds,
+unknown paths and refusals answered before their body is read (their connection then closes), the request body bounds,
 each request's and all together. The bytes came through supervisor/edge/listener.py.
 """
 
@@ -68,18 +68,32 @@ def error_response(err: PoolError, path: str = "") -> JSONResponse:
     return JSONResponse(err.envelope(), status_code=err.status, headers=headers)
 
 
-def scan_headers(headers, limit: int) -> tuple[bool, bool]:
-    """One pass over a request's headers: (a WebSocket upgrade, a Content-Length over `limit`)."""
+def scan_headers(headers, limit: int) -> tuple[bool, bool, bool]:
+    """One pass over a request's headers: (a WebSocket upgrade, a body declared, a Content-Length
+    over `limit`)."""
     upgrade = connection = b""
-    too_large = False
+    declared = too_large = False
     for name, value in headers:
         if name == b"upgrade":
             upgrade = value.lower()
         elif name == b"connection":
             connection = value.lower()
-        elif name == b"content-length" and value.isdigit() and int(value) > limit:
-            too_large = True
-    return b"websocket" in upgrade and b"upgrade" in connection, too_large
+        elif name == b"content-length":
+            declared = declared or value.strip() not in (b"0", b"")
+            too_large = too_large or (value.isdigit() and int(value) > limit)
+        elif name == b"transfer-encoding":
+            declared = True
+    return b"websocket" in upgrade and b"upgrade" in connection, declared, too_large
+
+
+def closing(send):
+    """`send` with `connection: close` on the answer's head: the client is told the connection
+    ends with this answer (the listener closes it: BoundedConnection.close_after_answer)."""
+    def send_closing(message):
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+        return send(message)
+    return send_closing
 
 
 def websocket_refusal(scope) -> PoolError:
@@ -201,11 +215,12 @@ class HttpEdge:
             await error_response(err, scope["path"])(scope, receive, send)
 
     async def _serve(self, scope, receive, send):
-        """Key and browser rules, the route, then the body; every refusal before the body is read."""
-        websocket, too_large = scan_headers(scope["headers"], self.limit)
+        """Key and browser rules, the route, then the body; every refusal before the body is read.
+        An answer given without reading the whole body the request declared closes its connection."""
+        websocket, declared, too_large = scan_headers(scope["headers"], self.limit)
         refusal = self._refusal(scope) or (websocket_refusal(scope) if websocket else None)
         if refusal is not None:
-            return await error_response(refusal, scope["path"])(scope, receive, send)
+            return await self._unread(scope, receive, send, declared, error_response(refusal, scope["path"]))
         tenant = scope.get(TENANT_KEY)
         if tenant is not None:  # every answer to a tenant says where it stands with its limits
             send = self.admission.with_limit_headers(tenant, send)
@@ -213,15 +228,16 @@ class HttpEdge:
         if app is None:
             takes_body = self._takes_body(scope)
             if takes_body is None:  # its body is not worth reading
-                return await JSONResponse(NOT_FOUND, status_code=404)(scope, receive, send)
+                return await self._unread(scope, receive, send, declared, JSONResponse(NOT_FOUND, status_code=404))
             app = self.app
             if not takes_body:
-                return await self._without_body(scope, receive, send)
+                return await self._unread(scope, self._no_body(receive), send, declared, self.app)
         if too_large:
-            return await error_response(self._too_large_error(), scope["path"])(scope, receive, send)
+            return await self._unread(scope, receive, send, declared,
+                                      error_response(self._too_large_error(), scope["path"]))
         body = await self._read_body(receive)
-        if isinstance(body, PoolError):
-            return await error_response(body, scope["path"])(scope, receive, send)
+        if isinstance(body, PoolError):  # refused part way: the rest is not read
+            return await self._unread(scope, receive, send, True, error_response(body, scope["path"]))
         if body is None:  # the client left while sending
             return
         held = [body]  # handed over once, and then held by whoever took it, not here (a queued
@@ -264,11 +280,21 @@ class HttpEdge:
                 found = False
         return found
 
-    async def _without_body(self, scope, receive, send):
-        """A route that takes no body: the app runs with none, nothing of one is read. A body the
-        request declared anyway is never read: the connection closes after the answer."""
-        declared = any((name == b"content-length" and value not in (b"0", b"")) or name == b"transfer-encoding"
-                       for name, value in scope["headers"])
+    @staticmethod
+    async def _unread(scope, receive, send, declared: bool, app):
+        """Answer with `app` without reading the request's body. A body it declared anyway is
+        never read: the connection reads nothing more and closes once the answer is out, so that
+        neither parser goes on through bytes nobody wants (docs/edge-rules.md, rule 2)."""
+        if declared:
+            connection = connection_of(scope)
+            if connection is not None:
+                connection.close_after_answer()
+            send = closing(send)
+        return await app(scope, receive, send)
+
+    @staticmethod
+    def _no_body(receive):
+        """The receive of a route that takes no body: an empty body, then disconnect notices."""
         given = False
 
         async def no_body():
@@ -276,13 +302,8 @@ class HttpEdge:
             if not given:
                 given = True
                 return {"type": "http.request", "body": b"", "more_body": False}
-            return await receive()  # disconnect notices pass through
-
-        def closing(message):
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
-            return send(message)
-        return await self.app(scope, no_body, closing if declared else send)
+            return await receive()
+        return no_body
 
     async def _read_body(self, receive) -> bytes | PoolError | None:
         """The whole body; a PoolError when it is over a bound; None when the client left."""

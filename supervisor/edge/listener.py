@@ -14,16 +14,25 @@ that one read holds); this layer adds them:
   the most gives way, whatever the phase of its oldest connection, unless the
   newcomer's client holds as many;
 - a request's line and headers: `max_header_bytes` and `max_headers` lines
-  (else 431 and close), complete within `header_timeout_s` (else closed);
+  (else 431 and close), complete within `header_timeout_s` (else closed). A
+  chunked body's framing (chunk sizes, extensions, the trailer section) counts
+  as header bytes too, its trailers as header lines: trailers are bounded as a
+  head is, and a body cannot come in more chunks than that allows;
 - its body complete within `body_timeout_s` of its headers (else closed);
+- a request the guard answers without reading the body it declared: nothing
+  more is read from its connection, which closes once the answer is out;
 - pipelining: one request at a time. Once a request is whole, nothing after
-  it reaches the server until it is answered; meanwhile the connection reads
-  on (so that a close is seen at once), and what comes waits here, at most
-  about `max_header_bytes` plus one read and `max_pipelined_requests` request
-  heads, then reading stops;
+  it reaches the server until it is answered and its answer is out of the
+  pool's hands (the transport's buffer under its high-water mark); meanwhile
+  the connection reads on (so that a close is seen at once), and what comes
+  waits here, at most about `max_header_bytes` plus one read and
+  `max_pipelined_requests` request heads, then reading stops;
 - a response the client does not read for `write_timeout_s` (the socket's
-  send buffer stays full): the connection is closed, which ends the request's
-  job (its handler hears it through `Disconnect`);
+  send buffer stays full), or a closing connection whose answer is not out
+  by then: the connection is closed, which ends the request's job (its
+  handler hears it through `Disconnect`);
+- answers written and not yet taken, all connections together: at most
+  `max_unsent_total_bytes`; past it the connection holding the most is closed;
 - an Upgrade (h2c, anything: the pool speaks no other protocol) is answered
   as plain HTTP/1.1, and every bound stays on for the connection's life;
 - a request HTTP cannot parse gets the error envelope (400) and a close.
@@ -54,6 +63,10 @@ warnings = ThrottledLog(log, every_s=CLIENT_WARNING_EVERY_S)  # a client can mak
 
 DISCONNECT_KEY = "llm_pool.disconnect"  # in the ASGI scope of each request read by a BoundedConnection
 HEAD_END = b"\r\n\r\n"  # where a request's head ends (and a chunked body)
+# How long a connection closing after a refusal reads and drops what its client still sends
+# (BoundedConnection.linger): a close with unread bytes resets the connection, and a client still
+# sending its body could lose the answer with it (nginx's lingering close; its lingering_timeout is 5 s)
+LINGER_S = 2.0
 
 # The connection of a request, in its scope's "state": uvicorn hands its protocol the lifespan
 # state (`app_state`) and copies it into each request's scope["state"] (the ASGI lifespan state:
@@ -109,6 +122,11 @@ class Connections:
         self.bounds = bounds
         self.open: dict[BoundedConnection, None] = {}
         self.by_client: dict[str, dict[BoundedConnection, None]] = {}
+        # the connections whose writing is paused (their answer past the transport's high-water
+        # mark), with what each held when it paused: while it is paused the server writes little
+        # more (uvicorn waits to drain), so this is about what the pool holds unsent
+        self.unsent: dict[BoundedConnection, int] = {}
+        self.unsent_bytes = 0
 
     def admit(self, connection: BoundedConnection) -> bool:
         """Count `connection` in, closing the oldest idle one at a full cap; False: no room."""
@@ -128,7 +146,25 @@ class Connections:
             if table is not None and table.pop(connection, 0) is None:
                 table[connection] = None
 
+    def hold_unsent(self, connection: BoundedConnection, size: int) -> None:
+        """`connection` holds `size` bytes its client has not taken; over max_unsent_total_bytes
+        all together, the connection that holds the most is closed (its job is cancelled)."""
+        self.release_unsent(connection)
+        self.unsent[connection] = size
+        self.unsent_bytes += size
+        if self.unsent_bytes > self.bounds.max_unsent_total_bytes:
+            largest = max(self.unsent, key=self.unsent.__getitem__)
+            warnings.warning("unsent", "closed a connection from %s holding %d bytes of answers its client has not "
+                             "taken: %d bytes unsent on all connections (server.max_unsent_total_bytes)",
+                             largest.client, self.unsent[largest], self.unsent_bytes)
+            self.release_unsent(largest)
+            largest.transport.abort()
+
+    def release_unsent(self, connection: BoundedConnection) -> None:
+        self.unsent_bytes -= self.unsent.pop(connection, 0)
+
     def remove(self, connection: BoundedConnection) -> None:
+        self.release_unsent(connection)
         self.open.pop(connection, None)
         mine = self.by_client.get(connection.client)
         if mine is not None:
@@ -197,13 +233,17 @@ class BoundedConnection(asyncio.Protocol):
         self._header_bytes = 0
         self._header_lines = 0
         self._body_left: int | None = None  # of the body being read, when its length is known
+        self._chunked_body = 0  # bytes of a chunked body handed to on_body so far
+        self._framing = 0  # bytes of a chunked body's framing and trailers (counted as header bytes)
         self._completed = 0  # requests read whole
         self._unanswered = 0  # requests handed to the server whose handler has not ended
         self._backlog = b""  # read, not yet handed on: the pipelining bound was reached
         self._server_reading = True  # what the server's flow control asked for
         self._reading = True
+        self._discarding = False  # a body the guard will not read was declared: nothing more is read
+        self._write_paused = False  # the answer is past the transport's high-water mark
         self._timer: TimerHandle | None = None  # the header or body deadline
-        self._write_timer: TimerHandle | None = None
+        self._write_timer: TimerHandle | None = None  # the client takes nothing, or a close waits on it
         self.request: Disconnect | None = None  # of the newest request whose handler runs
 
     # -- asyncio.Protocol --------------------------------------------------------------------------------
@@ -235,23 +275,40 @@ class BoundedConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         # the client reads slower than the answer comes: it has write_timeout_s to read on
-        if self._write_timer is not None:
-            self._write_timer.cancel()
-        self._write_timer = asyncio.get_running_loop().call_later(self.bounds.write_timeout_s, self._write_timeout)
+        self._write_paused = True
+        self._arm_write_timer()
+        self.connections.hold_unsent(self, self.transport.get_write_buffer_size())
         self.inner.pause_writing()
 
     def resume_writing(self) -> None:
-        if self._write_timer is not None:
+        self._write_paused = False
+        self.connections.release_unsent(self)
+        if self._write_timer is not None and not self.transport.is_closing():  # a close keeps its deadline
             self._write_timer.cancel()
             self._write_timer = None
         self.inner.resume_writing()
+        if self._backlog:  # a pipelined request waited for this answer to be out
+            asyncio.get_running_loop().call_soon(self._release)
+
+    def closing(self) -> None:
+        """The transport closes once what was written is out (CoalescedWrites.close): the client
+        has write_timeout_s to take it, whatever the answer's size."""
+        if self._started and self._write_timer is None:
+            self._arm_write_timer()
+
+    def _arm_write_timer(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+        self._write_timer = asyncio.get_running_loop().call_later(self.bounds.write_timeout_s, self._write_timeout)
 
     def eof_received(self):
+        if self._discarding:
+            return False  # the client has seen the answer and sends no more: the transport closes
         return self.inner.eof_received()
 
     def data_received(self, data: bytes) -> None:
-        if not self._started or self.transport.is_closing():
-            return
+        if not self._started or self._discarding or self.transport.is_closing():
+            return  # discarding: the body of a refused request, dropped while the connection lingers
         if self._backlog:  # held at the pipelining bound: kept, within bounds, to see a close
             self._backlog += data
             return self._set_reading()
@@ -263,7 +320,7 @@ class BoundedConnection(asyncio.Protocol):
         waits in the backlog until it is answered (no byte of a pipelined request reaches the
         server before the answer to the one before it)."""
         while data:
-            if self._unanswered and self._phase is not BODY:
+            if (self._unanswered or self._write_paused) and self._phase is not BODY:
                 self._backlog = data
                 return self._set_reading()
             cut = self._body_left if self._phase is BODY and self._body_left else None
@@ -280,7 +337,7 @@ class BoundedConnection(asyncio.Protocol):
         """Bound the header bytes, then feed; returns what was not fed (after an upgrade).
         `more`: this read holds more bytes after `data`."""
         if self._phase is BODY:
-            return self._feed(data, more)
+            return self._feed(data, more) if self._body_left is not None else self._feed_chunked(data, more)
         room = self.bounds.max_header_bytes - self._header_bytes
         if len(data) <= room:
             self._header_bytes += len(data)
@@ -296,6 +353,20 @@ class BoundedConnection(asyncio.Protocol):
             self._refuse_headers(f"request headers over {self.bounds.max_header_bytes} bytes")
             return b""
         return data[room:]
+
+    def _feed_chunked(self, data: bytes, more: bool) -> bytes:
+        """A chunked body (a body whose length its head did not give): what of it is not body
+        (chunk sizes, extensions, line ends, the trailer section) counts against max_header_bytes,
+        so that trailers are bounded as a head is (each parser grows an unfinished header value by
+        copying it), and so is the number of chunks (each costs a call in both parsers and at
+        least 5 bytes of framing)."""
+        before = self._chunked_body
+        rest = self._feed(data, more)
+        self._framing += len(data) - len(rest) - (self._chunked_body - before)
+        if self._framing > self.bounds.max_header_bytes and not self.transport.is_closing():
+            self._refuse_headers(f"request headers over {self.bounds.max_header_bytes} bytes "
+                                 "(a chunked body's framing and trailers count as headers)")
+        return rest
 
     def _feed(self, data: bytes, more: bool) -> bytes:
         """Parse, hand the bytes on, then start the deadline for what is left half-read, unless
@@ -337,7 +408,7 @@ class BoundedConnection(asyncio.Protocol):
         then waiting in the backlog, within its bounds (about max_header_bytes, and
         max_pipelined_requests request heads)."""
         answering = self._unanswered and self._phase is not BODY
-        want = ((answering or self._server_reading)
+        want = (not self._discarding and (answering or self._server_reading)
                 and (not self._backlog or (len(self._backlog) < self.bounds.max_header_bytes
                                            and self._backlog.count(HEAD_END) < self.bounds.max_pipelined_requests)))
         if want != self._reading and not self.transport.is_closing():
@@ -346,7 +417,7 @@ class BoundedConnection(asyncio.Protocol):
 
     def _release(self) -> None:
         """The answer went out: hand on what waits, up to the end of its first request."""
-        if self._backlog and not self._unanswered and not self.transport.is_closing():
+        if self._backlog and not (self._unanswered or self._write_paused or self.transport.is_closing()):
             data, self._backlog = self._backlog, b""
             self._consume(data)
             self._set_reading()
@@ -368,11 +439,14 @@ class BoundedConnection(asyncio.Protocol):
         self._disarm()
         self._phase = BODY
         self._header_bytes = 0
+        self._chunked_body = self._framing = 0
         self._unanswered += 1
 
     def on_body(self, body: bytes) -> None:
         if self._body_left is not None:
             self._body_left -= len(body)
+        else:
+            self._chunked_body += len(body)
 
     def on_message_complete(self) -> None:
         self._disarm()
@@ -386,10 +460,35 @@ class BoundedConnection(asyncio.Protocol):
         self.request = Disconnect()
         return self.request
 
+    def close_after_answer(self) -> None:
+        """The guard answers this request without reading the body it declared: no byte more
+        of this connection reaches a parser (of that body, or of a request after it); reading
+        stops until the answer is out, then the connection lingers and closes (`linger`)."""
+        self._discarding = True
+        self._backlog = b""
+        self._disarm()  # the body's deadline: what bounds the connection now is the close's
+        self._set_reading()
+
+    def linger(self) -> bool:
+        """A close asked for a connection closing after a refusal (CoalescedWrites.close): the
+        answer goes out with a FIN, what the client still sends is read and dropped, and the
+        connection closes at the client's own end (eof_received) or is cut after LINGER_S.
+        False: close at once (no refusal, or the transport cannot half-close)."""
+        if not self._discarding or not self.transport.can_write_eof():
+            return False
+        if self._timer is None:  # not lingering already
+            self._reading = True
+            self.transport.read(True)  # the kernel's buffer is emptied: the close is then no reset
+            self.transport.half_close()
+            self._timer = asyncio.get_running_loop().call_later(LINGER_S, self.transport.abort)
+        return True
+
     def end_request(self, request: Disconnect) -> None:
         self._unanswered = max(0, self._unanswered - 1)
         if self.request is request:
             self.request = None
+        if self._discarding:
+            return self.transport.close()  # lingers, unless the server closed it already
         if self.transport.is_closing():
             return
         self._set_reading()
@@ -397,8 +496,9 @@ class BoundedConnection(asyncio.Protocol):
             asyncio.get_running_loop().call_soon(self._release)
 
     def idle(self) -> bool:
-        """Nothing to answer and no body coming: between requests, or a request's head unfinished."""
-        return not self._unanswered and self._phase is not BODY and not self._backlog
+        """Nothing to answer and no body coming: between requests, a request's head unfinished,
+        or closing after a refusal."""
+        return self._discarding or (not self._unanswered and self._phase is not BODY and not self._backlog)
 
     # -- bounds -------------------------------------------------------------------------------------------
     def _refuse_headers(self, why: str) -> None:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import asyncio
 
 
+def _closing() -> bool:
+    return True
+
+
 class CoalescedWrites(asyncio.Transport):
     """The connection's transport as the server's protocol sees it: what it writes in
     one turn of the event loop leaves in one write, after that turn. The server writes
@@ -45,7 +49,17 @@ class CoalescedWrites(asyncio.Transport):
 
     def close(self) -> None:
         self._flush()
+        if self._connection.linger():  # after a refusal: it closes once the client has the answer
+            return
         self._transport.close()
+        self._connection.closing()
+
+    def half_close(self) -> None:
+        """What was written goes out with a FIN; reading goes on. From now on the server sees
+        this transport as closing (it writes nothing more, and keeps no keep-alive timer)."""
+        self._flush()
+        self._transport.write_eof()
+        self.is_closing = _closing
 
     def abort(self) -> None:
         self._pending = []
