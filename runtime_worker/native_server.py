@@ -344,6 +344,8 @@ class NativeServer:
         self.proc: asyncio.subprocess.Process | None = None
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
         self._relay: asyncio.Task | None = None
+        self.dropped_lines = 0  # of the child's output, since the log last took a line (a full disk)
+        self.drop_reason = ""
         self.client = OpenAIClient(self.base_url + "/v1", self.api_key, model=model, extra=extra, limits=limits)
         self.control = httpx.AsyncClient(headers={"Authorization": f"Bearer {self.api_key}"})
 
@@ -389,9 +391,20 @@ class NativeServer:
             self._relay_line(pending)
 
     def _relay_line(self, line: bytes) -> None:
+        """One line to the worker's log (its stderr, the replica's log file). A line the log cannot
+        take (a full disk: ENOSPC) is dropped and counted, never a reason to stop the runtime; the
+        count is written once the log takes lines again. The tail keeps every line."""
         text = line.decode(errors="replace").rstrip()
         self.tail.append(text[:1000])
-        sys.stderr.write(f"[{self.name}] {text}\n")
+        try:
+            if self.dropped_lines:
+                sys.stderr.write(f"[{self.name}] ({self.dropped_lines} lines of output dropped: the log could not "
+                                 f"be written: {self.drop_reason})\n")
+                self.dropped_lines = 0
+            sys.stderr.write(f"[{self.name}] {text}\n")
+        except OSError as exc:
+            self.dropped_lines += 1
+            self.drop_reason = exc.strerror or repr(exc)
 
     async def wait_exit(self) -> str:
         """Return once the child exits, with its reason: its signal or exit code, and the last

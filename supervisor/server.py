@@ -15,6 +15,7 @@ from supervisor.api import create_app
 from supervisor.config import PoolConfig
 from supervisor.edge.listener import bounded_protocol
 from supervisor.log_throttle import CLIENT_WARNING_EVERY_S, ThrottledMessages
+from supervisor.state_dir import claim_state_dir
 
 log = logging.getLogger("llm_pool.server")
 
@@ -95,6 +96,9 @@ def _room_for_connections(connections: int) -> None:
 
 
 def run(cfg: PoolConfig, log_level: str = "info") -> None:
+    """Serve `cfg` until stopped. StateDirRefused, before anything starts, when its state
+    directory is not this user's alone or another pool holds it."""
+    state_dir = claim_state_dir(cfg.server.state_dir)  # held while this process lives
     app = create_app(cfg)
     app.connection_required = True  # served by bounded_protocol's connections: each comes in its scope
     # What exists now (modules, the app, its models) lives as long as the process: out of the
@@ -117,4 +121,7 @@ def run(cfg: PoolConfig, log_level: str = "info") -> None:
         app.app.state.engine, cfg.server.shutdown_grace_s)
     # after uvicorn.Config, which sets up its loggers
     logging.getLogger("uvicorn.error").addFilter(ThrottledMessages(UVICORN_UPGRADE_WARNINGS, CLIENT_WARNING_EVERY_S))
-    server.run()
+    try:
+        server.run()
+    finally:
+        state_dir.release()

@@ -75,7 +75,12 @@ def serve(files: GgufFiles = None,
     handler.setFormatter(PrintableFormatter(LOG_FORMAT))  # a client's text in a message stays on its line
     logging.basicConfig(level=log_level.upper(), handlers=[handler])
     from supervisor.server import run
-    run(cfg, log_level)
+    from supervisor.state_dir import StateDirRefused
+    try:
+        run(cfg, log_level)
+    except StateDirRefused as exc:
+        typer.echo(f"llm-pool: state directory refused: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 def init(files: Annotated[list[Path], typer.Argument(metavar="MODEL.gguf", help="GGUF files")],
