@@ -31,7 +31,9 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
+import stat
 import struct
 import sys
 import time
@@ -54,7 +56,12 @@ CALL_TIMEOUT_S = 60.0  # one save or restore call (its bytes go to or from the p
 STATE_MAGIC = 0x67677371  # llama.cpp's sequence state file ("ggsq")
 PACKED_TOKENS = 0xFFFFFFFF  # its token payload starts with a packed header: this, a version, the count
 OFF_FILE = "OFF"
+SIDECAR_MAX_BYTES = 4096  # what seal() writes is about 250 bytes
 PART = ".part"  # a save being written: invisible to every scan until its sidecar is there
+# What the pool names, and so all it deletes: a config's directory (config_key) and a snapshot
+# (save: `<ns stamp>-<slot>.bin`, its sidecar beside it). Anything else under kv/ is not the pool's.
+CONFIG_DIR_NAME = re.compile(r"[0-9a-f]{16}")
+SNAPSHOT_NAME = re.compile(r"[0-9]+-[0-9]+\.bin")
 STALE_S = 600.0  # a .part or a sidecar without its .bin this old was left by a worker that died mid-save
 MAX_MISSES = 32  # chat requests in a row that no waiting snapshot served: stop looking (they stay on disk)
 # flags under which llama-server cannot save or restore a slot (no /slots; a multimodal projector)
@@ -185,12 +192,16 @@ class WarmSwap:
         key = config_key(binary, model, flags)
         self.dir = self.root / key
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        for other in self.root.iterdir():
-            if other.is_dir() and other.name != key:
-                count = len(list(other.glob("*.bin")))
-                shutil.rmtree(other, ignore_errors=True)
-                log.warning("warm swap: deleted %d snapshots of another config (%s): the model file, the "
-                            "binary or a flag changed", count, other.name)
+        if self.root.is_symlink():  # the pool makes none: whatever it names is not the pool's to delete in
+            raise OSError(f"{self.root} is a symbolic link; warm swaps keep their files in a directory of their own")
+        with os.scandir(self.root) as entries:
+            others = [Path(e.path) for e in entries if e.name != key and CONFIG_DIR_NAME.fullmatch(e.name)
+                      and e.is_dir(follow_symlinks=False)]
+        for other in others:
+            count = len(list(other.glob("*.bin")))
+            shutil.rmtree(other, ignore_errors=True)  # follows no link inside it
+            log.warning("warm swap: deleted %d snapshots of another config (%s): the model file, the "
+                        "binary or a flag changed", count, other.name)
         self.dir.mkdir(exist_ok=True, mode=0o700)
         if self.off_written():
             for bin_path in self.dir.glob("*.bin"):  # saved by a replica that had not seen it yet
@@ -231,7 +242,12 @@ class WarmSwap:
         """A snapshot as its sidecar says, checked: its config, its size, its token list, and
         (`full`) its digest. Raises BadSnapshot."""
         sidecar = bin_path.with_suffix(".json")
+        if not stat.S_ISREG(bin_path.lstat().st_mode):  # a FIFO would block the read, a link lead elsewhere
+            raise BadSnapshot("not a regular file")
         try:
+            info = sidecar.lstat()
+            if not stat.S_ISREG(info.st_mode) or info.st_size > SIDECAR_MAX_BYTES:
+                raise BadSnapshot(f"its sidecar is not a regular file of at most {SIDECAR_MAX_BYTES} bytes")
             meta = json.loads(sidecar.read_text())
         except FileNotFoundError:
             raise BadSnapshot("no sidecar: not saved by the pool") from None
@@ -255,6 +271,8 @@ class WarmSwap:
         """This config's snapshots that check out (without digests), newest first; the rest deleted."""
         found = []
         for bin_path in self.dir.glob("*.bin") if self.dir else ():
+            if not SNAPSHOT_NAME.fullmatch(bin_path.name):
+                continue  # not named as the pool names its snapshots: not the pool's to read or delete
             try:
                 found.append(self.check(bin_path, full=False))
             except FileNotFoundError:
@@ -377,9 +395,13 @@ class WarmSwap:
         or restored: a claim touches its file) go first."""
         files = []
         for bin_path in self.root.parent.glob("*/*/*.bin"):
+            if not (SNAPSHOT_NAME.fullmatch(bin_path.name) and CONFIG_DIR_NAME.fullmatch(bin_path.parent.name)):
+                continue  # not named as the pool names its snapshots: not the pool's
             with contextlib.suppress(FileNotFoundError):
-                info = bin_path.stat()
-                files.append((info.st_mtime, info.st_size, bin_path))
+                info = bin_path.lstat()
+                if stat.S_ISREG(info.st_mode) and bin_path.with_suffix(".json").exists() \
+                        and not bin_path.parent.is_symlink() and not bin_path.parent.parent.is_symlink():
+                    files.append((info.st_mtime, info.st_size, bin_path))
         total = sum(size for _, size, _ in files)
         for _, size, bin_path in sorted(files):
             if total <= self.budget_bytes:

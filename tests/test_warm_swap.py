@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime_worker.warm_swap import WarmSwap
 from tests.conftest import llama
 from tests.test_cli import cli
 from tests.pool import wait_for
@@ -156,8 +157,10 @@ def test_a_file_that_does_not_check_out_is_deleted_and_logged_never_restored(mak
     c.with_suffix(".json").write_text(b.with_suffix(".json").read_text())
     with open(b, "r+b") as f:
         f.truncate(len(b_bytes) // 2)
-    # d: a file nobody saved (no sidecar)
+    # d: a file nobody saved (no sidecar), named as the pool names its snapshots; and one named
+    # otherwise, not the pool's: never read or restored, and left where it is
     d_dir = snapshots(pool, "d")[0].parent
+    (d_dir / "1-0.bin").write_bytes(b_bytes)
     (d_dir / "stray.bin").write_bytes(b_bytes)
     for model, why in (("a", "corrupt"), ("b", "truncated"), ("c", "another config"), ("d", "no sidecar")):
         load(pool, model)
@@ -166,7 +169,8 @@ def test_a_file_that_does_not_check_out_is_deleted_and_logged_never_restored(mak
         assert (model == "d") == bool(snapshots(pool, model)), model  # d's own snapshot is still there
         wait_for(lambda: "warm swap: deleted" in worker_log(pool, model) and why in worker_log(pool, model), 5,
                  what=f"{model}'s deletion logged with its reason ({why})")
-    assert not (d_dir / "stray.bin").exists()
+    assert not (d_dir / "1-0.bin").exists()
+    assert (d_dir / "stray.bin").read_bytes() == b_bytes
 
 
 def worker_log(pool, model: str) -> str:
@@ -284,3 +288,46 @@ def test_where_a_runtime_cannot_save_its_slots_the_load_goes_on_cold_and_says_wh
         assert not view["on"] and why in view["off_reason"], (model, view)
         unload(pool, model)  # and its stop saves nothing, quietly
         assert "Traceback" not in worker_log(pool, model)
+
+
+# -- what the pool deletes and reads under kv/ is only its own (issue 53) ---------------------------------------
+def prepared(tmp_path, model: str = "m") -> WarmSwap:
+    binary, gguf = tmp_path / "llama-server", tmp_path / "model.gguf"
+    for path in (binary, gguf):
+        path.touch()
+    ws = WarmSwap(str(tmp_path / "kv" / model), budget_mb=0, save_timeout_s=1)
+    ws.prepare(str(binary), str(gguf), ["-c", "4096"])
+    return ws
+
+
+def test_prepare_deletes_only_config_directories_and_follows_no_link(tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "notes.txt").write_text("mine")
+    root = tmp_path / "kv" / "m"
+    (root / "0123456789abcdef").mkdir(parents=True)  # another config's: the pool's, deleted
+    (root / "home").mkdir()  # not named as the pool names a config: left
+    os.symlink(victim, root / "fedcba9876543210")  # named as one, but a link: left, and not followed
+    ws = prepared(tmp_path)
+    assert sorted(p.name for p in root.iterdir()) == sorted(["home", "fedcba9876543210", ws.dir.name])
+    assert (victim / "notes.txt").read_text() == "mine"
+    # a kv/<model> that is itself a link: refused, nothing done in what it names
+    os.symlink(victim, tmp_path / "kv" / "linked")
+    with pytest.raises(OSError, match="symbolic link"):
+        prepared(tmp_path, "linked")
+    assert sorted(p.name for p in victim.iterdir()) == ["notes.txt"]
+
+
+def test_trim_and_scans_touch_only_the_pools_regular_snapshots(tmp_path):
+    ws = prepared(tmp_path)
+    stranger = ws.dir / "stray.bin"  # not named as the pool's
+    stranger.write_bytes(b"x" * 100)
+    fifo = ws.dir / "2-0.bin"  # named as the pool's, but a FIFO: reading it would block
+    os.mkfifo(fifo)
+    fifo.with_suffix(".json").write_text("{}")
+    unpaired = ws.dir / "3-0.bin"  # named as the pool's, with no sidecar: trim leaves it to the scans
+    unpaired.write_bytes(b"x" * 100)
+    ws.trim()  # budget 0: every snapshot of the pool's would go
+    assert stranger.exists() and fifo.exists() and unpaired.exists()
+    assert ws.snapshots() == []  # the FIFO and the unpaired file did not check out: deleted, not read
+    assert stranger.read_bytes() == b"x" * 100 and not fifo.exists() and not unpaired.exists()
