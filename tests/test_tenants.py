@@ -402,6 +402,28 @@ def test_a_flood_by_one_key_and_another_keys_request_is_served_at_the_next_free_
     assert order == ["heavy", "light"] + ["heavy"] * 9, order
 
 
+def test_one_tenant_cannot_fill_the_queue_for_the_others(make_pool):
+    """Issue 53: heavy holds the one slot and fills max_queue (4) and more: its fifth queued
+    request gets 429 queue_full; light's requests still get in (under its share of the queue),
+    up to its own share, and are served."""
+    pool = tenants_pool(make_pool, [synthetic("syn", tokens=HOLD_TOKENS, tps=200, max_queue=4)],
+                        [{"name": "heavy", "keys": ["sk-h"]}, {"name": "light", "keys": ["sk-l"]}])
+    with ThreadPoolExecutor(4) as ex, holding(pool, "sk-h"):
+        threads = flood(pool, "sk-h", 4, max_tokens=4)
+        wait_for(lambda: queue_depth(pool) == 4, 60, what="heavy's backlog filling the queue")
+        over = pool.http.post("/v1/chat/completions", json=chat("syn", max_tokens=4), headers=key("sk-h"))
+        assert over.status_code == 429 and over.json()["error"]["code"] == "queue_full", over.text
+        light = [ex.submit(pool.http.post, "/v1/chat/completions", json=chat("syn", max_tokens=4),
+                           headers=key("sk-l"), timeout=120) for _ in range(2)]
+        wait_for(lambda: queue_depth(pool) == 6, 60, what="light's two queued beside the full queue")
+        # light's share of 4 with heavy waiting too is 2: a third is refused
+        third = pool.http.post("/v1/chat/completions", json=chat("syn", max_tokens=4), headers=key("sk-l"))
+        assert third.status_code == 429 and "share" in third.json()["error"]["message"], third.text
+    assert [f.result().status_code for f in light] == [200, 200]
+    for t in threads:
+        t.join(120)
+
+
 def test_a_newcomer_slot_starts_a_light_tenant_beside_a_flood(make_pool):
     """target_inflight 1 on a runtime that runs 2, with newcomer_slots = 1: heavy's backlog
     never takes the second slot (heavy has a job running), light's request starts in it at once,

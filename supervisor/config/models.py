@@ -227,7 +227,8 @@ class ModelConfig(Strict):
     target_inflight: int = Field(1, ge=1, le=4096, description="Jobs one replica runs at once (llama-server: "
                                  "its slots).")
     max_queue: int = Field(256, ge=0, description="Requests waiting for this model; beyond it 429 queue_full "
-                           "with Retry-After.")
+                           "with Retry-After, except for a tenant under its share (split by weight among "
+                           "the tenants waiting), up to twice this.")
     # Slots above target_inflight for a light tenant (supervisor/scheduling/executor.py): opt-in, for runtimes
     # with room above target_inflight; clamped to what the runtime reports it can run.
     newcomer_slots: int = Field(0, ge=0, le=64, description="Slots per replica above target_inflight that only "

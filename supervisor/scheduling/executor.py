@@ -114,10 +114,14 @@ class Executor:
             raise self._no_replica_error()
         if job.endpoint in LIGHT_ENDPOINTS and self._hand_over_light(job):
             return
-        if len(self.queue) >= self.cfg.max_queue and not self._has_free_slot():
+        # full: only a tenant under its share of max_queue still gets in (so one tenant cannot fill
+        # it for the others), up to twice max_queue in all
+        if (len(self.queue) >= self.cfg.max_queue and not self._has_free_slot()
+                and (len(self.queue) >= 2 * self.cfg.max_queue or self.queue.over_share(job.tenant, self.cfg.max_queue))):
             raise PoolError(ErrorCode.QUEUE_FULL,
-                            f"model {self.cfg.name!r} has {len(self.queue)} requests queued (max_queue)",
-                            retry_after_s=1)
+                            f"model {self.cfg.name!r} has {len(self.queue)} requests queued, as many of them "
+                            f"tenant {job.tenant!r}'s as its share allows (max_queue, shared by weight among the "
+                            "tenants waiting)", retry_after_s=1)
         self.queue.push(job)
         self._dispatch()  # a free slot takes it now, without waiting for the driver's turn
 

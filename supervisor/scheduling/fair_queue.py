@@ -163,6 +163,15 @@ class FairQueue:
         self._len = 0
         return jobs
 
+    def over_share(self, tenant: str, room: int) -> bool:
+        """Whether `tenant` holds its share of `room` queued jobs or more: `room` split by weight
+        among the tenants waiting, this one counted as waiting. A full queue still takes a tenant
+        under its share (one tenant cannot fill it for the others)."""
+        lane = self._lanes.get(tenant)
+        held = len(lane.jobs) if lane is not None else 0
+        weights = sum(self.shares(t).weight for t in self._lanes if t != tenant) + self.shares(tenant).weight
+        return held >= room * self.shares(tenant).weight / weights
+
     def waiting(self) -> dict[str, int]:
         """Queued jobs per backlogged tenant."""
         return {tenant: len(lane.jobs) for tenant, lane in self._lanes.items()}

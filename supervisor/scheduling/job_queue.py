@@ -42,6 +42,9 @@ class JobQueue(Protocol):
     def position(self, job: Job) -> int | None:
         """`ahead` for a queued job; None when it is not queued."""
 
+    def over_share(self, tenant: str, room: int) -> bool:
+        """Whether `tenant` holds its share of `room` queued jobs or more."""
+
     def __len__(self) -> int: ...
 
     def __iter__(self) -> Iterator[Job]: ...
