@@ -285,6 +285,22 @@ async def test_a_reload_that_removes_a_model_while_its_requests_wait_through_an_
     await m.close()
 
 
+@scenario
+async def test_a_request_admitted_before_a_reload_removed_its_unloaded_model_loads_nothing():
+    """Issue 53, finding 7: admission looks the model up, awaits (the prompt's token ids), and a
+    reload removes the model meanwhile; the resumed enqueue is refused (404 model_not_found) and
+    starts no load of the forgotten entry, which nothing would list, idle out or stop."""
+    m = Machine(model(), model("other"))
+    entry = m.engine.entry("m")  # looked up before the await
+    job = m.engine.make_job(entry, {"messages": [{"role": "user", "content": "hi"}]}, "chat")
+    await m.reload_to(model("other"))
+    with pytest.raises(PoolError) as gone:
+        m.engine.enqueue(entry, job)
+    assert gone.value.code is ErrorCode.MODEL_NOT_FOUND and "removed by a reload" in gone.value.message
+    assert entry.state is S.UNLOADED and not m.procs("m")
+    await m.close()
+
+
 async def unload_racing_an_idle_unload(m: Machine) -> None:
     await m.loaded("m")
     idle_now(m)  # idle: the automatic unload starts

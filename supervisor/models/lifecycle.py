@@ -114,6 +114,9 @@ class Lifecycle:
         """Why a request for this model is refused in its state now; None if it is not."""
         if self.shutting_down:
             return PoolError(ErrorCode.MODEL_UNLOADING, "the pool is shutting down")
+        if not self.registry.is_configured(entry):  # a reload removed it while the request was admitted
+            return PoolError(ErrorCode.MODEL_NOT_FOUND, f"model {entry.cfg.name!r} was removed by a reload",
+                             param="model")
         state = entry.state
         if state is MODEL_UNLOADING:
             return PoolError(ErrorCode.MODEL_UNLOADING, f"model {entry.cfg.name!r} is unloading", param="model",
