@@ -65,8 +65,9 @@ class OpenAIClient:
     `keep_alive`: reuse connections (a remote endpoint, where a new TLS
     connection per job is dear). llama-server announces keep-alive but closes
     a connection after a stream, racing the next request, so local runtimes
-    get a fresh connection per job. A request is sent again only when its
-    connection could not be made (_post): never one the server may have taken.
+    get a fresh connection per job. A request is sent again when its
+    connection could not be made (nothing of it left), and once, on a connection
+    of its own, when a kept-alive connection turned out closed (_post).
 
     The server's answer is not trusted (UpstreamBody, sse_data): its body is
     read within `limits` (decompressed by the pool, in bounded pieces), a
@@ -88,16 +89,26 @@ class OpenAIClient:
             self.headers["Connection"] = "close"
         self.keep_alive = keep_alive
         self._session: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None  # never reuses a connection: re-sends go there
 
-    def _open_session(self) -> aiohttp.ClientSession:
-        if self._session is None:  # made on first use, inside the running loop
-            reuse = aiohttp.TraceConfig()  # says when a request goes out on a kept-alive connection
-            reuse.on_connection_reuseconn.append(_mark_reused)
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, force_close=not self.keep_alive), trace_configs=[reuse],
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10), headers=self.headers,
-                auto_decompress=False)  # aiohttp would inflate a whole chunk at once, unbounded
+    def _open_session(self, fresh: bool = False) -> aiohttp.ClientSession:
+        """The session (made on first use, inside the running loop); `fresh`: the one whose every
+        request has a connection of its own."""
+        if fresh:
+            if self._fresh is None:
+                self._fresh = self._new_session(force_close=True)
+            return self._fresh
+        if self._session is None:
+            self._session = self._new_session(force_close=not self.keep_alive)
         return self._session
+
+    def _new_session(self, force_close: bool) -> aiohttp.ClientSession:
+        reuse = aiohttp.TraceConfig()  # says when a request goes out on a kept-alive connection
+        reuse.on_connection_reuseconn.append(_mark_reused)
+        return aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=force_close), trace_configs=[reuse],
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10), headers=self.headers,
+            auto_decompress=False)  # aiohttp would inflate a whole chunk at once, unbounded
 
     def body(self, request: dict, stream: bool, generate: bool = True) -> dict:
         # extra_body holds generation settings (ignore_eos, top_k, ...): not for embeddings
@@ -167,6 +178,7 @@ class OpenAIClient:
         failures = 0
         while True:
             sent = {"reused": False}
+            resent = session is self._fresh
             try:
                 # a redirect is the runtime's answer (an error), not a place to send the key and the prompt
                 return await session.post(url, json=body, headers=headers or None, allow_redirects=False,
@@ -178,14 +190,14 @@ class OpenAIClient:
                     raise
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
                 # A kept-alive connection the server had closed as it was taken from the pool (the
-                # stale keep-alive race: llama-server closes one after a stream now and then): the
-                # server closed it without a byte of answer. Sent once more, on a new connection (a
-                # remote that read it and closed without answering could so run it twice: the one
-                # case, docs/reliability.md). On a new connection the same error is a server that
-                # dropped the request: never re-sent.
-                failures += 1
-                if not sent["reused"] or failures > CONNECT_RETRIES:
+                # stale keep-alive race): the server closed it without a byte of answer. Sent once
+                # more, on a connection of its own (never another pooled one, which could be as
+                # stale); a remote that read it and closed without answering could so run it twice:
+                # the one case, docs/reliability.md. On a new connection the same error is a server
+                # that dropped the request: never re-sent.
+                if not sent["reused"] or resent:
                     raise
+                session = self._open_session(fresh=True)
 
     async def _complete(self, path: str, body: dict, chat: bool, choices: int,
                         own_timings: bool = False) -> AsyncIterator[Event]:
@@ -282,8 +294,9 @@ class OpenAIClient:
         yield finished(finishes, usage, produced, timings, closing, usage_on_finish)
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        for session in (self._session, self._fresh):
+            if session is not None:
+                await session.close()
 
 
 class OpenAIServerBackend(Backend):
