@@ -224,6 +224,7 @@ class BoundedConnection(asyncio.Protocol):
         self.transport: CoalescedWrites | None = None
         self.client = "?"
         self._started = False  # counted in and handed to the server (not refused at the cap)
+        self._lost = False  # connection_lost came
         self._parser = httptools.HttpRequestParser(self)
         try:  # as uvicorn's: a request after one that asked to close is left to the server
             self._parser.set_dangerous_leniencies(lenient_data_after_close=True)
@@ -262,6 +263,7 @@ class BoundedConnection(asyncio.Protocol):
         self._arm(self.bounds.header_timeout_s, self._header_timeout)
 
     def connection_lost(self, exc) -> None:
+        self._lost = True  # a close asked from now on (the server's, ours) arms no timer
         if not self._started:
             return
         self.connections.remove(self)
@@ -293,7 +295,7 @@ class BoundedConnection(asyncio.Protocol):
     def closing(self) -> None:
         """The transport closes once what was written is out (CoalescedWrites.close): the client
         has write_timeout_s to take it, whatever the answer's size."""
-        if self._started and self._write_timer is None:
+        if self._started and not self._lost and self._write_timer is None:
             self._arm_write_timer()
 
     def _arm_write_timer(self) -> None:
@@ -337,7 +339,7 @@ class BoundedConnection(asyncio.Protocol):
         """Bound the header bytes, then feed; returns what was not fed (after an upgrade).
         `more`: this read holds more bytes after `data`."""
         if self._phase is BODY:
-            return self._feed(data, more) if self._body_left is not None else self._feed_chunked(data, more)
+            return self._feed(data, more)
         room = self.bounds.max_header_bytes - self._header_bytes
         if len(data) <= room:
             self._header_bytes += len(data)
@@ -354,25 +356,13 @@ class BoundedConnection(asyncio.Protocol):
             return b""
         return data[room:]
 
-    def _feed_chunked(self, data: bytes, more: bool) -> bytes:
-        """A chunked body (a body whose length its head did not give): what of it is not body
-        (chunk sizes, extensions, line ends, the trailer section) counts against max_header_bytes,
-        so that trailers are bounded as a head is (each parser grows an unfinished header value by
-        copying it), and so is the number of chunks (each costs a call in both parsers and at
-        least 5 bytes of framing)."""
-        before = self._chunked_body
-        rest = self._feed(data, more)
-        self._framing += len(data) - len(rest) - (self._chunked_body - before)
-        if self._framing > self.bounds.max_header_bytes and not self.transport.is_closing():
-            self._refuse_headers(f"request headers over {self.bounds.max_header_bytes} bytes "
-                                 "(a chunked body's framing and trailers count as headers)")
-        return rest
-
     def _feed(self, data: bytes, more: bool) -> bytes:
         """Parse, hand the bytes on, then start the deadline for what is left half-read, unless
         `more` bytes of this read come next (a head and its body: the body's feed decides).
         Returns the bytes after an upgrade request, not yet fed."""
         completed = self._completed
+        chunked = self._phase is BODY and self._body_left is None  # a body whose length its head did not give
+        body_before = self._chunked_body
         rest = b""
         try:
             self._parser.feed_data(data)
@@ -388,6 +378,8 @@ class BoundedConnection(asyncio.Protocol):
                 self._answer_and_close(PoolError(ErrorCode.INVALID_REQUEST,
                                                  f"invalid HTTP request: {str(exc).rstrip('.')}"), "invalid_http")
             return b""
+        if chunked and self._framing_over(len(data) - (self._chunked_body - body_before)):
+            return b""  # refused before the server's parser saw any of it
         self.inner.data_received(data)
         if rest or more or self._timer is not None or self.transport.is_closing():
             return rest
@@ -396,6 +388,18 @@ class BoundedConnection(asyncio.Protocol):
         elif self._phase is HEADERS or (self._completed == completed and self._phase is IDLE):
             self._arm(self.bounds.header_timeout_s, self._header_timeout)  # a partial request, or blank lines
         return b""
+
+    def _framing_over(self, framing: int) -> bool:
+        """Count `framing` bytes of a chunked body that are not body (chunk sizes, extensions, line
+        ends, the trailer section) against max_header_bytes; past it, refuse. So trailers are
+        bounded as a head is (each parser grows an unfinished header value by copying it), and so
+        is the number of chunks (each costs a call in both parsers and at least 5 bytes)."""
+        self._framing += framing
+        if self._framing <= self.bounds.max_header_bytes:
+            return False
+        self._refuse_headers(f"request headers over {self.bounds.max_header_bytes} bytes "
+                             "(a chunked body's framing and trailers count as headers)")
+        return True
 
     def server_reading(self, wanted: bool) -> None:
         """The server's protocol pauses or resumes reading (its own flow control)."""
