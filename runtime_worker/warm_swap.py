@@ -375,7 +375,10 @@ class WarmSwap:
 
     def supersede(self, fresh: list[Snapshot]) -> None:
         """A snapshot whose tokens a fresh one continues (the same conversation, a later turn) is
-        superseded: deleted. Shared prefixes between conversations do not count."""
+        superseded: deleted. "Continues" is by ratio, not exactly: the fresh one is at least as
+        long and shares the first SUPERSEDES of the old one's tokens (a later turn's prompt is the
+        earlier one re-tokenized through the chat template, not always the same ids). Two
+        conversations that share that much (a long common system prompt) count as one."""
         fresh_paths = {s.path for s in fresh}
         for old in self.snapshots():
             if old.path in fresh_paths:
