@@ -336,7 +336,7 @@ class ModelRouterEngine:
         if self.config.source is None:
             raise PoolError(ErrorCode.INVALID_REQUEST, "this pool was not started from a config file")
         try:
-            new = load_config(self.config.source)
+            new = self.config.keep_overrides(load_config(self.config.source))  # serve --port stays
         except ConfigError as exc:
             raise PoolError(ErrorCode.INVALID_REQUEST, f"config error: {exc}") from None
         if self.shutting_down:

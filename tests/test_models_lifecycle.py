@@ -339,3 +339,26 @@ def test_a_gpu_budget_per_device_evicts_only_on_that_device(make_pool):
     assert states == {"A": "unloaded", "B": "loaded", "C": "loaded"}, states
     assert "model A: unloading (evicted to make room for B in it needs 60 MB of gpu_memory_budget_mb (GPU 0)" \
         in pool.log()
+
+
+def test_a_reload_keeps_serves_port_and_host_from_the_command_line(tmp_path):
+    """Issue 59: `serve --port/--host` over the file's [server] keys; a reload (CLI and SIGHUP)
+    applies the file's model change and keeps the command line's port and host (it was refused:
+    "port take effect only when the pool restarts")."""
+    from tests.pool import Pool, free_port
+    from tests.test_cli import cli
+    file_port = free_port()  # what the file says: never bound
+    pool = Pool(tmp_path, [synthetic("a", tokens=2)], server={"port": file_port, "host": "localhost"})
+    pool.command += ["--port", str(pool.port), "--host", "127.0.0.1"]
+    pool.start()
+    try:
+        pool.rewrite_config([synthetic("a", tokens=2), synthetic("b", tokens=2)])
+        done = cli("reload", url=pool.url)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert done.stdout.splitlines()[0] == "added: b"
+        assert post(pool, "b").status_code == 200
+        pool.rewrite_config([synthetic("a", tokens=2)])
+        os.kill(pool.proc.pid, signal.SIGHUP)
+        wait_for(lambda: "b" not in pool.models(), 30, what="b removed by the SIGHUP reload")
+    finally:
+        pool.stop()

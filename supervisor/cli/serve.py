@@ -61,10 +61,7 @@ def serve(files: GgufFiles = None,
     except ConfigError as exc:
         typer.echo(f"llm-pool: config error: {exc}", err=True)
         raise typer.Exit(2) from None
-    if host is not None:
-        cfg.server.host = host
-    if port is not None:
-        cfg.server.port = port
+    cfg.override_server(**{key: value for key, value in (("host", host), ("port", port)) if value is not None})
     has_keys = (cfg.server.api_key or os.environ.get("LLM_POOL_API_KEY")) and (
         cfg.server.admin_key or os.environ.get("LLM_POOL_ADMIN_KEY"))
     if not _is_loopback(cfg.server.host) and not has_keys and not os.environ.get("LLM_POOL_ALLOW_INSECURE"):

@@ -50,10 +50,23 @@ class PoolConfig(Strict):
     tenants: list[TenantConfig] = Field(default_factory=list)
     models: list[ModelConfig] = Field(default_factory=list)
     _source: str | None = PrivateAttr(None)  # the file it was read from: a reload reads it again
+    # [server] keys the command line set over the file's (serve --host/--port): a reload keeps them
+    _overrides: dict = PrivateAttr(default_factory=dict)
 
     @property
     def source(self) -> str | None:
         return self._source
+
+    def override_server(self, **values) -> None:
+        """Set [server] keys over the file's, for as long as the pool runs (reloads too)."""
+        for key, value in values.items():
+            setattr(self.server, key, value)
+        self._overrides.update(values)
+
+    def keep_overrides(self, new: PoolConfig) -> PoolConfig:
+        """`new` (the file read again) with this config's command-line overrides."""
+        new.override_server(**self._overrides)
+        return new
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
