@@ -138,8 +138,8 @@ class Activity:
                 queued = duration
             if job.first_token_at is not None:
                 ttft = round((job.first_token_at - start) * 1000, 1)
-            if model in self.engine.models:
-                self.latency.add(model, ttft, duration, queued)
+            if model in self.engine.models:  # the chart's TTFT is of streams, as the histogram's (metrics.py)
+                self.latency.add(model, ttft if job.request.get("stream") is not False else None, duration, queued)
             if job.transcript is not None:  # the model has log_bodies = true
                 asked = next((job.request[k] for k in ("messages", "prompt", "input") if k in job.request), None)
                 prompt = truncate(json.dumps(asked, ensure_ascii=False))

@@ -53,7 +53,8 @@ class Metrics:
         # what every request adds: plain numbers, made Prometheus families when scraped (tallies.py)
         self.requests = CounterTally("llm_pool_requests", "Inference requests by model, endpoint and HTTP status",
                                      ["model", "endpoint", "status"])
-        self.ttft = HistogramTally("llm_pool_time_to_first_token_seconds", "Admission to first token",
+        self.ttft = HistogramTally("llm_pool_time_to_first_token_seconds",
+                                   "Admission to first token, of streamed answers (a whole answer has none)",
                                    ["model"], LATENCY_BUCKETS)
         self.latency = HistogramTally("llm_pool_request_duration_seconds", "Admission to last token",
                                       ["model"], LATENCY_BUCKETS)
@@ -140,7 +141,9 @@ class Metrics:
         self.engine.learn(job, done)  # the model's latency predictor
         now = time.monotonic()
         model = (self._model(job.model),)
-        if job.first_token_at is not None:
+        # a whole answer's first token is its last on a runtime that answers whole (llama-server):
+        # only a stream has a first token for the client, so only streams make the TTFT histogram
+        if job.first_token_at is not None and job.request.get("stream") is not False:
             self.ttft.observe(model, job.first_token_at - job.created_at)
         self.latency.observe(model, now - job.created_at)
         output = int(done.usage.get("output_tokens", 0))
