@@ -61,8 +61,8 @@ def test_the_latency_charts_are_drawn_with_each_models_figures(browser, make_poo
     for chart in ("ttft", "duration", "queued"):  # nothing finished yet: no points
         assert page.locator(f"#chart-{chart}").get_attribute("data-points") in (None, "0")
     for i in range(4):
-        assert httpx.post(pool.url + "/v1/chat/completions", timeout=30, json={
-            "model": "quick", "messages": [{"role": "user", "content": f"hi {i}"}]}).status_code == 200
+        assert httpx.post(pool.url + "/v1/chat/completions", timeout=30, json={  # streamed: the TTFT chart's
+            "model": "quick", "messages": [{"role": "user", "content": f"hi {i}"}], "stream": True}).status_code == 200
     for chart in ("ttft", "duration", "queued"):
         wait_for(lambda: int(page.locator(f"#chart-{chart}").get_attribute("data-points") or 0) >= 2, 10,
                  what=f"the {chart} chart drawn with samples")

@@ -28,8 +28,8 @@ def test_dashboard_queries_only_exported_metrics(make_pool):
     assert len(ids) == len(set(ids))
 
     pool = make_pool([synthetic("m", tokens=3)])
-    assert pool.http.post("/v1/chat/completions", json={
-        "model": "m", "messages": [{"role": "user", "content": "hi"}]}).status_code == 200
+    assert pool.http.post("/v1/chat/completions", json={  # streamed: TTFT is observed for streams only
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}).status_code == 200
     text = pool.http.get("/metrics").text
     exported = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("llm_pool_")}
     # and the labelled counters with no sample yet (llm_pool_requests_planned_total before any unload)
