@@ -122,6 +122,20 @@ def test_check_exit_codes(make_pool):
     assert "waiting for" not in done.stdout + done.stderr
 
 
+def test_unloading_a_failed_model_keeps_its_failure_exported(make_pool):
+    """Issue 58: after `unload` of a model whose load failed, /health still says failed, and so does
+    /metrics (llm_pool_model_last_load_failed, which LlmPoolModelFailed reads): the alert holds."""
+    pool = make_pool([synthetic("quick"), with_options(synthetic("stuck", load_timeout_s=1), load_ms=60_000)],
+                     wait_ready=False)
+    wait_for(lambda: pool.model("stuck")["state"] == "failed", 30, what="stuck failed")
+    assert pool.http.post("/admin/models/stuck/unload").status_code == 200
+    wait_for(lambda: pool.model("stuck")["state"] == "unloaded", 30, what="stuck unloaded")
+    metrics = pool.http.get("/metrics").text
+    assert 'llm_pool_model_last_load_failed{model="stuck"} 1.0' in metrics
+    assert 'llm_pool_model_last_load_failed{model="quick"} 0.0' in metrics
+    assert pool.http.get("/health").json()["status"] == "failed"
+
+
 def test_a_failed_loads_replicas_stay_listed_with_their_reason_and_log(make_pool):
     pool = make_pool([synthetic("quick"), with_options(synthetic("stuck", load_timeout_s=1), load_ms=60_000)],
                      wait_ready=False)

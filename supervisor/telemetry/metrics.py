@@ -12,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from protocol import Done
 from protocol.errors import ErrorCode, PoolError
+from supervisor.models.health import last_load_failed
 from supervisor.models.lifecycle import LOAD_BUCKETS
 from supervisor.scheduling.jobs import Job
 from supervisor.replicas.observe import replica_view
@@ -182,6 +183,9 @@ class _EngineCollector:
         # one series per (model, state) that can be shown, 1 for the current one (model_health.derived_state)
         shown = GaugeMetricFamily("llm_pool_model_state", "1 for the model's current state", labels=["model", "state"])
         ready = GaugeMetricFamily("llm_pool_model_replicas_ready", "Ready replicas of the model", labels=labels)
+        # an unload does not mend a failed load: the alert on it holds until a load succeeds
+        load_failed = GaugeMetricFamily("llm_pool_model_last_load_failed", "1 when the model is unloaded and its "
+                                        "last load failed (until a load succeeds)", labels=labels)
         rlabels = ["model", "replica"]
         up = GaugeMetricFamily("llm_pool_worker_up", "1 when the replica is ready", labels=rlabels)
         restarts = CounterMetricFamily("llm_pool_worker_restarts", "Replica restarts, by reason: crash (a fault), "
@@ -230,6 +234,7 @@ class _EngineCollector:
             for state in SHOWN_STATES:
                 shown.add_metric([name, state], 1 if view["state"] == state else 0)
             ready.add_metric([name], view["ready"])
+            load_failed.add_metric([name], 1 if last_load_failed(entry) else 0)
             for r in entry.executor.replicas if entry.executor else []:
                 key = [name, str(r.index)]
                 up.add_metric(key, 1 if r.state is ReplicaState.READY else 0)
@@ -258,8 +263,8 @@ class _EngineCollector:
                         by_process[child["name"]] = by_process.get(child["name"], 0) + child["rss_bytes"]
                 for process, value in by_process.items():
                     rss.add_metric([*key, process], value)
-        yield from (queue, inflight, configured, effective, loaded, shown, ready, up, restarts, crashes, bad, rss,
-                    routed, prompt, cached, hit_ratio, matched, kv_blocks, kv_resets, tok_calls, tok_failed, tok_seconds)
+        yield from (queue, inflight, configured, effective, loaded, shown, ready, load_failed, up, restarts, crashes,
+                    bad, rss, routed, prompt, cached, hit_ratio, matched, kv_blocks, kv_resets, tok_calls, tok_failed, tok_seconds)
         yield from self._lifecycle()
 
     def _lifecycle(self):
