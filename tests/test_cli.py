@@ -307,3 +307,19 @@ def test_the_operators_commands_import_neither_pydantic_nor_rich(make_pool):
         imported = {line.split("|")[-1].strip().split(".")[0] for line in done.stderr.splitlines()
                     if line.startswith("import time:")}
         assert "typer" in imported and not imported & {"pydantic", "rich", "httpx"}, (command, imported)
+
+
+@pytest.mark.parametrize("columns", [80, 100])
+@pytest.mark.parametrize("name", ["syn", "smollm2", "a-model-name-much-longer-than-twenty-characters"])
+def test_a_default_table_fits_the_terminal_whatever_the_names_length(monkeypatch, capsys, columns, name):
+    """Issue 58: a name shorter than FLEX_MIN was counted at its width when columns were fitted,
+    then widened to FLEX_MIN: `models` and `requests` printed 81-82 columns (101 at 100)."""
+    from supervisor.cli.formatting import FIT, FLEX, KEEP, SPILL, table
+    monkeypatch.setenv("COLUMNS", str(columns))
+    cells = [("MODEL", FLEX), ("STATE", KEEP)] + [(f"C{i}", FIT if i % 2 else SPILL) for i in range(12)]
+    for filler in range(1, 12):  # fillers that bring the row to each width around the terminal's
+        row = (name, "loaded", *(("x" * filler,) * 12))
+        table(cells, [row])
+        lines = capsys.readouterr().out.splitlines()
+        assert max(map(len, lines)) <= columns, (filler, lines)
+        assert lines[1].split()[1] == "loaded"  # what an operator types back is never cut

@@ -81,8 +81,8 @@ def table(columns: list[tuple[str, str]], rows: list[tuple[str, ...]], wide: boo
             break
         shown.remove(i)
     total = lambda: sum(widths[i] for i in shown) + 2 * (len(shown) - 1)  # noqa: E731
-    for i in flex:
-        widths[i] = max(FLEX_MIN, len(headers[i]), widths[i] - max(0, total() - limit))
+    for i in flex:  # cut to fit, never below FLEX_MIN (or its header), never widened
+        widths[i] = min(widths[i], max(FLEX_MIN, len(headers[i]), widths[i] - max(0, total() - limit)))
     below = [i for i, (_, kind) in enumerate(columns) if i not in shown and kind in (SPILL, BELOW)]
     _print_grid(headers, rows, shown, widths, below, limit)
 
