@@ -25,7 +25,7 @@ from runtime_worker.backends.base import (
 from runtime_worker.cancel_watch import CancelWatch
 from runtime_worker.lifeline import die_with_parent
 from runtime_worker.outbox import Outbox
-from runtime_worker.warm_swap import WarmSwap
+from runtime_worker.warm_swap import DEFAULT_MIN_FREE_MB, WarmSwap
 
 log = logging.getLogger("runtime_worker")
 TURN_S = 0.02  # a job relays its backend's events this long at most before the loop gets a turn
@@ -127,7 +127,8 @@ class Worker:
         if setup.warm_swap:
             ws = setup.warm_swap
             try:
-                self.backend.warm_swap = WarmSwap(str(ws["dir"]), float(ws["budget_mb"]), float(ws["save_timeout_s"]))
+                self.backend.warm_swap = WarmSwap(str(ws["dir"]), float(ws["budget_mb"]), float(ws["save_timeout_s"]),
+                                                  min_free_mb=float(ws.get("min_free_mb", DEFAULT_MIN_FREE_MB)))
             except (KeyError, TypeError, ValueError) as exc:
                 log.error("warm swap: a setup the worker cannot read (%r): off", exc)
         self.backend.kv_events_sink = lambda events, reset: self.send(p.KvEvents(events=events, reset=reset))

@@ -56,6 +56,7 @@ CALL_TIMEOUT_S = 60.0  # one save or restore call (its bytes go to or from the p
 STATE_MAGIC = 0x67677371  # llama.cpp's sequence state file ("ggsq")
 PACKED_TOKENS = 0xFFFFFFFF  # its token payload starts with a packed header: this, a version, the count
 OFF_FILE = "OFF"
+DEFAULT_MIN_FREE_MB = 1024  # [server] kv_min_free_mb
 SIDECAR_MAX_BYTES = 4096  # what seal() writes is about 250 bytes
 PART = ".part"  # a save being written: invisible to every scan until its sidecar is there
 # What the pool names, and so all it deletes: a config's directory (config_key) and a snapshot
@@ -168,9 +169,11 @@ class WarmSwap:
     of every model's snapshots together (`budget_mb`, over the parent of `root`), and the
     snapshots this worker restored (held under flock until it exits)."""
 
-    def __init__(self, root: str, budget_mb: float, save_timeout_s: float) -> None:
+    def __init__(self, root: str, budget_mb: float, save_timeout_s: float,
+                 min_free_mb: float = DEFAULT_MIN_FREE_MB) -> None:
         self.root = Path(root)
         self.budget_bytes = int(budget_mb * 2**20)
+        self.min_free_bytes = int(min_free_mb * 2**20)  # no save while the disk has less free (kv_min_free_mb)
         self.save_timeout_s = save_timeout_s
         self.dir: Path | None = None  # root/<config>, once the runtime's config is known
         self.held: dict[Path, int] = {}  # restored snapshot -> its locked fd
@@ -590,6 +593,11 @@ async def save(ws: WarmSwap, client: SlotClient) -> dict:
     the disk budget. A slot that fails is logged; the others are still saved."""
     if ws.off_reason or ws.dir is None or await asyncio.to_thread(ws.off_written):
         return {"saved": 0}
+    free = (await asyncio.to_thread(shutil.disk_usage, ws.dir)).free
+    if free < ws.min_free_bytes:  # a full disk would fail the saves, and whatever else writes there
+        log.warning("warm swap: nothing saved: %d MiB free on the state directory's disk, under kv_min_free_mb "
+                    "(%d MiB)", free >> 20, ws.min_free_bytes >> 20)
+        return {"saved": 0, "skipped": "disk"}
     started = time.monotonic()
     stamp = time.time_ns()
     fresh = []

@@ -192,6 +192,20 @@ def test_the_disk_budget_drops_the_least_recently_used(make_pool, tiny_gguf, lla
     assert "over kv_disk_budget_mb" in worker_log(pool, "b")
 
 
+def test_nothing_is_saved_while_the_disk_is_under_its_free_floor(make_pool, tiny_gguf, llama_server_bin):
+    """Issue 53: a full disk is not a crash. With less free than kv_min_free_mb (here more than any
+    disk has), a stop saves nothing, says why in the replica's log, and the model unloads and
+    loads again as ever."""
+    pool = make_pool([tiny(tiny_gguf, llama_server_bin)], server={"kv_min_free_mb": 2**40})
+    Conversation(pool, "tiny").turn()
+    unload(pool, "tiny")
+    wait_for(lambda: "nothing saved" in worker_log(pool, "tiny") and "kv_min_free_mb" in worker_log(pool, "tiny"),
+             10, what="the skipped save logged")
+    assert not snapshots(pool, "tiny")
+    load(pool, "tiny")
+    Conversation(pool, "tiny", seed=1).turn()
+
+
 def test_a_restore_that_does_not_take_turns_warm_swaps_off_with_the_reason(make_pool, tiny_gguf,
                                                                           llama_server_bin):
     # --no-cache-prompt: the runtime saves and restores slots, and then reads nothing from them

@@ -40,6 +40,8 @@ class ServerConfig(Strict):
                                   "it (mode 0700); default: the user's state directory.")
     kv_disk_budget_mb: float = Field(4096, ge=0, description="Warm swaps' saved KV, every model's together, "
                                      "in the state directory; the least recently used goes first (0: nothing is saved).")
+    kv_min_free_mb: float = Field(1024, ge=0, description="Warm swaps save nothing while the state "
+                                  "directory's disk has less free than this (a full disk is not a crash).")
     kv_save_timeout_s: float = Field(30.0, gt=0, description="A planned stop's KV save (warm swaps) gets this "
                                      "long, on top of the model's stop_timeout_s.")
     request_log_max_rows: int = Field(100_000, ge=1, description="The request log keeps the newest this many rows.")

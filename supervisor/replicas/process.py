@@ -77,7 +77,7 @@ def worker_args(cfg: ModelConfig, server: ServerConfig, endpoint: str, identity:
 
 def worker_setup(cfg: ModelConfig, server: ServerConfig, kv_dir: Path | None) -> p.Setup:
     """The answer to a replica's worker's Hello: the model's options, and where its KV is saved."""
-    warm_swap = {"dir": str(kv_dir), "budget_mb": server.kv_disk_budget_mb,
+    warm_swap = {"dir": str(kv_dir), "budget_mb": server.kv_disk_budget_mb, "min_free_mb": server.kv_min_free_mb,
                  "save_timeout_s": server.kv_save_timeout_s} if kv_dir else {}
     return p.Setup(options=cfg.worker_options, warm_swap=warm_swap)
 
