@@ -18,6 +18,7 @@ from protocol.errors import ERROR_TYPE, ErrorCode, PoolError
 from supervisor import ui
 from supervisor.edge import admin_feeds
 from supervisor.edge import admin
+from supervisor.edge import ollama
 from supervisor.admission.admit import DEFAULT_TENANT, Admission
 from supervisor.config import PoolConfig
 from supervisor.shapes.anthropic import anthropic_model_page
@@ -68,6 +69,7 @@ def create_app(config: PoolConfig) -> HttpEdge:
     inference = InferenceSurface(app, engine, admission, metrics, config).endpoints
     app.include_router(admin.router)
     app.include_router(admin_feeds.router)
+    app.include_router(ollama.router)
     app.include_router(ui.router)
     edge = HttpEdge(app, server=config.server, admission=admission, admin_key=admin_key,
                     inference=inference,
@@ -85,7 +87,7 @@ def _answer_errors(app: FastAPI, metrics: Metrics) -> None:
     """Every error of the FastAPI app's routes in the contract's envelope, counted."""
     @app.exception_handler(PoolError)
     async def _pool_error(request: Request, exc: PoolError):
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):

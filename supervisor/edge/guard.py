@@ -28,6 +28,7 @@ from supervisor.admission.tenants import UNKNOWN_KEY
 NOT_FOUND = {"error": {"message": "Not Found", "type": "not_found_error", "param": None, "code": None}}
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})  # the methods whose routes may take a body
 ANTHROPIC_PATHS = ("/v1/messages",)  # the Messages surface answers in Anthropic's envelope
+OLLAMA_PREFIX = "/api/"  # Ollama's API: keyed as /v1/ is, its errors {"error": message}
 TENANT_KEY = "llm_pool.tenant"  # in the ASGI scope of each keyed request: admission.Tenant
 
 
@@ -60,6 +61,9 @@ def error_response(err: PoolError, path: str = "") -> JSONResponse:
     """The error in its API family's envelope: Anthropic's on /v1/messages, else OpenAI's."""
     if path.startswith(ANTHROPIC_PATHS):
         return anthropic_error_response(err)
+    if path.startswith(OLLAMA_PREFIX):
+        return JSONResponse({"error": err.message}, status_code=err.status,
+                            headers={"retry-after": str(int(err.retry_after_s))} if err.retry_after_s is not None else {})
     headers = {}
     if err.retry_after_s is not None:
         headers["Retry-After"] = str(int(err.retry_after_s))
@@ -340,7 +344,7 @@ class HttpEdge:
 
     def _refusal(self, scope) -> PoolError | None:
         path = scope["path"]
-        if path.startswith("/v1/") or path in self.inference:  # /tokenize and the runtime's other calls too
+        if path.startswith(("/v1/", OLLAMA_PREFIX)) or path in self.inference:  # /tokenize and the runtime's calls too
             try:
                 scope[TENANT_KEY] = self.admission.tenant(scope["headers"])
             except PoolError as refusal:

@@ -21,6 +21,7 @@ from fastapi.responses import Response
 from protocol import Delta, Done
 from protocol.errors import ErrorCode, PoolError
 from supervisor.shapes import anthropic as ashapes
+from supervisor.shapes import ollama as oshapes
 from supervisor.shapes import openai as shapes
 from supervisor.shapes import responses as rshapes
 from supervisor.shapes import runtime_calls as cshapes
@@ -93,6 +94,8 @@ class InferenceSurface:
                 ("/v1/embeddings", shapes.EmbeddingRequest, self.create_embeddings),
                 ("/v1/messages", ashapes.MessagesRequest, self.create_message),
                 ("/v1/messages/count_tokens", ashapes.CountTokensRequest, self.count_tokens),
+                ("/api/chat", oshapes.ChatBody, self.ollama_chat),
+                ("/api/generate", oshapes.GenerateBody, self.ollama_generate),
                 *((path, shapes.ChatRequest, self.chat_input_tokens) for path in cshapes.INPUT_TOKENS_PATHS),
                 *((path, cshapes.RerankRequest if label == "rerank" else cshapes.RuntimeCall,
                    functools.partial(self.runtime_call, label)) for path, label in cshapes.PATHS.items())):
@@ -138,7 +141,7 @@ class InferenceSurface:
         return await self.serve_job(
             request, "responses", body, job_for,
             (lambda: rshapes.ResponsesStream(body, mapped[0], self.context_of(body.model))) if body.stream else None,
-            lambda choices, done: rshapes.response_json(body, choices, done, mapped[0], self.context_of(body.model)))
+            lambda choices, done, job: rshapes.response_json(body, choices, done, mapped[0], self.context_of(body.model)))
 
     def context_of(self, model: str) -> int | None:
         """The tokens one request may hold on `model`, where its runtime reports it."""
@@ -151,13 +154,13 @@ class InferenceSurface:
         return await self.serve_job(
             request, "chat_completions", body, shapes.job_request(data),
             (lambda: shapes.ChatStream(body.model, include_usage(body))) if body.stream else None,
-            lambda choices, done: shapes.chat_completion(body.model, choices, done))
+            lambda choices, done, job: shapes.chat_completion(body.model, choices, done))
 
     async def completions(self, body: shapes.CompletionRequest, data: dict, request: Request):
         return await self.serve_job(
             request, "completions", body, shapes.job_request(data),
             (lambda: shapes.CompletionStream(body.model, include_usage(body))) if body.stream else None,
-            lambda choices, done: shapes.text_completion(body.model, choices, done), "completions")
+            lambda choices, done, job: shapes.text_completion(body.model, choices, done), "completions")
 
     async def create_message(self, body: ashapes.MessagesRequest, data: dict, request: Request):
         """On the runtime's own /v1/messages where the serving model has one (the body as sent),
@@ -172,8 +175,27 @@ class InferenceSurface:
             return ashapes.job_request_from_messages(body, data), "chat"
         return await self.serve_job(request, "messages", body, job_for,
                                     (lambda: ashapes.MessagesStream(body)) if body.stream else None,
-                                    lambda choices, done: ashapes.message_json(body, choices, done),
+                                    lambda choices, done, job: ashapes.message_json(body, choices, done),
                                     session=request.headers.get(SESSION_HEADER) or ashapes.user_of(body))
+
+    async def ollama_chat(self, body: oshapes.ChatBody, data: dict, request: Request):
+        """Ollama's chat, mapped onto the runtime's chat (shapes/ollama.py); streamed as NDJSON unless
+        `"stream": false`."""
+        timing = oshapes.Timing(time.monotonic())
+        body.model = oshapes.model_name(body.model, lambda name: self.model_config(name) is not None)
+        return await self.serve_job(
+            request, "ollama_chat", body, lambda model: (oshapes.chat_job(body, self.context_of(model)), "chat"),
+            (lambda: oshapes.OllamaStream(body, "chat", timing)) if body.stream else None,
+            lambda choices, done, job: oshapes.answer(body, "chat", choices, done, timing.of(job)))
+
+    async def ollama_generate(self, body: oshapes.GenerateBody, data: dict, request: Request):
+        """Ollama's generate: the prompt through the model's chat template, or as written (`raw`)."""
+        timing = oshapes.Timing(time.monotonic())
+        body.model = oshapes.model_name(body.model, lambda name: self.model_config(name) is not None)
+        return await self.serve_job(
+            request, "ollama_generate", body, lambda model: oshapes.generate_job(body, self.context_of(model)),
+            (lambda: oshapes.OllamaStream(body, "generate", timing)) if body.stream else None,
+            lambda choices, done, job: oshapes.answer(body, "generate", choices, done, timing.of(job)))
 
     def _native_messages(self, model: str) -> bool:
         cfg = self.model_config(model)
@@ -186,11 +208,11 @@ class InferenceSurface:
         if cfg is None or native_messages(cfg) or "count_tokens" not in capabilities(cfg):
             # the runtime's own count; admission refuses a model that has none
             return await self.serve_job(request, "count_tokens", body, cshapes.call_request(data), None,
-                                        lambda choices, done: cshapes.call_answer(body.model, done.result),
+                                        lambda choices, done, job: cshapes.call_answer(body.model, done.result),
                                         "count_tokens")
         return await self.serve_job(
             request, "count_tokens", body, ashapes.tokenize_request(body), None,
-            lambda choices, done: {"input_tokens": cshapes.token_count(done.result)}, "tokenize")
+            lambda choices, done, job: {"input_tokens": cshapes.token_count(done.result)}, "tokenize")
 
     async def chat_input_tokens(self, body: shapes.ChatRequest, data: dict, request: Request):
         """{"object": "response.input_tokens", "input_tokens": N}: the prompt tokens of a chat body,
@@ -199,16 +221,16 @@ class InferenceSurface:
         cfg = self.model_config(body.model)
         if cfg is None or native_input_tokens(cfg) or "input_tokens" not in capabilities(cfg):
             return await self.serve_job(request, "input_tokens", body, cshapes.call_request(data), None,
-                                        lambda choices, done: cshapes.call_answer(body.model, done.result),
+                                        lambda choices, done, job: cshapes.call_answer(body.model, done.result),
                                         "input_tokens")
         return await self.serve_job(
             request, "input_tokens", body, cshapes.chat_tokenize_request(data), None,
-            lambda choices, done: cshapes.input_tokens_answer(cshapes.token_count(done.result)), "tokenize")
+            lambda choices, done, job: cshapes.input_tokens_answer(cshapes.token_count(done.result)), "tokenize")
 
     async def runtime_call(self, label: str, body, data: dict, request: Request):
         """/tokenize, /detokenize, /apply-template, /v1/rerank: the runtime's own call, answered whole."""
         return await self.serve_job(request, label, body, cshapes.call_request(data), None,
-                                    lambda choices, done: cshapes.call_answer(body.model, done.result), label)
+                                    lambda choices, done, job: cshapes.call_answer(body.model, done.result), label)
 
     async def create_embeddings(self, body: shapes.EmbeddingRequest, data: dict, request: Request):
         if body.stream:
@@ -216,13 +238,13 @@ class InferenceSurface:
             self.metrics.request(body.model, "/v1/embeddings", 400, error=err, tenant=tenant_name(request.scope))
             raise err
         return await self.serve_job(request, "embeddings", body, shapes.job_request(data), None,
-                                    lambda choices, done: shapes.embeddings(body.model, done), "embeddings")
+                                    lambda choices, done, job: shapes.embeddings(body.model, done), "embeddings")
 
     # -- 3. admission, then the job, on the model or its fallbacks ---------------------------------------------
     async def serve_job(self, request: Request, endpoint: str, body, job_request, sse_shape, to_json,
                         job_endpoint: str = "chat", session: str | None = None):
         """Run one inference request: as SSE when `sse_shape` (a shape's factory) is given,
-        else as the JSON that `to_json(choices, done)` builds. `job_request` is the runtime's
+        else as the JSON that `to_json(choices, done, job)` builds. `job_request` is the runtime's
         request, or, where its shape depends on the model that serves, a function of that
         model's name giving (request, job endpoint). The model `body` names is tried first,
         then its fallbacks (fallback_chains.Chain), while nothing of an answer has reached
@@ -285,8 +307,10 @@ class InferenceSurface:
                 first = await self.first_event(request, job)
                 if first is None:
                     return self.client_gone(job, endpoint)
+                shape = sse_shape()
                 streaming = JobStream(job, functools.partial(self.end_stream, endpoint=endpoint),
-                                      self.sse_body(job, endpoint, sse_shape(), first), self.answer_headers(job))
+                                      self.sse_body(job, endpoint, shape, first), self.answer_headers(job),
+                                      getattr(shape, "media_headers", None))
                 return streaming
             result = await self.unless_disconnected(request, job, self.collect(job))
             if result is None:
@@ -294,7 +318,7 @@ class InferenceSurface:
             choices, done = result
             # the request is counted (metrics, request log) once its answer is written, not while
             # the client waits for it (count_after_answer)
-            return AnswerJSON(to_json(choices, done), self.answer_headers(job),
+            return AnswerJSON(to_json(choices, done, job), self.answer_headers(job),
                               functools.partial(self.count_after_answer, job, done, endpoint))
         finally:
             if streaming is None and job.state is not JOB_FINISHED:  # else the stream owns the job to its end
@@ -368,18 +392,19 @@ class InferenceSurface:
         (WAITING) opens at once and says that it waits every sse_ping_s (`ping`).
         A client that leaves cancels the job (see JobStream)."""
         text_sse = getattr(shape, "text_sse", None)  # a shape's fast path for plain text
+        frame = getattr(shape, "frame", sse_frame)  # a shape's own framing (Ollama's NDJSON), else SSE
         try:
-            ready = [sse_frame(e) for e in shape.opening(first)]  # the runtime's own opening, if it sent one
+            ready = [frame(e) for e in shape.opening(first)]  # the runtime's own opening, if it sent one
             event = first
             while True:
                 if isinstance(event, Delta):
                     if text_sse is not None and not event.parts and event.text:
                         ready.append(text_sse(event.text))
                     else:
-                        ready += [sse_frame(e) for e in shape.delta(event)]
+                        ready += [frame(e) for e in shape.delta(event)]
                 elif isinstance(event, Done):
                     self.metrics.job_done(job, event, endpoint)
-                    ready += [sse_frame(e) for e in shape.closing(event)]
+                    ready += [frame(e) for e in shape.closing(event)]
                     yield b"".join(ready)
                     return
                 else:  # waiting, or quiet for sse_ping_s: a ping keeps clients and proxies from timing out
@@ -389,7 +414,7 @@ class InferenceSurface:
                 event = await job.next_event(self.engine.cancel, idle_s=self.sse_ping_s)
         except PoolError as err:
             self.metrics.request(job.model, endpoint, err.status, job, error=err)
-            yield b"".join([*ready, *(sse_frame(e) for e in shape.failed(err))])
+            yield b"".join([*ready, *(frame(e) for e in shape.failed(err))])
 
     def ping(self, job: Job, shape) -> bytes:
         """A stream's keep-alive: the shape's own where it has one (Anthropic's `ping` event);

@@ -66,11 +66,12 @@ class JobStream:
     for http.disconnect. (Starlette's StreamingResponse runs a task group per
     response for this under ASGI 2.3, uvicorn's: about 0.2 ms of CPU per stream.)"""
 
-    def __init__(self, job: Job, end, body, headers: list[tuple[bytes, bytes]] = ()) -> None:
+    def __init__(self, job: Job, end, body, headers: list[tuple[bytes, bytes]] = (),
+                 media_headers: list[tuple[bytes, bytes]] | None = None) -> None:
         self.job = job
         self.end = end  # cancels the job unless finished; counts a client that left
-        self.body = body  # async iterator of bytes: the SSE events, ready to write
-        self.headers = [*SSE_RAW_HEADERS, *headers]
+        self.body = body  # async iterator of bytes: the SSE events (or a shape's own lines), ready to write
+        self.headers = [*(SSE_RAW_HEADERS if media_headers is None else media_headers), *headers]
 
     async def __call__(self, scope, receive, send) -> None:
         task = asyncio.current_task()

@@ -30,7 +30,8 @@ ENDPOINTS = {"/v1/responses": "responses", "/v1/chat/completions": "chat_complet
              "/v1/messages/count_tokens": "count_tokens", "/tokenize": "tokenize", "/detokenize": "detokenize",
              "/apply-template": "apply_template", "/v1/rerank": "rerank", "/rerank": "rerank",
              "/v1/reranking": "rerank", "/reranking": "rerank", "/v1/chat/completions/input_tokens": "input_tokens",
-             "/chat/completions/input_tokens": "input_tokens"}
+             "/chat/completions/input_tokens": "input_tokens", "/api/chat": "ollama_chat",
+             "/api/generate": "ollama_generate"}
 OTHER_ENDPOINT = "other"  # a request refused before it reached an inference route
 CLIENT_CLOSED = 499  # status counted for a request whose client left before its answer was complete
 UNKNOWN_MODEL = "unknown"  # a model name that is not configured
