@@ -1,6 +1,7 @@
 """The second room: who may call what, and how much of a body is read, before
 a route runs. One pure ASGI layer (`HttpEdge`; each layer costs on every request):
-keys (for /v1/* and the runtime's calls such as /tokenize, through `admission`), the browser rules for the admin surface
+keys (for /v1/*, Ollama's /api/* and the runtime's calls such as /tokenize, through `admission`), the browser rules
+for the admin surface
 (Host, Origin, Sec-Fetch-Site) against cross-site and DNS-rebinding requests,
 unknown paths and refusals answered before their body is read (their connection then closes), the request body bounds,
 each request's and all together. The bytes came through supervisor/edge/listener.py.
@@ -58,7 +59,8 @@ def anthropic_error_response(err: PoolError) -> JSONResponse:
 
 
 def error_response(err: PoolError, path: str = "") -> JSONResponse:
-    """The error in its API family's envelope: Anthropic's on /v1/messages, else OpenAI's."""
+    """The error in its API family's envelope: Anthropic's on /v1/messages, Ollama's under /api/,
+    else OpenAI's."""
     if path.startswith(ANTHROPIC_PATHS):
         return anthropic_error_response(err)
     if path.startswith(OLLAMA_PREFIX):
@@ -120,7 +122,7 @@ class HttpEdge:
     reads the request, then the body bounds. One pure ASGI layer (each layer
     costs on every request).
 
-    Keys: /v1/* goes through `Admission.tenant` (the inference key or the admin
+    Keys: /v1/* and /api/* go through `Admission.tenant` (the inference key or the admin
     key when an inference key is set); the tenant goes in `scope[TENANT_KEY]`.
     The admin surface (/admin/*, /docs, /redoc, /openapi.json) needs the admin
     key when any key is set; with inference keys (api_key or [[tenants]]) and no
