@@ -1,9 +1,9 @@
 """The second room: who may call what, and how much of a body is read, before
 a route runs. One pure ASGI layer (`HttpEdge`; each layer costs on every request):
-keys (for /v1/*, Ollama's /api/* and the runtime's calls such as /tokenize, through `admission`), the browser rules
-for the admin surface
-(Host, Origin, Sec-Fetch-Site) against cross-site and DNS-rebinding requests,
-unknown paths and refusals answered before their body is read (their connection then closes), the request body bounds,
+keys (for /v1/*, Ollama's /api/* and the runtime's calls such as /tokenize, through
+`admission`), the browser rules for the admin surface (Host, Origin, Sec-Fetch-Site)
+against cross-site and DNS-rebinding requests, unknown paths and refusals answered
+before their body is read (their connection then closes), and the request body bounds,
 each request's and all together. The bytes came through supervisor/edge/listener.py.
 """
 
