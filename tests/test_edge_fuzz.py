@@ -21,18 +21,15 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 import time
 
 import httptools
 import pytest
-import uvicorn
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 from supervisor.config import ServerConfig
-from supervisor.edge.listener import bounded_protocol, connection_of
-from tests.pool import free_port, wait_for
+from testkit.listener_app import ListenerApp
 
 pytestmark = pytest.mark.hostile
 
@@ -43,48 +40,29 @@ BOUNDS = ServerConfig(header_timeout_s=TIMER_S, body_timeout_s=TIMER_S, max_head
                       max_pipelined_requests=4)
 
 
-class Recorder:
-    """uvicorn, the pool's listener in front, and an app that records what it is handed."""
+class Recorder(ListenerApp):
+    """The pool's listener in front of an app that records what it is handed, whole."""
 
     def __init__(self) -> None:
+        super().__init__(BOUNDS, timeout_keep_alive=TIMER_S)
         self.seen: list[tuple[bytes, bytes, bytes]] = []
         self.backlog_peak = 0
-        self.port = free_port()
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, lifespan="off", log_level="critical",
-                                interface="asgi3", http=bounded_protocol(BOUNDS), ws="none",  # as the pool runs it
-                                timeout_keep_alive=TIMER_S)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    async def app(self, scope, receive, send):
-        connection = connection_of(scope)
-        request = connection.begin_request()
-        try:
-            body = b""
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return  # never whole: not handed on
-                body += message.get("body", b"")
-                if not message.get("more_body"):
-                    break
-            target = scope["raw_path"] + (b"?" + scope["query_string"] if scope["query_string"] else b"")
-            self.seen.append((scope["method"].encode(), target, body))
-            # what the listener holds back: its backlog (a test's look inside its own code)
-            self.backlog_peak = max(self.backlog_peak, len(connection._backlog))
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
-            await send({"type": "http.response.body", "body": b"ok"})
-        finally:
-            connection.end_request(request)
-
-    def __enter__(self):
-        self.thread.start()
-        wait_for(lambda: self.server.started, 10, what="uvicorn started")
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(10)
+    async def handle(self, scope, receive, send, connection) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # never whole: not handed on
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        target = scope["raw_path"] + (b"?" + scope["query_string"] if scope["query_string"] else b"")
+        self.seen.append((scope["method"].encode(), target, body))
+        # what the listener holds back: its backlog (a test's look inside its own code)
+        self.backlog_peak = max(self.backlog_peak, len(connection._backlog))
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
 
 
 class Reference:

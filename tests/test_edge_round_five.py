@@ -14,17 +14,15 @@ import json
 import socket
 import time
 
-import threading
-
 import httpx
 import psutil
 import pytest
-import uvicorn
 
-from supervisor.config import ServerConfig
-from supervisor.edge.listener import LINGER_S, bounded_protocol, connection_of
+from supervisor.edge.listener import LINGER_S
+from testkit.listener_app import ListenerApp
 from tests.conftest import synthetic
-from tests.pool import Pool, free_port, wait_for
+from tests.pool import Pool, wait_for
+from tests.test_edge_attacks import health_within_a_second
 
 CHAT = "/v1/chat/completions"
 KEY, ADMIN = "key-a", "admin-key"
@@ -73,15 +71,6 @@ def connect(pool, source: str, timeout: float = 5.0, rcvbuf: int | None = None) 
     s.bind((source, 0))
     s.connect(("127.0.0.1", pool.port))
     return s
-
-
-def health_within_a_second(pool, source: str = "127.0.0.1") -> None:
-    started = time.monotonic()
-    with connect(pool, source, timeout=1.0) as s:
-        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        answer = s.recv(65536)
-    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
-    assert time.monotonic() - started < 1.0
 
 
 def head_of(s: socket.socket) -> bytes:
@@ -234,41 +223,22 @@ def test_chunk_framing_and_trailers_past_max_header_bytes_end_the_connection(wat
 
 
 # -- rule: answers nobody takes are held against a budget ---------------------------------------------------------
-class WholeAnswers:
-    """uvicorn with the pool's listener (bounded_protocol) in front of an app that answers every
-    request whole, in one write of ANSWER_BYTES, as an admin answer is sent; it keeps the
-    listener's contract with the guard (begin_request / end_request), and records what it built."""
+class WholeAnswers(ListenerApp):
+    """An app behind the pool's listener that answers every request whole, in one write of
+    ANSWER_BYTES (as an admin answer is sent), and records what it built."""
 
     ANSWER_BYTES = 8 * 2**20
 
     def __init__(self) -> None:
+        super().__init__()
         self.built: list[str] = []
-        self.port = free_port()
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, lifespan="off", log_level="warning",
-                                interface="asgi3", http=bounded_protocol(ServerConfig()))
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    async def app(self, scope, receive, send):
-        connection = connection_of(scope)
-        request = connection.begin_request()
-        try:
-            self.built.append(scope["path"])
-            body = b"x" * self.ANSWER_BYTES
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body})
-        finally:
-            connection.end_request(request)
-
-    def __enter__(self):
-        self.thread.start()
-        wait_for(lambda: self.server.started, 10, what="uvicorn started")
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(10)
+    async def handle(self, scope, receive, send, connection) -> None:
+        self.built.append(scope["path"])
+        body = b"x" * self.ANSWER_BYTES
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
 
 def test_no_pipelined_answer_is_built_while_one_is_unsent(tmp_path):

@@ -17,6 +17,23 @@ from tests.pool import wait_for
 CHAT = "/v1/chat/completions"
 
 
+def read_request(conn: socket.socket, data: bytes) -> tuple[bytes, bytes] | None:
+    """Read one HTTP request whole from `conn` (`data`: what was read past the one before):
+    (its request line, what was read past it); None when the client closed first."""
+    while b"\r\n\r\n" not in data:
+        if not (piece := conn.recv(65536)):
+            return None
+        data += piece
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(rest) < length:
+        if not (piece := conn.recv(65536)):
+            return None
+        rest += piece
+    return head.split(b"\r\n", 1)[0], rest[length:]
+
+
 class DroppingServer:
     """A real TCP server on loopback: reads each HTTP request whole, counts it, and closes
     the connection without a byte of answer (a remote that took the request and fell over)."""
@@ -39,20 +56,10 @@ class DroppingServer:
     def _one(self, conn: socket.socket) -> None:
         with conn:
             conn.settimeout(10)
-            data = b""
-            while b"\r\n\r\n" not in data:
-                if not (piece := conn.recv(65536)):
-                    return
-                data += piece
-            head, _, body = data.partition(b"\r\n\r\n")
-            length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                           if line.lower().startswith(b"content-length:")), 0)
-            while len(body) < length:
-                if not (piece := conn.recv(65536)):
-                    return
-                body += piece
+            if (got := read_request(conn, b"")) is None:
+                return
             with self._lock:
-                self.requests.append(head.split(b"\r\n", 1)[0])
+                self.requests.append(got[0])
             conn.shutdown(socket.SHUT_RDWR)  # the whole request was read: now the connection drops
 
     def count(self) -> int:
@@ -103,20 +110,11 @@ class FirstOnlyServer(DroppingServer):
             conn.settimeout(30)
             data, first = b"", True
             while True:
-                while b"\r\n\r\n" not in data:
-                    if not (piece := conn.recv(65536)):
-                        return
-                    data += piece
-                head, _, data = data.partition(b"\r\n\r\n")
-                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
-                while len(data) < length:
-                    if not (piece := conn.recv(65536)):
-                        return
-                    data += piece
-                data = data[length:]
+                if (got := read_request(conn, data)) is None:
+                    return
+                line, data = got
                 with self._lock:
-                    self.requests.append(head.split(b"\r\n", 1)[0])
+                    self.requests.append(line)
                 if not first:
                     conn.shutdown(socket.SHUT_RDWR)  # read whole, then dropped: the remote may bill it
                     return
