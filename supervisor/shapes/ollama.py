@@ -14,6 +14,7 @@ import msgspec
 
 from protocol import Delta, Done
 from protocol.errors import ErrorCode, PoolError
+from supervisor.request_bounds import clip
 from supervisor.shapes.openai import Choices, first_choice_parts
 
 API_VERSION = "0.12.0"  # the Ollama API release whose shapes these are (GET /api/version)
@@ -86,12 +87,12 @@ def sampling(body: _Body, context: int | None) -> dict:
     for key, value in (body.options or {}).items():
         if key == CONTEXT_OPTION:
             if context is not None and isinstance(value, int) and value > context:
-                raise unsupported(f"options.{key}", f"{value} is over the model's context ({context} tokens); "
+                raise unsupported("options.num_ctx", f"{value} is over the model's context ({context} tokens); "
                                   "the pool runs each model at its configured context")
             continue
         field = OPTION_FIELDS.get(key)
         if field is None:
-            raise unsupported(f"options.{key}", f"not an option the pool can honour (it maps "
+            raise unsupported(f"options.{clip(key)}", f"not an option the pool can honour (it maps "
                               f"{', '.join([*OPTION_FIELDS, CONTEXT_OPTION])})")
         if key == "num_predict" and isinstance(value, int) and value < 0:
             continue  # -1: until the model stops; -2: fill the context: the runtime's own bound
@@ -128,7 +129,7 @@ def _message(message: dict) -> dict:
         out["tool_call_id"] = message.get("tool_name") or "call_0"
     unknown = set(message) - {"role", "content", "images", "tool_calls", "tool_name", "thinking"}
     if unknown:
-        raise unsupported(f"messages.{sorted(unknown)[0]}", "not a message field the pool can honour")
+        raise unsupported(f"messages.{clip(sorted(unknown)[0])}", "not a message field the pool can honour")
     return out
 
 
